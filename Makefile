@@ -1,0 +1,31 @@
+# One command each: `make test` (install everything, run the suite), `make serve` (install, start the server).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# CPU build by default (development and CI). On a GPU host: make install TORCH_SPEC=torch
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: install test lint serve gpu-check
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+test: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+serve: install
+	HF_HUB_OFFLINE=1 $(VENV)/bin/poolserve serve
+
+gpu-check:
+	bash scripts/gpu_check.sh

@@ -1,0 +1,1 @@
+"""Model loading and native forwards over packed tokens; attention backends."""

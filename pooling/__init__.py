@@ -1,0 +1,1 @@
+"""Pooling methods, heads, tasks and per-request chunk state."""

@@ -1,0 +1,1 @@
+"""Request lifecycle: requests, admission, KV blocks, batch planner, engine loop, runner."""

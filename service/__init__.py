@@ -1,0 +1,1 @@
+"""HTTP edge: app factory, routes, schemas, tokenization, errors, auth, CLI, metrics."""
