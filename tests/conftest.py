@@ -1,0 +1,32 @@
+"""Shared fixtures: tiny checkpoints saved once per session."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tiny_models import MINILM_DIR, save_tiny_model
+
+torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """Returns a function name -> directory of that tiny checkpoint, built on first use."""
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            built[name] = save_tiny_model(name, tmp_path_factory.mktemp(name))
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    """The real all-MiniLM-L6-v2 checkpoint shipped inside site-packages."""
+    return MINILM_DIR
