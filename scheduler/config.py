@@ -1,0 +1,42 @@
+"""Scheduler budgets, admission limits, KV geometry and the async switch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Every knob of the scheduler; validated on construction."""
+
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    max_num_seqs: int = 256  # sequences in one step
+    max_num_queued_requests: int = 1024  # admission: requests waiting + running
+    max_num_queued_tokens: int = 262144  # admission: prompt tokens of unfinished requests
+    long_prefill_token_threshold: int | None = None  # cap on one prompt's chunk per step
+    block_size: int = 16  # KV tokens per block
+    num_kv_blocks: int = 4096
+    enable_chunked_prefill: bool = True  # False for encoders: prompts scheduled whole
+    async_scheduling: bool = True
+
+    def __post_init__(self) -> None:
+        """Refuse non-positive sizes and a chunk cap larger than the step budget."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            # bool is an int subclass: the switches are checked by type, not sign
+            if isinstance(value, bool) or value is None:
+                continue
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"SchedulerConfig.{f.name} must be a positive int, got {value!r}")
+        threshold = self.long_prefill_token_threshold
+        if threshold is not None and threshold > self.max_num_batched_tokens:
+            raise ValueError(
+                f"SchedulerConfig.long_prefill_token_threshold ({threshold}) must not exceed "
+                f"max_num_batched_tokens ({self.max_num_batched_tokens})"
+            )
+
+    @property
+    def max_chunk_tokens(self) -> int:
+        """Most tokens one prompt may take in one step when chunking."""
+        threshold = self.long_prefill_token_threshold
+        return self.max_num_batched_tokens if threshold is None else threshold

@@ -1,0 +1,170 @@
+"""Pure batch planner: (waiting, running, budgets, free blocks) -> BatchPlan.
+
+Rules, in order:
+- partial prefills (`running`) continue before any new prompt is admitted;
+- both queues are ordered by (priority, arrival_index), lower first;
+- a step holds at most `max_num_batched_tokens` tokens and `max_num_seqs` chunks;
+- with chunked prefill a prompt takes at most `config.max_chunk_tokens` tokens per step;
+  without it (encoders) a prompt runs whole or waits;
+- a prompt that will not finish in the step it starts reserves every KV block it can ever
+  write (`blocks_needed`) at once, so a started prefill always finishes; a prompt that
+  finishes in its first step needs no blocks;
+- a waiting prompt that cannot run stops admission for those behind it (no overtaking),
+  so a long prompt is never starved by a stream of short ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from operator import attrgetter
+
+from scheduler.config import SchedulerConfig
+from scheduler.errors import PromptTooLongError
+
+_QUEUE_ORDER = attrgetter("priority", "arrival_index")
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerSeq:
+    """The planner's view of one request."""
+
+    request_id: int
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    num_blocks_held: int
+    priority: int = 0  # lower value runs first
+    arrival_index: int = 0  # ties in priority run in arrival order
+
+    def __post_init__(self) -> None:
+        """Refuse states that no live request can be in."""
+        if not 0 <= self.num_computed_tokens < self.num_prompt_tokens:
+            raise ValueError(
+                f"request {self.request_id}: need 0 <= num_computed_tokens "
+                f"({self.num_computed_tokens}) < num_prompt_tokens ({self.num_prompt_tokens})"
+            )
+        if self.num_blocks_held < 0:
+            raise ValueError(f"request {self.request_id}: negative num_blocks_held")
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """One request's slice of prompt tokens in a step."""
+
+    request_id: int
+    start: int  # == the request's num_computed_tokens when planned
+    num_tokens: int
+    is_last: bool
+    num_new_blocks: int  # blocks the engine must allocate to this request before the forward
+
+    @property
+    def write_kv(self) -> bool:
+        """Only chunks followed by another chunk store keys and values."""
+        return not self.is_last
+
+    @property
+    def context_len(self) -> int:
+        """Tokens of this request already in the KV cache."""
+        return self.start
+
+    @property
+    def end(self) -> int:
+        """One past the chunk's last prompt position."""
+        return self.start + self.num_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class BatchPlan:
+    """The chunks of one step, running requests first, then new admissions."""
+
+    chunks: tuple[ScheduledChunk, ...]
+    num_tokens: int
+
+    @property
+    def is_empty(self) -> bool:
+        """True when nothing can run this step."""
+        return not self.chunks
+
+    @property
+    def num_new_blocks(self) -> int:
+        """Blocks the whole plan asks the engine to allocate."""
+        return sum(chunk.num_new_blocks for chunk in self.chunks)
+
+
+def blocks_needed(num_prompt_tokens: int, block_size: int) -> int:
+    """KV blocks a chunked prompt reserves: its last chunk never writes KV."""
+    if num_prompt_tokens < 1 or block_size < 1:
+        raise ValueError(f"need num_prompt_tokens >= 1 and block_size >= 1, got "
+                         f"{num_prompt_tokens}, {block_size}")
+    return (num_prompt_tokens - 1 + block_size - 1) // block_size
+
+
+def max_prompt_tokens(config: SchedulerConfig) -> int:
+    """Longest prompt the planner can ever schedule; reject longer ones at submission."""
+    if not config.enable_chunked_prefill:
+        return config.max_num_batched_tokens
+    # a prompt runs whole when it fits one chunk, else it needs its reservation to fit the pool
+    return max(config.max_chunk_tokens, config.num_kv_blocks * config.block_size + 1)
+
+
+@dataclass(slots=True)
+class _StepBudget:
+    """What is left of one step while the planner fills it (local to one call)."""
+
+    num_tokens: int
+    num_seqs: int
+    num_free_blocks: int
+
+
+def _plan_chunk(
+    seq: PlannerSeq, budget: _StepBudget, config: SchedulerConfig
+) -> ScheduledChunk | None:
+    """The chunk `seq` gets from what is left of the step, or None when it must wait."""
+    num_remaining = seq.num_prompt_tokens - seq.num_computed_tokens
+    if config.enable_chunked_prefill:
+        num_tokens = min(num_remaining, config.max_chunk_tokens, budget.num_tokens)
+    else:
+        num_tokens = num_remaining if num_remaining <= budget.num_tokens else 0
+    if num_tokens == 0:
+        return None
+    is_last = num_tokens == num_remaining
+    num_new_blocks = 0
+    if not is_last:
+        needed = blocks_needed(seq.num_prompt_tokens, config.block_size)
+        num_new_blocks = max(0, needed - seq.num_blocks_held)
+        if num_new_blocks > budget.num_free_blocks:
+            return None
+    budget.num_tokens -= num_tokens
+    budget.num_seqs -= 1
+    budget.num_free_blocks -= num_new_blocks
+    return ScheduledChunk(seq.request_id, seq.num_computed_tokens, num_tokens, is_last,
+                          num_new_blocks)
+
+
+def plan_step(
+    waiting: Sequence[PlannerSeq],
+    running: Sequence[PlannerSeq],
+    config: SchedulerConfig,
+    num_free_blocks: int,
+) -> BatchPlan:
+    """Choose the chunks of the next step; raises PromptTooLongError for an unschedulable prompt."""
+    budget = _StepBudget(config.max_num_batched_tokens, config.max_num_seqs, num_free_blocks)
+    chunks: list[ScheduledChunk] = []
+    for seq in sorted(running, key=_QUEUE_ORDER):
+        if budget.num_tokens == 0 or budget.num_seqs == 0:
+            return BatchPlan(tuple(chunks), config.max_num_batched_tokens - budget.num_tokens)
+        chunk = _plan_chunk(seq, budget, config)
+        # a running prompt holds its reservation, so None only means "not this step"
+        if chunk is not None:
+            chunks.append(chunk)
+    limit = max_prompt_tokens(config)
+    for seq in sorted(waiting, key=_QUEUE_ORDER):
+        if budget.num_tokens == 0 or budget.num_seqs == 0:
+            break
+        if seq.num_prompt_tokens > limit:
+            raise PromptTooLongError(seq.num_prompt_tokens, limit, seq.request_id)
+        chunk = _plan_chunk(seq, budget, config)
+        if chunk is None:
+            break  # no overtaking: those behind wait too, so this prompt is not starved
+        chunks.append(chunk)
+    return BatchPlan(tuple(chunks), config.max_num_batched_tokens - budget.num_tokens)
