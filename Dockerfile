@@ -1,0 +1,80 @@
+# syntax=docker/dockerfile:1
+# poolserve image. Default: CUDA runtime base with a CUDA build of torch from PyPI.
+# CPU-only image: docker build --build-arg VARIANT=cpu -t poolserve:cpu .
+# Every server option is a POOLSERVE_* environment variable (see docs/deploy.md).
+
+ARG VARIANT=cuda
+ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
+ARG CPU_IMAGE=ubuntu:24.04
+
+# One base per variant; both are Ubuntu 24.04 so the builder's virtualenv runs on the runtime's python.
+FROM ${CUDA_IMAGE} AS base-cuda
+# An unpinned torch from PyPI is a CUDA build (it brings its own CUDA libraries).
+ENV TORCH_SPEC_DEFAULT=torch
+
+FROM ${CPU_IMAGE} AS base-cpu
+# The pinned torch on PyPI is the CPU build, as in the Makefile's default.
+ENV TORCH_SPEC_DEFAULT=torch==2.13.0
+
+# base-${VARIANT} is one of the two stages above, whose images are tagged; hadolint cannot
+# resolve the variable.
+# hadolint ignore=DL3006
+FROM base-${VARIANT} AS base
+# Apt versions follow the tagged base image's release: pinned versions would differ per variant
+# and break on every point release of the base.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 ca-certificates \
+    && rm -rf /var/lib/apt/lists/*
+
+FROM base AS builder
+# Unpinned apt versions: same reason as above.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3-venv \
+    && rm -rf /var/lib/apt/lists/*
+RUN python3 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+# torch first and in its own layer (as `make install` does): it is large and changes rarely.
+# TORCH_SPEC overrides the variant's default, e.g. --build-arg TORCH_SPEC=torch==2.13.0.
+ARG TORCH_SPEC=""
+# The spec comes from a build argument, so hadolint cannot see its pin.
+# hadolint ignore=DL3013
+RUN pip install --no-cache-dir "${TORCH_SPEC:-$TORCH_SPEC_DEFAULT}"
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY service ./service
+COPY scheduler ./scheduler
+COPY models ./models
+COPY pooling ./pooling
+# Non-editable and without dev extras: the image carries only what the server runs.
+RUN pip install --no-cache-dir .
+
+FROM base AS runtime
+ARG VARIANT
+LABEL org.opencontainers.image.title="poolserve" \
+      org.opencontainers.image.description="Pooling microservice for language models" \
+      org.opencontainers.image.licenses="Apache-2.0" \
+      io.poolserve.variant="${VARIANT}"
+RUN groupadd --system --gid 10001 poolserve \
+    && useradd --system --uid 10001 --gid poolserve --home-dir /data --no-create-home poolserve \
+    && mkdir -p /data \
+    && chown poolserve:poolserve /data
+COPY --from=builder /opt/venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    HF_HOME=/data \
+    POOLSERVE_HOST=0.0.0.0 \
+    POOLSERVE_PORT=8000
+# The model cache (Hub downloads) lives in a volume so it survives container replacement.
+VOLUME ["/data"]
+WORKDIR /data
+USER 10001:10001
+EXPOSE 8000
+# Liveness only: /health answers while the model loads; readiness is /ready (see docs/deploy.md).
+HEALTHCHECK --interval=15s --timeout=5s --start-period=60s --retries=3 \
+    CMD ["python3", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('POOLSERVE_PORT', '8000') + '/health', timeout=4)"]
+# Exec form: poolserve is PID 1 and receives SIGTERM directly, which starts its graceful drain.
+ENTRYPOINT ["poolserve", "serve"]
