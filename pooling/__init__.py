@@ -1,1 +1,35 @@
 """Pooling methods, heads, tasks and per-request chunk state."""
+
+from pooling.errors import (
+    InvalidPoolingParamsError,
+    PoolingConfigError,
+    PoolingError,
+    PoolingStateError,
+    UnsupportedTaskError,
+)
+from pooling.model_info import HeadKind, PoolingModelInfo
+from pooling.params import SUPPORTED_TASKS, PoolingParams, PoolingTask, PoolingType
+from pooling.stats import CloneStats
+from pooling.tasks import ChunkInput, RequestPooler, build_pooler, get_supported_tasks, pool_step
+from pooling.validation import validate_params
+
+__all__ = [
+    "SUPPORTED_TASKS",
+    "ChunkInput",
+    "CloneStats",
+    "HeadKind",
+    "InvalidPoolingParamsError",
+    "PoolingConfigError",
+    "PoolingError",
+    "PoolingModelInfo",
+    "PoolingParams",
+    "PoolingStateError",
+    "PoolingTask",
+    "PoolingType",
+    "RequestPooler",
+    "UnsupportedTaskError",
+    "build_pooler",
+    "get_supported_tasks",
+    "pool_step",
+    "validate_params",
+]

@@ -1,0 +1,52 @@
+"""Pooling tasks, pooling types and the frozen per-request pooling parameters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum, StrEnum
+
+
+class PoolingTask(StrEnum):
+    """What a request asks the model to produce; values are the wire names."""
+
+    EMBED = "embed"
+    CLASSIFY = "classify"
+    TOKEN_EMBED = "token_embed"
+    TOKEN_CLASSIFY = "token_classify"
+    EMBED_TOKEN_CLASSIFY = "embed&token_classify"
+    REWARD = "reward"
+
+
+class PoolingType(Enum):
+    """How the hidden states of one request are reduced before the head."""
+
+    CLS = "cls"
+    LAST = "last"
+    MEAN = "mean"
+    ALL = "all"
+    STEP = "step"
+
+
+SUPPORTED_TASKS: frozenset[PoolingTask] = frozenset(PoolingTask)
+
+# Tasks whose output has one row (or block) per prompt token.
+TOKEN_LEVEL_TASKS: frozenset[PoolingTask] = frozenset(
+    {PoolingTask.TOKEN_EMBED, PoolingTask.TOKEN_CLASSIFY, PoolingTask.EMBED_TOKEN_CLASSIFY}
+)
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """Per-request pooling parameters; None means the model's default."""
+
+    task: PoolingTask
+    dimensions: int | None = None
+    normalize: bool | None = None
+    use_activation: bool | None = None
+    step_tag_id: int | None = None
+    returned_token_ids: tuple[int, ...] | None = None
+
+    @property
+    def is_token_level(self) -> bool:
+        """Whether the output grows with the prompt (one entry per token)."""
+        return self.task in TOKEN_LEVEL_TASKS
