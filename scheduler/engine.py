@@ -1,0 +1,353 @@
+"""The engine loop: one asyncio task owns the scheduler state; one worker thread runs the model."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from models.errors import InvalidTokenIdError
+from models.spec import LoadedModel
+from models.validation import validate_token_ids
+from pooling.params import PoolingParams
+from pooling.stats import CloneStats
+from pooling.tasks import build_pooler, get_supported_tasks
+from scheduler.admission import AdmissionControl, OverloadReason
+from scheduler.bridge import pooling_info_from
+from scheduler.config import SchedulerConfig
+from scheduler.errors import (
+    DrainingError,
+    EngineDeadError,
+    OverloadedError,
+    PromptTooLongError,
+    StepFailedError,
+)
+from scheduler.kv_blocks import BlockAllocator
+from scheduler.observer import EngineObserver, NullObserver
+from scheduler.planner import BatchPlan, PlannerSeq, plan_step
+from scheduler.request import PoolingOutput, PoolingRequest, RequestStatus
+from scheduler.runner import ChunkWork, PreparedStep, Runner, StepResult
+from scheduler.stats import EngineSnapshot
+
+logger = logging.getLogger(__name__)
+
+
+class Engine:
+    """Continuous-batching pooling engine: submit prompts, await outputs."""
+
+    def __init__(
+        self, loaded: LoadedModel, config: SchedulerConfig, device: torch.device,
+        observer: EngineObserver | None = None,
+    ) -> None:
+        self.loaded = loaded
+        self.config = config
+        self.max_model_len = loaded.spec.max_model_len
+        self.observer = observer or NullObserver()
+        self.pooling_info = pooling_info_from(loaded)
+        self.supported_tasks = get_supported_tasks(self.pooling_info)
+        self.clone_stats = CloneStats()
+        self.runner = Runner(
+            loaded, max_num_tokens=config.max_num_batched_tokens, num_kv_blocks=config.num_kv_blocks,
+            block_size=config.block_size, device=device, async_scheduling=config.async_scheduling,
+        )
+        self.blocks = BlockAllocator(config.num_kv_blocks)
+        self.admission = AdmissionControl(config.max_num_queued_requests, config.max_num_queued_tokens)
+        self.waiting: list[PoolingRequest] = []
+        self.running: list[PoolingRequest] = []  # partially prefilled (chunks still to schedule)
+        self.by_id: dict[int, PoolingRequest] = {}
+        self._ids = itertools.count()
+        self._steps = itertools.count()
+        self._wake = asyncio.Event()
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="poolserve-model")
+        self._loop_task: asyncio.Task[None] | None = None
+        self.draining = False
+        self.dead_reason: str | None = None
+        self.num_steps = 0
+        self.step_tokens_total = 0
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the loop task on the running event loop."""
+        self._loop_task = asyncio.get_running_loop().create_task(self._run(), name="poolserve-engine")
+
+    @property
+    def is_alive(self) -> bool:
+        """True while the loop task runs."""
+        return self._loop_task is not None and not self._loop_task.done()
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Stop admitting, let in-flight work finish within the timeout, then stop; True if clean."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.by_id and time.monotonic() < deadline and self.is_alive:
+            await asyncio.sleep(0.01)
+        clean = not self.by_id
+        for request in list(self.by_id.values()):
+            self.cancel(request.request_id)
+        await self.stop()
+        return clean
+
+    async def stop(self) -> None:
+        """Stop the loop task and the worker thread."""
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+        self._worker.shutdown(wait=True)
+
+    # ---- admission ---------------------------------------------------------------------------
+    def precheck(self, num_requests: int) -> None:
+        """Refuse before any tokenization when the engine cannot take num_requests more."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        if self.draining:
+            raise DrainingError()
+        try:
+            self.admission.precheck(num_requests)
+        except OverloadedError as exc:
+            self.observer.on_reject(exc.reason.value)
+            raise
+
+    def submit_many(
+        self, prompts: Sequence[Sequence[int]], params: PoolingParams, priority: int = 0
+    ) -> list[asyncio.Future[PoolingOutput]]:
+        """Admit all prompts or none; each gets a future resolved with its output."""
+        self.precheck(len(prompts))
+        for prompt in prompts:
+            self._validate_prompt(prompt)
+        try:
+            self.admission.reserve(len(prompts), sum(len(p) for p in prompts))
+        except OverloadedError as exc:
+            self.observer.on_reject(exc.reason.value)
+            raise
+        loop = asyncio.get_running_loop()
+        futures = []
+        for prompt in prompts:
+            request = self._new_request(prompt, params, priority, loop)
+            self.waiting.append(request)
+            self.by_id[request.request_id] = request
+            futures.append(request.future)
+        self._wake.set()
+        return futures
+
+    async def submit(self, prompt: Sequence[int], params: PoolingParams, priority: int = 0) -> PoolingOutput:
+        """Submit one prompt and await its output (cancelling the await cancels the request)."""
+        (future,) = self.submit_many([prompt], params, priority)
+        return await self.wait(future)
+
+    async def wait(self, future: asyncio.Future[PoolingOutput]) -> PoolingOutput:
+        """Await one output; if the caller goes away, the request's work is freed."""
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            self.cancel_future(future)
+            raise
+
+    def cancel_future(self, future: asyncio.Future[PoolingOutput]) -> None:
+        """Cancel the request behind a future returned by submit_many."""
+        for request in list(self.by_id.values()):
+            if request.future is future:
+                self.cancel(request.request_id)
+
+    def _validate_prompt(self, prompt: Sequence[int]) -> None:
+        if len(prompt) == 0:
+            raise InvalidTokenIdError("the prompt has no tokens")
+        if len(prompt) > self.max_model_len:
+            raise PromptTooLongError(len(prompt), self.max_model_len)
+        validate_token_ids(prompt, self.loaded.spec.vocab_size)
+
+    def _new_request(
+        self, prompt: Sequence[int], params: PoolingParams, priority: int,
+        loop: asyncio.AbstractEventLoop,
+    ) -> PoolingRequest:
+        pooler = build_pooler(
+            self.pooling_info, params, async_scheduling=self.config.async_scheduling,
+            stats=self.clone_stats,
+        )
+        request_id = next(self._ids)
+        return PoolingRequest(
+            request_id=request_id, prompt_token_ids=tuple(prompt), params=params, pooler=pooler,
+            future=loop.create_future(), arrival_time=time.monotonic(), arrival_index=request_id,
+            priority=priority,
+        )
+
+    # ---- cancellation --------------------------------------------------------------------------
+    def cancel(self, request_id: int) -> None:
+        """Remove a request wherever it is; free its blocks and pooling state at once if idle."""
+        request = self.by_id.get(request_id)
+        if request is None or request.is_done:
+            return
+        request.status = RequestStatus.CANCELLED
+        if request in self.waiting:
+            self.waiting.remove(request)
+        if request in self.running:
+            self.running.remove(request)
+        if not request.future.done():
+            request.future.cancel()
+        if request.num_inflight_steps == 0:
+            self._release(request)
+
+    def _release(self, request: PoolingRequest) -> None:
+        """Return a finished request's blocks, pooling state and admission share."""
+        if request.block_ids:
+            self.blocks.free(request.block_ids)
+            request.block_ids = []
+        request.pooler.close()
+        if self.by_id.pop(request.request_id, None) is not None:
+            self.admission.release(1, request.num_prompt_tokens)
+
+    # ---- the loop ----------------------------------------------------------------------------
+    async def _run(self) -> None:
+        """Plan step N+1 while step N runs; deliver N's outputs; repeat."""
+        loop = asyncio.get_running_loop()
+        inflight: deque[tuple[PreparedStep, asyncio.Future[StepResult]]] = deque()
+        depth = 2 if self.config.async_scheduling else 1
+        while True:
+            prepared = self._plan_and_prepare()
+            if prepared is not None:
+                inflight.append((prepared, loop.run_in_executor(self._worker, self.runner.execute, prepared)))
+            if not inflight:
+                self._wake.clear()
+                await self._wake.wait()
+            elif len(inflight) >= depth or prepared is None:
+                step, pending = inflight.popleft()
+                await self._finish_step(step, pending)
+
+    def _plan_and_prepare(self) -> PreparedStep | None:
+        """Plan the next step and fill its host buffers; None when there is nothing to run."""
+        plan = plan_step(
+            [self._planner_view(r) for r in self.waiting],
+            [self._planner_view(r) for r in self.running],
+            self.config,
+            self.blocks.num_free,
+        )
+        if plan.is_empty:
+            return None
+        return self.runner.prepare(next(self._steps), self._apply_plan(plan))
+
+    @staticmethod
+    def _planner_view(request: PoolingRequest) -> PlannerSeq:
+        return PlannerSeq(
+            request_id=request.request_id, num_prompt_tokens=request.num_prompt_tokens,
+            num_computed_tokens=request.num_computed_tokens, num_blocks_held=len(request.block_ids),
+            priority=request.priority, arrival_index=request.arrival_index,
+        )
+
+    def _apply_plan(self, plan: BatchPlan) -> list[ChunkWork]:
+        """Advance request state as if the plan had run, so the next plan can be made at once."""
+        now = time.monotonic()
+        work = []
+        for chunk in plan.chunks:
+            request = self.by_id[chunk.request_id]
+            if chunk.num_new_blocks:
+                request.block_ids.extend(self.blocks.allocate(chunk.num_new_blocks))
+            if request.status is RequestStatus.WAITING:
+                self.waiting.remove(request)
+                request.status = RequestStatus.RUNNING
+                request.first_scheduled_time = now
+                if not chunk.is_last:
+                    self.running.append(request)
+            elif chunk.is_last:
+                self.running.remove(request)
+            start = request.num_computed_tokens
+            request.num_computed_tokens += chunk.num_tokens
+            request.num_inflight_steps += 1
+            work.append(ChunkWork(
+                request.request_id, request.prompt_token_ids[start:start + chunk.num_tokens],
+                start, chunk.is_last, tuple(request.block_ids), request.pooler,
+            ))
+        return work
+
+    async def _finish_step(self, step: PreparedStep, pending: asyncio.Future[StepResult]) -> None:
+        """Await a step, then resolve its finished requests or fail them all."""
+        try:
+            result = await pending
+            if result.copy_done is not None:
+                await asyncio.to_thread(result.copy_done.synchronize)
+        except Exception as exc:  # noqa: BLE001 - one bad step must not stop the engine
+            self._fail_step(step, exc)
+            return
+        self.num_steps += 1
+        self.step_tokens_total += result.num_tokens
+        self.observer.on_step(result.num_tokens, result.duration_s)
+        outputs = dict(result.outputs)
+        now = time.monotonic()
+        for chunk in step.chunks:
+            request = self.by_id.get(chunk.request_id)
+            if request is None:
+                continue
+            request.num_inflight_steps -= 1
+            if request.status is RequestStatus.CANCELLED:
+                if request.num_inflight_steps == 0:
+                    self._release(request)
+            elif chunk.request_id in outputs:
+                self._resolve(request, outputs[chunk.request_id], now)
+
+    def _resolve(self, request: PoolingRequest, output: torch.Tensor, now: float) -> None:
+        """Hand a finished output to its caller and free the request."""
+        request.status = RequestStatus.FINISHED
+        started = request.first_scheduled_time or now
+        result = PoolingOutput(
+            request_id=request.request_id, data=np.asarray(output.numpy(), dtype=np.float32),
+            num_prompt_tokens=request.num_prompt_tokens, queue_time_s=started - request.arrival_time,
+            inference_time_s=now - started,
+        )
+        self.observer.on_request_done(result.queue_time_s, result.inference_time_s)
+        if not request.future.done():
+            request.future.set_result(result)
+        self._release(request)
+
+    def _fail_step(self, step: PreparedStep, exc: Exception) -> None:
+        """Fail every request of a step that raised; mark the engine dead on device errors."""
+        logger.exception("step %d failed", step.step_index, exc_info=exc)
+        fatal = _is_fatal_device_error(exc)
+        if fatal:
+            self.dead_reason = f"device error: {exc}"
+        error = EngineDeadError(self.dead_reason) if fatal else StepFailedError(str(exc))
+        for chunk in step.chunks:
+            request = self.by_id.get(chunk.request_id)
+            if request is None:
+                continue
+            request.num_inflight_steps -= 1
+            self._fail_request(request, error)
+
+    def _fail_request(self, request: PoolingRequest, error: Exception) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        if request.status is not RequestStatus.CANCELLED:
+            request.status = RequestStatus.FAILED
+            if not request.future.done():
+                request.future.set_exception(error)
+        if request.num_inflight_steps == 0:
+            self._release(request)
+
+    # ---- counters ------------------------------------------------------------------------
+    def snapshot(self) -> EngineSnapshot:
+        """Current gauges and counters for metrics."""
+        return EngineSnapshot(
+            num_running=sum(1 for r in self.by_id.values() if r.status is RequestStatus.RUNNING),
+            num_waiting=len(self.waiting),
+            num_queued_tokens=self.admission.queued_tokens,
+            num_kv_blocks_used=self.blocks.num_used,
+            num_kv_blocks_total=self.blocks.num_total,
+            num_steps=self.num_steps,
+            step_tokens_total=self.step_tokens_total,
+            cloned_bytes_total=self.clone_stats.cloned_bytes,
+            num_clones=self.clone_stats.num_clones,
+            rejected=self.admission.rejected_by_reason(),
+        )
+
+
+def _is_fatal_device_error(exc: Exception) -> bool:
+    """CUDA errors poison the context: nothing after them can be trusted."""
+    accelerator_error = getattr(torch, "AcceleratorError", ())
+    return isinstance(exc, accelerator_error) or "CUDA error" in str(exc)
+
+
+__all__ = ["Engine", "OverloadReason"]

@@ -1,0 +1,67 @@
+"""A pooling request's life inside the engine, and the output handed back to the caller."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pooling.params import PoolingParams
+from pooling.tasks import RequestPooler
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class PoolingOutput:
+    """One finished request: its pooled output on the host and its timings."""
+
+    request_id: int
+    data: np.ndarray  # float32, shape per task (see pooling/params.py)
+    num_prompt_tokens: int
+    queue_time_s: float
+    inference_time_s: float
+
+
+@dataclass(eq=False)
+class PoolingRequest:
+    """Engine-owned state of one prompt; only the engine's loop task mutates it."""
+
+    request_id: int
+    prompt_token_ids: tuple[int, ...]
+    params: PoolingParams
+    pooler: RequestPooler
+    future: asyncio.Future[PoolingOutput]
+    arrival_time: float
+    arrival_index: int
+    priority: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0  # tokens already handed to a step (scheduled), not necessarily run
+    block_ids: list[int] = field(default_factory=list)
+    num_inflight_steps: int = 0  # steps holding this request that have not been delivered yet
+    first_scheduled_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Length of the prompt in tokens."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_remaining_tokens(self) -> int:
+        """Prompt tokens not yet scheduled."""
+        return self.num_prompt_tokens - self.num_computed_tokens
+
+    @property
+    def is_done(self) -> bool:
+        """True once the request can no longer produce an output."""
+        return self.status in (RequestStatus.FINISHED, RequestStatus.CANCELLED, RequestStatus.FAILED)

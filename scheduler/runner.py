@@ -1,0 +1,155 @@
+"""Turns a plan into a packed forward: persistent buffers, model forward, pooling, D2H."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from models.attention import build_attention_metadata
+from models.kv_cache import PagedKVCache
+from models.spec import LoadedModel
+from pooling.tasks import ChunkInput, RequestPooler, pool_step
+
+
+@dataclass(frozen=True)
+class ChunkWork:
+    """One request's chunk in a step, with everything the worker needs to run it."""
+
+    request_id: int
+    token_ids: tuple[int, ...]
+    context_len: int  # tokens of this prompt already in the KV cache
+    is_last: bool
+    block_ids: tuple[int, ...]
+    pooler: RequestPooler
+
+
+@dataclass(frozen=True)
+class PreparedStep:
+    """A step's packed inputs in one slot of the persistent host buffers."""
+
+    step_index: int
+    chunks: tuple[ChunkWork, ...]
+    num_tokens: int
+    slot: int
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What a step produced: finished outputs (host-bound) and how long the forward took."""
+
+    step_index: int
+    outputs: tuple[tuple[int, torch.Tensor], ...]  # (request_id, output) of finished requests
+    copy_done: torch.cuda.Event | None  # set when the D2H copy has landed (CUDA only)
+    num_tokens: int
+    duration_s: float
+
+
+class Runner:
+    """Owns the persistent buffers and the KV cache; `execute` runs only on the worker thread."""
+
+    NUM_SLOTS = 2  # ping-pong: step N+1 is prepared while step N's inputs are still in use
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        max_num_tokens: int,
+        num_kv_blocks: int,
+        block_size: int,
+        device: torch.device,
+        async_scheduling: bool,
+    ) -> None:
+        self.loaded = loaded
+        self.device = device
+        self.block_size = block_size
+        self.async_scheduling = async_scheduling
+        self.is_cuda = device.type == "cuda"
+        spec = loaded.spec
+        pin = self.is_cuda
+        self.host_ids = torch.zeros(self.NUM_SLOTS, max_num_tokens, dtype=torch.long, pin_memory=pin)
+        self.host_pos = torch.zeros(self.NUM_SLOTS, max_num_tokens, dtype=torch.long, pin_memory=pin)
+        self.dev_ids = torch.zeros(self.NUM_SLOTS, max_num_tokens, dtype=torch.long, device=device)
+        self.dev_pos = torch.zeros(self.NUM_SLOTS, max_num_tokens, dtype=torch.long, device=device)
+        # The next step overwrites this buffer: outputs viewing it must own their storage first.
+        self.hidden = torch.empty(max_num_tokens, spec.hidden_size, dtype=spec.dtype, device=device)
+        self.kv_cache = (
+            PagedKVCache(spec, num_kv_blocks, block_size, device, spec.dtype) if spec.is_causal else None
+        )
+        self.copy_stream = torch.cuda.Stream(device) if self.is_cuda else None
+
+    def prepare(self, step_index: int, chunks: Sequence[ChunkWork]) -> PreparedStep:
+        """Fill the host slot of this step with token ids and positions (loop thread)."""
+        slot = step_index % self.NUM_SLOTS
+        ids: list[int] = []
+        positions: list[int] = []
+        for chunk in chunks:
+            ids.extend(chunk.token_ids)
+            positions.extend(range(chunk.context_len, chunk.context_len + len(chunk.token_ids)))
+        num_tokens = len(ids)
+        self.host_ids[slot, :num_tokens] = torch.tensor(ids, dtype=torch.long)  # [num_tokens]
+        self.host_pos[slot, :num_tokens] = torch.tensor(positions, dtype=torch.long)  # [num_tokens]
+        return PreparedStep(step_index, tuple(chunks), num_tokens, slot)
+
+    def execute(self, step: PreparedStep) -> StepResult:
+        """Forward, pool and start the D2H copy of finished outputs (worker thread)."""
+        start = time.perf_counter()
+        with torch.inference_mode():
+            hidden = self._forward(step)  # [num_tokens, hidden]
+            pooled = pool_step(
+                hidden,
+                [ChunkInput(len(c.token_ids), c.token_ids, c.is_last) for c in step.chunks],
+                [c.pooler for c in step.chunks],
+            )
+            finished = [
+                (c.request_id, out) for c, out in zip(step.chunks, pooled, strict=True) if out is not None
+            ]
+            outputs, copy_done = self._to_host(finished)
+        return StepResult(
+            step.step_index, outputs, copy_done, step.num_tokens, time.perf_counter() - start
+        )
+
+    def _forward(self, step: PreparedStep) -> torch.Tensor:
+        """Copy inputs to the device, build attention metadata, run the model."""
+        n, slot = step.num_tokens, step.slot
+        ids = self.dev_ids[slot, :n]
+        pos = self.dev_pos[slot, :n]
+        ids.copy_(self.host_ids[slot, :n], non_blocking=True)
+        pos.copy_(self.host_pos[slot, :n], non_blocking=True)
+        attn = build_attention_metadata(
+            seq_lens_q=[len(c.token_ids) for c in step.chunks],
+            context_lens=[c.context_len for c in step.chunks],
+            write_kv=[not c.is_last for c in step.chunks],
+            block_tables=[c.block_ids for c in step.chunks],
+            block_size=self.block_size,
+            device=self.device,
+            causal=self.loaded.spec.is_causal,
+        )
+        return self.loaded.model(ids, pos, attn, self.kv_cache, out=self.hidden)
+
+    def _to_host(
+        self, finished: list[tuple[int, torch.Tensor]]
+    ) -> tuple[tuple[tuple[int, torch.Tensor], ...], torch.cuda.Event | None]:
+        """Move finished outputs to host memory the next step cannot overwrite."""
+        if self.copy_stream is None:
+            # CPU: a hand-off to the loop. Under async scheduling the pooler already cloned views
+            # of the hidden buffer; without it, the next step starts only after this copy.
+            return tuple((rid, self._owned_on_cpu(out)) for rid, out in finished), None
+        compute = torch.cuda.current_stream(self.device)
+        self.copy_stream.wait_stream(compute)
+        with torch.cuda.stream(self.copy_stream):
+            host = tuple((rid, out.to("cpu", non_blocking=True)) for rid, out in finished)
+            for _, out in finished:
+                out.record_stream(self.copy_stream)  # keep device memory alive until copied
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        if not self.async_scheduling:
+            event.synchronize()  # views were handed out: copy before the next step may run
+        return host, event
+
+    def _owned_on_cpu(self, out: torch.Tensor) -> torch.Tensor:
+        """The output itself, or a copy when it still views the hidden buffer without async."""
+        shares = out.untyped_storage().data_ptr() == self.hidden.untyped_storage().data_ptr()
+        return out.clone() if shares and not self.async_scheduling else out

@@ -1,0 +1,138 @@
+"""FastAPI app factory and lifespan: load, warm up, serve, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import torch
+from fastapi import FastAPI
+
+from models.loader import load_model
+from models.spec import LoadedModel
+from pooling.params import PoolingParams
+from scheduler.config import SchedulerConfig
+from scheduler.engine import Engine
+from service import routes_admin, routes_inference
+from service.errors import install_error_handlers
+from service.metrics import ServiceMetrics
+from service.middleware import EdgeMiddleware
+from service.pooler_config import parse_pooler_config
+from service.settings import ServerSettings
+from service.state import ModelHandle, ServiceState
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+WARMUP_TEXT = "poolserve warm-up"
+
+
+def create_app(settings: ServerSettings) -> FastAPI:
+    """A server app; the model loads in the lifespan, /ready turns 200 after warm-up."""
+    state = ServiceState(settings=settings, metrics=ServiceMetrics())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await _start(state)
+        try:
+            yield
+        finally:
+            state.draining = True
+            if state.engine is not None:
+                await state.engine.drain(settings.shutdown_timeout)
+
+    app = FastAPI(title="poolserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.poolserve = state
+    install_error_handlers(app)
+    app.include_router(routes_inference.router)
+    app.include_router(routes_admin.router)
+    app.add_middleware(EdgeMiddleware, state=state)
+    return app
+
+
+def resolve_device(name: str) -> torch.device:
+    """auto = cuda when available."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+async def _start(state: ServiceState) -> None:
+    """Load the model off the loop, start the engine, warm up, then report ready."""
+    settings = state.settings
+    device = resolve_device(settings.device)
+    dtype = DTYPES.get(settings.dtype)
+    defaults = parse_pooler_config(settings.pooler_config)
+    loaded = await asyncio.to_thread(load_model, settings.model, device=device, dtype=dtype)
+    handle = _model_handle(loaded, settings, defaults)
+    config = _scheduler_config(settings, loaded, handle.max_model_len)
+    engine = Engine(
+        loaded, config, device, max_model_len=handle.max_model_len,
+        embed_pooling_mode=defaults.pooling_mode, observer=state.metrics,
+    )
+    state.model, state.engine = handle, engine
+    state.device, state.dtype = device.type, str(loaded.spec.dtype).removeprefix("torch.")
+    state.supported_tasks = tuple(sorted(engine.supported_tasks, key=lambda t: t.value))
+    state.metrics.bind_engine(engine.snapshot, state.accepting)
+    engine.start()
+    await _warm_up(state)
+    state.ready = True
+    logger.info(
+        "ready: model=%s served_as=%s tasks=%s device=%s dtype=%s max_model_len=%d "
+        "max_num_batched_tokens=%d max_num_seqs=%d max_num_queued_tokens=%d async_scheduling=%s",
+        loaded.path, handle.served_name, ",".join(t.value for t in state.supported_tasks), state.device,
+        state.dtype, handle.max_model_len, config.max_num_batched_tokens, config.max_num_seqs,
+        config.max_num_queued_tokens, config.async_scheduling,
+    )
+
+
+def _model_handle(loaded: LoadedModel, settings: ServerSettings, defaults: object) -> ModelHandle:
+    limit = loaded.spec.max_model_len
+    max_model_len = min(settings.max_model_len or limit, limit)
+    left = copy.deepcopy(loaded.tokenizer)
+    left.truncation_side = "left"
+    right = copy.deepcopy(loaded.tokenizer)
+    right.truncation_side = "right"
+    name = settings.served_model_name or (settings.model or "sentence-transformers/all-MiniLM-L6-v2")
+    return ModelHandle(
+        loaded=loaded, served_name=name, max_model_len=max_model_len,
+        tokenizers={"left": left, "right": right}, defaults=defaults,  # type: ignore[arg-type]
+    )
+
+
+def _scheduler_config(settings: ServerSettings, loaded: LoadedModel, max_model_len: int) -> SchedulerConfig:
+    """Budgets from the flags; encoders need a whole prompt to fit one step."""
+    budget = settings.max_num_batched_tokens
+    if not loaded.spec.is_causal and budget < max_model_len:
+        raise ValueError(
+            f"encoder prompts cannot be chunked: --max-num-batched-tokens ({budget}) must be at least "
+            f"max_model_len ({max_model_len})"
+        )
+    blocks_for_longest = math.ceil(max_model_len / settings.block_size)
+    if settings.num_kv_blocks < blocks_for_longest and loaded.spec.is_causal:
+        raise ValueError(
+            f"--num-kv-blocks ({settings.num_kv_blocks}) cannot hold one prompt of max_model_len "
+            f"({max_model_len}); it needs at least {blocks_for_longest}"
+        )
+    return SchedulerConfig(
+        max_num_batched_tokens=budget,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_queued_requests=settings.max_num_queued_requests,
+        max_num_queued_tokens=settings.max_num_queued_tokens,
+        long_prefill_token_threshold=settings.long_prefill_token_threshold,
+        block_size=settings.block_size,
+        num_kv_blocks=settings.num_kv_blocks,
+        enable_chunked_prefill=loaded.spec.is_causal,
+        async_scheduling=settings.async_scheduling,
+    )
+
+
+async def _warm_up(state: ServiceState) -> None:
+    """Run one request of the default task so the first user request pays no first-run costs."""
+    assert state.model is not None and state.engine is not None
+    ids = state.model.tokenizer(WARMUP_TEXT)["input_ids"]
+    await state.engine.submit(list(ids), PoolingParams(task=state.default_task))

@@ -1,0 +1,69 @@
+"""`poolserve serve`: command-line entry point; every flag is also a POOLSERVE_* variable."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from pydantic import ValidationError
+
+from service.settings import ServerSettings
+
+# Flags whose presence flips a boolean setting off.
+NEGATED_FLAGS = {"async_scheduling": "--no-async-scheduling"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser, documented from the settings' field descriptions."""
+    parser = argparse.ArgumentParser(prog="poolserve", description="A pooling microservice for language models.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser(
+        "serve",
+        help="Start the HTTP server.",
+        description="Start the HTTP server. Every flag can also be set as POOLSERVE_<FLAG> "
+        "(upper case, dashes as underscores); flags win over the environment.",
+    )
+    for name, field in ServerSettings.model_fields.items():
+        env = f"POOLSERVE_{name.upper()}"
+        if name in NEGATED_FLAGS:
+            serve.add_argument(
+                NEGATED_FLAGS[name], dest=name, action="store_const", const=False, default=None,
+                help=f"Turn off: {field.description} (env {env}=false)",
+            )
+            continue
+        serve.add_argument(
+            "--" + name.replace("_", "-"), dest=name, default=None, metavar=name.upper(),
+            help=f"{field.description} (env {env}; default {field.default!r})",
+        )
+    return parser
+
+
+def parse_settings(argv: Sequence[str] | None = None) -> ServerSettings:
+    """Parse flags over the environment into validated settings (exits 2 on bad values)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    given = {k: v for k, v in vars(args).items() if k != "command" and v is not None}
+    try:
+        return ServerSettings(**given)
+    except ValidationError as exc:
+        problems = "; ".join(f"--{'-'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+        parser.error(problems)
+        raise  # unreachable: parser.error exits
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run the server until SIGTERM/SIGINT, then drain and exit 0."""
+    settings = parse_settings(argv)
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    from service.server import run_server  # imported late: loading torch is slow for --help
+
+    run_server(settings)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""Inference routes: /v1/embeddings (OpenAI), /v1/pooling (vLLM), /v1/classify."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import numpy as np
+from fastapi import APIRouter, Request
+from starlette.responses import Response, StreamingResponse
+
+from pooling.params import PoolingParams, PoolingTask
+from scheduler.request import PoolingOutput
+from service.encoding import dumps, encode_value, stream_item
+from service.pooler_config import PoolerDefaults
+from service.runs import Submitted, as_completed, gather, service_state, submit, timing_headers
+from service.schemas import ClassifyRequest, EmbeddingRequest, PoolingRequestBody
+
+router = APIRouter()
+
+
+def _params(task: PoolingTask, defaults: PoolerDefaults, **given: object) -> PoolingParams:
+    """A request's pooling parameters: its own values, else the server's --pooler-config."""
+    merged = {k: (v if v is not None else getattr(defaults, k, None)) for k, v in given.items()}
+    if merged.get("returned_token_ids") is not None:
+        merged["returned_token_ids"] = tuple(merged["returned_token_ids"])  # type: ignore[arg-type]
+    return PoolingParams(task=task, **merged)  # type: ignore[arg-type]
+
+
+def _usage(run: Submitted) -> dict[str, int]:
+    return {"prompt_tokens": run.num_prompt_tokens, "total_tokens": run.num_prompt_tokens}
+
+
+async def _respond(request: Request, document: dict[str, object], outputs: list[PoolingOutput]) -> Response:
+    """Encode off the event loop and account the bytes."""
+    body = await asyncio.to_thread(dumps, document)
+    service_state(request).metrics.output_bytes.inc(len(body))
+    return Response(body, media_type="application/json", headers=timing_headers(outputs))
+
+
+@router.post("/v1/embeddings")
+async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+    """OpenAI embeddings."""
+    defaults = _defaults(request)
+    params = _params(PoolingTask.EMBED, defaults, dimensions=body.dimensions, normalize=body.normalize)
+    run = await submit(request, body, PoolingTask.EMBED, params)
+    outputs = await gather(request, run)
+    data = [
+        {"object": "embedding", "index": i, "embedding": encode_value(o.data, body.encoding_format)}
+        for i, o in enumerate(outputs)
+    ]
+    document = {"object": "list", "data": data, "model": run.model.served_name, "usage": _usage(run)}
+    return await _respond(request, document, outputs)
+
+
+@router.post("/v1/pooling")
+@router.post("/pooling")
+async def pooling(body: PoolingRequestBody, request: Request) -> Response:
+    """vLLM-compatible pooling for every task, optionally streamed as NDJSON."""
+    state = service_state(request)
+    task = body.task or state.default_task
+    params = _params(
+        task, _defaults(request), dimensions=body.dimensions, normalize=body.normalize,
+        use_activation=body.use_activation, step_tag_id=body.step_tag_id,
+        returned_token_ids=body.returned_token_ids,
+    )
+    run = await submit(request, body, task, params)
+    if body.stream:
+        return StreamingResponse(_stream(request, body, run), media_type="application/x-ndjson")
+    outputs = await gather(request, run)
+    document = {
+        "id": f"pool-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+        "model": run.model.served_name,
+        "data": [_pooling_item(i, o.data, body) for i, o in enumerate(outputs)],
+        "usage": _usage(run),
+    }
+    return await _respond(request, document, outputs)
+
+
+def _pooling_item(index: int, data: np.ndarray, body: PoolingRequestBody) -> dict[str, object]:
+    item: dict[str, object] = {
+        "index": index, "object": "pooling", "data": encode_value(data, body.encoding_format, body.embed_dtype)
+    }
+    if body.encoding_format == "base64":
+        item["shape"] = list(data.shape)
+    return item
+
+
+async def _stream(request: Request, body: PoolingRequestBody, run: Submitted) -> AsyncIterator[bytes]:
+    """One line per input as it finishes (token-level outputs in row pieces), then usage."""
+    metrics = service_state(request).metrics
+    async for index, output in as_completed(run):
+        if body.encoding_format == "base64":
+            pieces = [dumps(_pooling_item(index, output.data, body)) + b"\n"]
+        else:
+            pieces = list(stream_item({"index": index, "object": "pooling"}, output.data))
+        for piece in pieces:
+            metrics.output_bytes.inc(len(piece))
+            yield piece
+    yield dumps({"object": "usage", "usage": _usage(run)}) + b"\n"
+
+
+@router.post("/v1/classify")
+@router.post("/classify")
+async def classify(body: ClassifyRequest, request: Request) -> Response:
+    """Sequence classification with labels."""
+    params = _params(PoolingTask.CLASSIFY, _defaults(request), use_activation=body.use_activation)
+    run = await submit(request, body, PoolingTask.CLASSIFY, params)
+    outputs = await gather(request, run)
+    labels = run.model.loaded.spec.labels
+    data = []
+    for i, o in enumerate(outputs):
+        best = int(np.argmax(o.data))
+        label = labels[best] if best < len(labels) else f"LABEL_{best}"
+        data.append({"index": i, "label": label, "probs": o.data, "num_classes": int(o.data.shape[-1])})
+    document = {
+        "id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+        "model": run.model.served_name, "data": data, "usage": _usage(run),
+    }
+    return await _respond(request, document, outputs)
+
+
+def _defaults(request: Request) -> PoolerDefaults:
+    model = service_state(request).model
+    return model.defaults if model is not None else PoolerDefaults()

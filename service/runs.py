@@ -1,0 +1,118 @@
+"""Runs one HTTP request's inputs through the engine: admission, tokenization, submit, await."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from pooling.params import PoolingParams, PoolingTask
+from scheduler.engine import Engine
+from scheduler.errors import DrainingError
+from scheduler.request import PoolingOutput
+from service.errors import ModelNotFoundError, NotReadyError
+from service.inputs import split_input, tokenize, truncation_length
+from service.schemas import _InputBody
+from service.state import ModelHandle, ServiceState
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """An HTTP request's inputs, admitted and queued in the engine."""
+
+    engine: Engine
+    model: ModelHandle
+    futures: tuple[asyncio.Future[PoolingOutput], ...]
+    num_prompt_tokens: int
+
+
+def service_state(request: Request) -> ServiceState:
+    """The server state attached to the app."""
+    state: ServiceState = request.app.state.poolserve
+    return state
+
+
+def check_serving(state: ServiceState, model_name: str | None) -> tuple[Engine, ModelHandle]:
+    """503 unless ready and not draining; 404 for another model's name."""
+    if state.draining:
+        state.metrics.on_reject("draining")
+        raise DrainingError()
+    if not state.ready or state.engine is None or state.model is None:
+        state.metrics.on_reject("not_ready")
+        raise NotReadyError("the server is not ready yet")
+    if model_name is not None and model_name != state.model.served_name:
+        raise ModelNotFoundError(
+            f"model {model_name!r} does not exist; this server serves {state.model.served_name!r}", "model"
+        )
+    return state.engine, state.model
+
+
+async def submit(request: Request, body: _InputBody, task: PoolingTask, params: PoolingParams) -> Submitted:
+    """Admission check, then tokenization off the loop, then all-or-nothing submission."""
+    state = service_state(request)
+    request.state.task = task.value
+    engine, model = check_serving(state, body.model)
+    raw = split_input(body.input, state.settings.max_client_batch_size)
+    engine.precheck(len(raw))  # 429 before any tokenization work
+    keep = truncation_length(body.truncate_prompt_tokens, model)
+    started = time.perf_counter()
+    prompts = await tokenize(raw, model, keep, body.truncation_side)
+    state.metrics.tokenization.observe(time.perf_counter() - started)
+    futures = engine.submit_many(prompts, params, body.priority)
+    num_tokens = sum(len(p) for p in prompts)
+    state.metrics.prompt_tokens.inc(num_tokens)
+    return Submitted(engine, model, tuple(futures), num_tokens)
+
+
+async def gather(request: Request, run: Submitted) -> list[PoolingOutput]:
+    """All outputs in input order; a client that goes away cancels the rest of its work."""
+    everything = asyncio.ensure_future(asyncio.gather(*(asyncio.shield(f) for f in run.futures)))
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({everything, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not everything.done():
+            raise asyncio.CancelledError("client disconnected")
+        return list(everything.result())
+    finally:
+        watcher.cancel()
+        if not everything.done():
+            everything.cancel()
+        _cancel_unfinished(run)
+
+
+async def as_completed(run: Submitted) -> AsyncIterator[tuple[int, PoolingOutput]]:
+    """(index, output) as each input finishes; closing the iterator cancels the rest."""
+    index_of = {f: i for i, f in enumerate(run.futures)}
+    pending: set[asyncio.Future[PoolingOutput]] = set(run.futures)
+    try:
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in sorted(done, key=index_of.__getitem__):
+                yield index_of[future], future.result()
+    finally:
+        _cancel_unfinished(run)
+
+
+def _cancel_unfinished(run: Submitted) -> None:
+    for future in run.futures:
+        if not future.done():
+            run.engine.cancel_future(future)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (the body has been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def timing_headers(outputs: Sequence[PoolingOutput]) -> dict[str, str]:
+    """x-queue-time and x-inference-time: the slowest input's, in seconds."""
+    return {
+        "x-queue-time": f"{max(o.queue_time_s for o in outputs):.6f}",
+        "x-inference-time": f"{max(o.inference_time_s for o in outputs):.6f}",
+    }
