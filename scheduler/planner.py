@@ -108,37 +108,45 @@ def max_prompt_tokens(config: SchedulerConfig) -> int:
 
 
 @dataclass(slots=True)
-class _StepBudget:
-    """What is left of one step while the planner fills it (local to one call)."""
+class _StepFill:
+    """One step being filled: what is left of its budgets, and its chunks (local to one call)."""
 
     num_tokens: int
     num_seqs: int
     num_free_blocks: int
+    max_chunk_tokens: int | None  # None: prompts run whole (no chunked prefill)
+    block_size: int
+    chunks: list[ScheduledChunk]
 
+    @property
+    def is_full(self) -> bool:
+        """True when no further chunk can join the step."""
+        return self.num_tokens == 0 or self.num_seqs == 0
 
-def _plan_chunk(
-    seq: PlannerSeq, budget: _StepBudget, config: SchedulerConfig
-) -> ScheduledChunk | None:
-    """The chunk `seq` gets from what is left of the step, or None when it must wait."""
-    num_remaining = seq.num_prompt_tokens - seq.num_computed_tokens
-    if config.enable_chunked_prefill:
-        num_tokens = min(num_remaining, config.max_chunk_tokens, budget.num_tokens)
-    else:
-        num_tokens = num_remaining if num_remaining <= budget.num_tokens else 0
-    if num_tokens == 0:
-        return None
-    is_last = num_tokens == num_remaining
-    num_new_blocks = 0
-    if not is_last:
-        needed = blocks_needed(seq.num_prompt_tokens, config.block_size)
-        num_new_blocks = max(0, needed - seq.num_blocks_held)
-        if num_new_blocks > budget.num_free_blocks:
-            return None
-    budget.num_tokens -= num_tokens
-    budget.num_seqs -= 1
-    budget.num_free_blocks -= num_new_blocks
-    return ScheduledChunk(seq.request_id, seq.num_computed_tokens, num_tokens, is_last,
-                          num_new_blocks)
+    def take(self, seq: PlannerSeq) -> bool:
+        """Add `seq`'s next chunk if it can run now; False when it must wait."""
+        num_remaining = seq.num_prompt_tokens - seq.num_computed_tokens
+        cap = self.max_chunk_tokens
+        if cap is None:
+            if num_remaining > self.num_tokens:
+                return False
+            num_tokens = num_remaining
+        else:
+            num_tokens = min(num_remaining, cap, self.num_tokens)
+        is_last = num_tokens == num_remaining
+        num_new_blocks = 0
+        if not is_last:
+            needed = blocks_needed(seq.num_prompt_tokens, self.block_size)
+            num_new_blocks = max(0, needed - seq.num_blocks_held)
+            if num_new_blocks > self.num_free_blocks:
+                return False
+        self.num_tokens -= num_tokens
+        self.num_seqs -= 1
+        self.num_free_blocks -= num_new_blocks
+        self.chunks.append(ScheduledChunk(
+            seq.request_id, seq.num_computed_tokens, num_tokens, is_last, num_new_blocks
+        ))
+        return True
 
 
 def plan_step(
@@ -148,23 +156,25 @@ def plan_step(
     num_free_blocks: int,
 ) -> BatchPlan:
     """Choose the chunks of the next step; raises PromptTooLongError for an unschedulable prompt."""
-    budget = _StepBudget(config.max_num_batched_tokens, config.max_num_seqs, num_free_blocks)
-    chunks: list[ScheduledChunk] = []
+    cap = config.max_chunk_tokens if config.enable_chunked_prefill else None
+    fill = _StepFill(config.max_num_batched_tokens, config.max_num_seqs, num_free_blocks, cap,
+                     config.block_size, [])
     for seq in sorted(running, key=_QUEUE_ORDER):
-        if budget.num_tokens == 0 or budget.num_seqs == 0:
-            return BatchPlan(tuple(chunks), config.max_num_batched_tokens - budget.num_tokens)
-        chunk = _plan_chunk(seq, budget, config)
-        # a running prompt holds its reservation, so None only means "not this step"
-        if chunk is not None:
-            chunks.append(chunk)
-    limit = max_prompt_tokens(config)
-    for seq in sorted(waiting, key=_QUEUE_ORDER):
-        if budget.num_tokens == 0 or budget.num_seqs == 0:
+        if fill.is_full:
             break
+        # a running prompt holds its reservation: failing to take it only means "not this step"
+        fill.take(seq)
+    if waiting and not fill.is_full:
+        _admit_waiting(fill, waiting, max_prompt_tokens(config))
+    return BatchPlan(tuple(fill.chunks), config.max_num_batched_tokens - fill.num_tokens)
+
+
+def _admit_waiting(fill: _StepFill, waiting: Sequence[PlannerSeq], limit: int) -> None:
+    """Start waiting prompts in queue order until one must wait or the step is full."""
+    for seq in sorted(waiting, key=_QUEUE_ORDER):
+        if fill.is_full:
+            return
         if seq.num_prompt_tokens > limit:
             raise PromptTooLongError(seq.num_prompt_tokens, limit, seq.request_id)
-        chunk = _plan_chunk(seq, budget, config)
-        if chunk is None:
-            break  # no overtaking: those behind wait too, so this prompt is not starved
-        chunks.append(chunk)
-    return BatchPlan(tuple(chunks), config.max_num_batched_tokens - budget.num_tokens)
+        if not fill.take(seq):
+            return  # no overtaking: those behind wait too, so this prompt is not starved
