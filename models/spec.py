@@ -1,0 +1,76 @@
+"""Frozen records describing a loaded model: spec, heads, sentence-transformers config."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+if TYPE_CHECKING:
+    from models.packed import PackedModel
+
+
+class HeadKind(enum.Enum):
+    """Which head the checkpoint carries on top of its backbone."""
+
+    NONE = "none"
+    SEQUENCE_CLASSIFIER = "sequence_classifier"
+    TOKEN_CLASSIFIER = "token_classifier"
+    PROCESS_REWARD = "process_reward"
+    TOKEN_REWARD = "token_reward"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the scheduler and pooling need to know about a model's shape and outputs."""
+
+    architecture: str
+    family: str
+    is_causal: bool
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_model_len: int
+    dtype: torch.dtype
+    head_kind: HeadKind
+    num_labels: int | None
+    labels: tuple[str, ...]
+    supports_matryoshka: bool
+    matryoshka_dimensions: tuple[int, ...] | None
+
+
+@dataclass(frozen=True)
+class SentenceTransformersConfig:
+    """The sentence-transformers modules after the transformer: pooling, Dense, Normalize."""
+
+    pooling_mode: str | None
+    dense: torch.nn.Module | None
+    normalize: bool
+
+
+@dataclass(frozen=True)
+class ModelHeads:
+    """The checkpoint's head modules (float32), at most one of them set."""
+
+    seq_classifier: torch.nn.Module | None = None
+    token_classifier: torch.nn.Module | None = None
+    process_reward: torch.nn.Module | None = None
+    token_reward: torch.nn.Module | None = None
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """Everything load_model() produces."""
+
+    path: Path
+    spec: ModelSpec
+    model: PackedModel
+    heads: ModelHeads
+    tokenizer: PreTrainedTokenizerBase
+    sentence_transformers: SentenceTransformersConfig | None
