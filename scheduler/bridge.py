@@ -6,10 +6,11 @@ import torch
 
 from models.spec import HeadKind, LoadedModel
 from pooling.model_info import PoolingModelInfo
+from pooling.params import PoolingType
 
 
-def pooling_info_from(loaded: LoadedModel) -> PoolingModelInfo:
-    """Build pooling's view of a model from the loader's records."""
+def pooling_info_from(loaded: LoadedModel, embed_pooling: PoolingType | None = None) -> PoolingModelInfo:
+    """Build pooling's view of a model from the loader's records (embed_pooling overrides)."""
     spec, heads, st = loaded.spec, loaded.heads, loaded.sentence_transformers
     projection = st.dense if st is not None else None
     return PoolingModelInfo(
@@ -26,6 +27,7 @@ def pooling_info_from(loaded: LoadedModel) -> PoolingModelInfo:
         st_pooling_mode=st.pooling_mode if st is not None else None,
         supports_matryoshka=spec.supports_matryoshka,
         matryoshka_dimensions=spec.matryoshka_dimensions,
+        default_pooling_type=embed_pooling,
     )
 
 

@@ -15,8 +15,8 @@ import torch
 
 from models.errors import InvalidTokenIdError
 from models.spec import LoadedModel
-from models.validation import validate_token_ids
-from pooling.params import PoolingParams
+from models.packed import validate_token_ids
+from pooling.params import PoolingParams, PoolingType
 from pooling.stats import CloneStats
 from pooling.tasks import build_pooler, get_supported_tasks
 from scheduler.admission import AdmissionControl, OverloadReason
@@ -31,7 +31,7 @@ from scheduler.errors import (
 )
 from scheduler.kv_blocks import BlockAllocator
 from scheduler.observer import EngineObserver, NullObserver
-from scheduler.planner import BatchPlan, PlannerSeq, plan_step
+from scheduler.planner import BatchPlan, PlannerSeq, max_prompt_tokens, plan_step
 from scheduler.request import PoolingOutput, PoolingRequest, RequestStatus
 from scheduler.runner import ChunkWork, PreparedStep, Runner, StepResult
 from scheduler.stats import EngineSnapshot
@@ -43,14 +43,16 @@ class Engine:
     """Continuous-batching pooling engine: submit prompts, await outputs."""
 
     def __init__(
-        self, loaded: LoadedModel, config: SchedulerConfig, device: torch.device,
+        self, loaded: LoadedModel, config: SchedulerConfig, device: torch.device, *,
+        max_model_len: int | None = None, embed_pooling: PoolingType | None = None,
         observer: EngineObserver | None = None,
     ) -> None:
         self.loaded = loaded
         self.config = config
-        self.max_model_len = loaded.spec.max_model_len
+        limit = min(max_model_len or loaded.spec.max_model_len, loaded.spec.max_model_len)
+        self.max_model_len = min(limit, max_prompt_tokens(config))
         self.observer = observer or NullObserver()
-        self.pooling_info = pooling_info_from(loaded)
+        self.pooling_info = pooling_info_from(loaded, embed_pooling)
         self.supported_tasks = get_supported_tasks(self.pooling_info)
         self.clone_stats = CloneStats()
         self.runner = Runner(
@@ -276,6 +278,7 @@ class Engine:
         self.num_steps += 1
         self.step_tokens_total += result.num_tokens
         self.observer.on_step(result.num_tokens, result.duration_s)
+        self._update_throughput(result)
         outputs = dict(result.outputs)
         now = time.monotonic()
         for chunk in step.chunks:
@@ -288,6 +291,14 @@ class Engine:
                     self._release(request)
             elif chunk.request_id in outputs:
                 self._resolve(request, outputs[chunk.request_id], now)
+
+    def _update_throughput(self, result: StepResult) -> None:
+        """Smoothed tokens/s, so a 429's Retry-After reflects how fast the queue drains."""
+        if result.duration_s <= 0:
+            return
+        current = result.num_tokens / result.duration_s
+        previous = self.admission.throughput_tokens_per_s
+        self.admission.throughput_tokens_per_s = current if previous is None else 0.8 * previous + 0.2 * current
 
     def _resolve(self, request: PoolingRequest, output: torch.Tensor, now: float) -> None:
         """Hand a finished output to its caller and free the request."""

@@ -72,7 +72,7 @@ async def _start(state: ServiceState) -> None:
     config = _scheduler_config(settings, loaded, handle.max_model_len)
     engine = Engine(
         loaded, config, device, max_model_len=handle.max_model_len,
-        embed_pooling_mode=defaults.pooling_mode, observer=state.metrics,
+        embed_pooling=defaults.embed_pooling, observer=state.metrics,
     )
     state.model, state.engine = handle, engine
     state.device, state.dtype = device.type, str(loaded.spec.dtype).removeprefix("torch.")
@@ -93,14 +93,16 @@ async def _start(state: ServiceState) -> None:
 def _model_handle(loaded: LoadedModel, settings: ServerSettings, defaults: object) -> ModelHandle:
     limit = loaded.spec.max_model_len
     max_model_len = min(settings.max_model_len or limit, limit)
-    left = copy.deepcopy(loaded.tokenizer)
-    left.truncation_side = "left"
-    right = copy.deepcopy(loaded.tokenizer)
-    right.truncation_side = "right"
+    tokenizers = {}
+    for side in ("left", "right"):
+        tokenizer = copy.deepcopy(loaded.tokenizer)
+        tokenizer.truncation_side = side
+        tokenizer.model_max_length = 1 << 30  # the engine enforces max_model_len, with a clear error
+        tokenizers[side] = tokenizer
     name = settings.served_model_name or (settings.model or "sentence-transformers/all-MiniLM-L6-v2")
     return ModelHandle(
         loaded=loaded, served_name=name, max_model_len=max_model_len,
-        tokenizers={"left": left, "right": right}, defaults=defaults,  # type: ignore[arg-type]
+        tokenizers=tokenizers, defaults=defaults,  # type: ignore[arg-type]
     )
 
 

@@ -19,6 +19,7 @@ from scheduler.errors import (
     EngineDeadError,
     OverloadedError,
     PromptTooLongError,
+    RequestTooLargeError,
     SchedulerError,
     StepFailedError,
 )
@@ -93,6 +94,7 @@ ERROR_TABLE: dict[type[Exception], ErrorShape] = {
     ),
     PoolingError: ErrorShape(400, "invalid_request_error", None, _none),
     PromptTooLongError: ErrorShape(400, "invalid_request_error", "context_length_exceeded", _input),
+    RequestTooLargeError: ErrorShape(400, "invalid_request_error", "request_too_large", _input),
     InvalidTokenIdError: ErrorShape(400, "invalid_request_error", "invalid_token_id", _input),
     ModelError: ErrorShape(400, "invalid_request_error", None, _none),
     OverloadedError: ErrorShape(429, "rate_limit_error", "overloaded", _none),

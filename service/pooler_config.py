@@ -6,8 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, StrictInt
 
-# The pooling-type names users write, mapped to sentence-transformers pooling modes.
-POOLING_MODES = {"CLS": "cls", "LAST": "lasttoken", "MEAN": "mean"}
+from pooling.params import PoolingType
+
 
 
 class PoolerDefaults(BaseModel):
@@ -23,9 +23,9 @@ class PoolerDefaults(BaseModel):
     returned_token_ids: tuple[StrictInt, ...] | None = None
 
     @property
-    def pooling_mode(self) -> str | None:
-        """The embed pooling mode override, in sentence-transformers' vocabulary."""
-        return POOLING_MODES[self.pooling_type] if self.pooling_type else None
+    def embed_pooling(self) -> PoolingType | None:
+        """The embed pooling override."""
+        return PoolingType[self.pooling_type] if self.pooling_type else None
 
 
 def parse_pooler_config(text: str | None) -> PoolerDefaults:
