@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
@@ -56,7 +57,7 @@ def hf_hidden(
 
     def get(name: str) -> list[torch.Tensor]:
         if name not in cache:
-            backbone = hf_tiny(name).base_model
+            backbone = cast(torch.nn.Module, hf_tiny(name).base_model)
             with torch.no_grad():
                 cache[name] = [
                     backbone(input_ids=torch.tensor([p])).last_hidden_state[0] for p in prompts

@@ -17,8 +17,16 @@ from tests.models.driver import (
 
 CPU = torch.device("cpu")
 DECODERS = (
-    "llama", "mistral", "qwen2", "qwen3", "qwen3_base", "llama_cls1", "llama_cls3",
-    "qwen2_tokcls", "qwen2_prm", "qwen2_rm",
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3_base",
+    "llama_cls1",
+    "llama_cls3",
+    "qwen2_tokcls",
+    "qwen2_prm",
+    "qwen2_rm",
 )
 
 
@@ -55,8 +63,13 @@ def test_whole_prompt_never_writes_the_cache(loaded_tiny: Callable[[str], Loaded
     for tensor in cache.key_caches + cache.value_caches:
         tensor.fill_(7.0)
     meta = build_attention_metadata(
-        seq_lens_q=[20, 30], context_lens=[0, 0], write_kv=[False, False],
-        block_tables=[[0, 1], [2, 3]], block_size=16, device=CPU, causal=True,
+        seq_lens_q=[20, 30],
+        context_lens=[0, 0],
+        write_kv=[False, False],
+        block_tables=[[0, 1], [2, 3]],
+        block_size=16,
+        device=CPU,
+        causal=True,
     )
     ids = torch.randint(1000, 2000, (50,))
     positions = torch.cat([torch.arange(20), torch.arange(30)])
@@ -71,8 +84,13 @@ def test_continuing_chunk_writes_only_its_slots(loaded_tiny: Callable[[str], Loa
         tensor.fill_(7.0)
     # 20 new tokens at positions 0..19 through blocks [5, 2]: block 5 fully, block 2 slots 0..3.
     meta = build_attention_metadata(
-        seq_lens_q=[20], context_lens=[0], write_kv=[True], block_tables=[[5, 2, 6]],
-        block_size=16, device=CPU, causal=True,
+        seq_lens_q=[20],
+        context_lens=[0],
+        write_kv=[True],
+        block_tables=[[5, 2, 6]],
+        block_size=16,
+        device=CPU,
+        causal=True,
     )
     loaded.model(torch.randint(1000, 2000, (20,)), torch.arange(20), meta, cache)
     for keys in cache.key_caches:
@@ -86,11 +104,21 @@ def test_continuing_chunk_writes_only_its_slots(loaded_tiny: Callable[[str], Loa
 def test_metadata_refuses_chunked_encoder_and_short_tables() -> None:
     with pytest.raises(ValueError, match="encoder"):
         build_attention_metadata(
-            seq_lens_q=[4], context_lens=[4], write_kv=[False], block_tables=[[0]],
-            block_size=16, device=CPU, causal=False,
+            seq_lens_q=[4],
+            context_lens=[4],
+            write_kv=[False],
+            block_tables=[[0]],
+            block_size=16,
+            device=CPU,
+            causal=False,
         )
     with pytest.raises(ValueError, match="block table"):
         build_attention_metadata(
-            seq_lens_q=[20], context_lens=[0], write_kv=[True], block_tables=[[0]],
-            block_size=16, device=CPU, causal=True,
+            seq_lens_q=[20],
+            context_lens=[0],
+            write_kv=[True],
+            block_tables=[[0]],
+            block_size=16,
+            device=CPU,
+            causal=True,
         )

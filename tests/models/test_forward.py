@@ -15,8 +15,17 @@ from tests.tiny_models import reference_remote_head
 
 CPU = torch.device("cpu")
 ALL_TINY = (
-    "llama", "mistral", "qwen2", "qwen3", "qwen3_base", "llama_cls1", "llama_cls3",
-    "qwen2_tokcls", "bert", "qwen2_prm", "qwen2_rm",
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3_base",
+    "llama_cls1",
+    "llama_cls3",
+    "qwen2_tokcls",
+    "bert",
+    "qwen2_prm",
+    "qwen2_rm",
 )
 
 
@@ -40,8 +49,13 @@ def test_out_buffer_receives_hidden_states(
 
     prompt = prompts[2]
     meta = build_attention_metadata(
-        seq_lens_q=[len(prompt)], context_lens=[0], write_kv=[False], block_tables=[[]],
-        block_size=16, device=CPU, causal=True,
+        seq_lens_q=[len(prompt)],
+        context_lens=[0],
+        write_kv=[False],
+        block_tables=[[]],
+        block_size=16,
+        device=CPU,
+        causal=True,
     )
     buffer = torch.zeros(100, loaded.spec.hidden_size)
     ids, positions = torch.tensor(prompt), torch.arange(len(prompt))
@@ -61,10 +75,13 @@ def test_minilm_matches_hf(minilm_dir: Path, prompts: list[list[int]]) -> None:
         assert_close(ours, reference)
 
 
-@pytest.mark.parametrize(("name", "labels"), [
-    ("llama_cls1", ("LABEL_0",)),
-    ("llama_cls3", ("negative", "neutral", "positive")),
-])
+@pytest.mark.parametrize(
+    ("name", "labels"),
+    [
+        ("llama_cls1", ("LABEL_0",)),
+        ("llama_cls3", ("negative", "neutral", "positive")),
+    ],
+)
 def test_sequence_classifier_head_matches_hf(
     name: str,
     labels: tuple[str, ...],
@@ -98,10 +115,13 @@ def test_token_classifier_head_matches_hf(
             assert_close(head(hidden), reference)
 
 
-@pytest.mark.parametrize(("name", "kind", "field", "width"), [
-    ("qwen2_prm", HeadKind.PROCESS_REWARD, "process_reward", 2),
-    ("qwen2_rm", HeadKind.TOKEN_REWARD, "token_reward", 1),
-])
+@pytest.mark.parametrize(
+    ("name", "kind", "field", "width"),
+    [
+        ("qwen2_prm", HeadKind.PROCESS_REWARD, "process_reward", 2),
+        ("qwen2_rm", HeadKind.TOKEN_REWARD, "token_reward", 1),
+    ],
+)
 def test_reward_heads_match_reference(
     name: str,
     kind: HeadKind,
