@@ -31,8 +31,10 @@ def find_varlen_attn() -> Callable[..., Any] | None:
 class CudaAttention:
     """One varlen flash call per layer; per-sequence SDPA where the kernel cannot serve."""
 
-    def __init__(self) -> None:
-        self._varlen = find_varlen_attn()
+    def __init__(self, varlen: Callable[..., Any] | None = None, device_type: str = "cuda") -> None:
+        # varlen and device_type are injectable so the kernel-call logic is testable off-GPU.
+        self._varlen = varlen or find_varlen_attn()
+        self._device_type = device_type
         self._params: frozenset[str] = frozenset()
         if self._varlen is not None:
             self._params = frozenset(inspect.signature(self._varlen).parameters)
@@ -46,7 +48,9 @@ class CudaAttention:
 
     def can_use_varlen(self, query: torch.Tensor, sliding_window: int | None) -> bool:
         """Whether the flash kernel handles this dtype, head size and mask."""
-        if self._varlen is None or not query.is_cuda or query.dtype not in _FLASH_DTYPES:
+        if self._varlen is None or query.device.type != self._device_type:
+            return False
+        if query.dtype not in _FLASH_DTYPES:
             return False
         head_dim = query.shape[-1]
         if head_dim % 8 or head_dim > _MAX_FLASH_HEAD_DIM:
@@ -84,18 +88,20 @@ class CudaAttention:
             group = query.shape[1] // keys.shape[1]
             keys = keys.repeat_interleave(group, dim=1)  # [total_k, num_heads, head_dim]
             values = values.repeat_interleave(group, dim=1)  # [total_k, num_heads, head_dim]
-        assert self._varlen is not None
-        out = self._varlen(
+        varlen = self._varlen
+        assert varlen is not None  # can_use_varlen checked it
+        out = varlen(
             query,
-            keys,
-            values,
+            keys.contiguous(),
+            values.contiguous(),
             meta.cu_seqlens_q,
             meta.cu_seqlens_k,
             meta.max_seqlen_q,
             meta.max_seqlen_k,
             **kwargs,
         )
-        return out
+        # Some torch releases return (out, aux...) from the public wrapper.
+        return out[0] if isinstance(out, tuple) else out
 
     def _kwargs(self, causal: bool, sliding_window: int | None, scale: float) -> dict[str, Any]:
         """Keyword arguments in the dialect of the installed varlen_attn."""
