@@ -16,6 +16,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 test: install
+	bash scripts/install-test-tools.sh
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q

@@ -9,7 +9,9 @@ from pooling.model_info import PoolingModelInfo
 from pooling.params import PoolingType
 
 
-def pooling_info_from(loaded: LoadedModel, embed_pooling: PoolingType | None = None) -> PoolingModelInfo:
+def pooling_info_from(
+    loaded: LoadedModel, embed_pooling: PoolingType | None = None
+) -> PoolingModelInfo:
     """Build pooling's view of a model from the loader's records (embed_pooling overrides)."""
     spec, heads, st = loaded.spec, loaded.heads, loaded.sentence_transformers
     projection = st.dense if st is not None else None

@@ -13,17 +13,18 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from models.errors import InvalidTokenIdError
-from models.spec import LoadedModel
 from models.packed import validate_token_ids
+from models.spec import LoadedModel
 from pooling.params import PoolingParams, PoolingType
 from pooling.stats import CloneStats
 from pooling.tasks import build_pooler, get_supported_tasks
+from pooling.validation import validate_params
 from scheduler.admission import AdmissionControl, OverloadReason
 from scheduler.bridge import pooling_info_from
 from scheduler.config import SchedulerConfig
 from scheduler.errors import (
     DrainingError,
+    EmptyPromptError,
     EngineDeadError,
     OverloadedError,
     PromptTooLongError,
@@ -43,8 +44,13 @@ class Engine:
     """Continuous-batching pooling engine: submit prompts, await outputs."""
 
     def __init__(
-        self, loaded: LoadedModel, config: SchedulerConfig, device: torch.device, *,
-        max_model_len: int | None = None, embed_pooling: PoolingType | None = None,
+        self,
+        loaded: LoadedModel,
+        config: SchedulerConfig,
+        device: torch.device,
+        *,
+        max_model_len: int | None = None,
+        embed_pooling: PoolingType | None = None,
         observer: EngineObserver | None = None,
     ) -> None:
         self.loaded = loaded
@@ -56,11 +62,17 @@ class Engine:
         self.supported_tasks = get_supported_tasks(self.pooling_info)
         self.clone_stats = CloneStats()
         self.runner = Runner(
-            loaded, max_num_tokens=config.max_num_batched_tokens, num_kv_blocks=config.num_kv_blocks,
-            block_size=config.block_size, device=device, async_scheduling=config.async_scheduling,
+            loaded,
+            max_num_tokens=config.max_num_batched_tokens,
+            num_kv_blocks=config.num_kv_blocks,
+            block_size=config.block_size,
+            device=device,
+            async_scheduling=config.async_scheduling,
         )
         self.blocks = BlockAllocator(config.num_kv_blocks)
-        self.admission = AdmissionControl(config.max_num_queued_requests, config.max_num_queued_tokens)
+        self.admission = AdmissionControl(
+            config.max_num_queued_requests, config.max_num_queued_tokens
+        )
         self.waiting: list[PoolingRequest] = []
         self.running: list[PoolingRequest] = []  # partially prefilled (chunks still to schedule)
         self.by_id: dict[int, PoolingRequest] = {}
@@ -77,7 +89,9 @@ class Engine:
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
         """Start the loop task on the running event loop."""
-        self._loop_task = asyncio.get_running_loop().create_task(self._run(), name="poolserve-engine")
+        self._loop_task = asyncio.get_running_loop().create_task(
+            self._run(), name="poolserve-engine"
+        )
 
     @property
     def is_alive(self) -> bool:
@@ -85,7 +99,7 @@ class Engine:
         return self._loop_task is not None and not self._loop_task.done()
 
     async def drain(self, timeout_s: float) -> bool:
-        """Stop admitting, let in-flight work finish within the timeout, then stop; True if clean."""
+        """Stop admitting, finish in-flight work within the timeout, then stop; True if clean."""
         self.draining = True
         deadline = time.monotonic() + timeout_s
         while self.by_id and time.monotonic() < deadline and self.is_alive:
@@ -116,6 +130,10 @@ class Engine:
             self.observer.on_reject(exc.reason.value)
             raise
 
+    def check_params(self, params: PoolingParams) -> None:
+        """Refuse parameters this model cannot serve, before any work is done for them."""
+        validate_params(self.pooling_info, params)
+
     def submit_many(
         self, prompts: Sequence[Sequence[int]], params: PoolingParams, priority: int = 0
     ) -> list[asyncio.Future[PoolingOutput]]:
@@ -138,7 +156,9 @@ class Engine:
         self._wake.set()
         return futures
 
-    async def submit(self, prompt: Sequence[int], params: PoolingParams, priority: int = 0) -> PoolingOutput:
+    async def submit(
+        self, prompt: Sequence[int], params: PoolingParams, priority: int = 0
+    ) -> PoolingOutput:
         """Submit one prompt and await its output (cancelling the await cancels the request)."""
         (future,) = self.submit_many([prompt], params, priority)
         return await self.wait(future)
@@ -159,23 +179,33 @@ class Engine:
 
     def _validate_prompt(self, prompt: Sequence[int]) -> None:
         if len(prompt) == 0:
-            raise InvalidTokenIdError("the prompt has no tokens")
+            raise EmptyPromptError()
         if len(prompt) > self.max_model_len:
             raise PromptTooLongError(len(prompt), self.max_model_len)
         validate_token_ids(prompt, self.loaded.spec.vocab_size)
 
     def _new_request(
-        self, prompt: Sequence[int], params: PoolingParams, priority: int,
+        self,
+        prompt: Sequence[int],
+        params: PoolingParams,
+        priority: int,
         loop: asyncio.AbstractEventLoop,
     ) -> PoolingRequest:
         pooler = build_pooler(
-            self.pooling_info, params, async_scheduling=self.config.async_scheduling,
+            self.pooling_info,
+            params,
+            async_scheduling=self.config.async_scheduling,
             stats=self.clone_stats,
         )
         request_id = next(self._ids)
         return PoolingRequest(
-            request_id=request_id, prompt_token_ids=tuple(prompt), params=params, pooler=pooler,
-            future=loop.create_future(), arrival_time=time.monotonic(), arrival_index=request_id,
+            request_id=request_id,
+            prompt_token_ids=tuple(prompt),
+            params=params,
+            pooler=pooler,
+            future=loop.create_future(),
+            arrival_time=time.monotonic(),
+            arrival_index=request_id,
             priority=priority,
         )
 
@@ -213,7 +243,9 @@ class Engine:
         while True:
             prepared = self._plan_and_prepare()
             if prepared is not None:
-                inflight.append((prepared, loop.run_in_executor(self._worker, self.runner.execute, prepared)))
+                inflight.append(
+                    (prepared, loop.run_in_executor(self._worker, self.runner.execute, prepared))
+                )
             if not inflight:
                 self._wake.clear()
                 await self._wake.wait()
@@ -236,9 +268,12 @@ class Engine:
     @staticmethod
     def _planner_view(request: PoolingRequest) -> PlannerSeq:
         return PlannerSeq(
-            request_id=request.request_id, num_prompt_tokens=request.num_prompt_tokens,
-            num_computed_tokens=request.num_computed_tokens, num_blocks_held=len(request.block_ids),
-            priority=request.priority, arrival_index=request.arrival_index,
+            request_id=request.request_id,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_computed_tokens=request.num_computed_tokens,
+            num_blocks_held=len(request.block_ids),
+            priority=request.priority,
+            arrival_index=request.arrival_index,
         )
 
     def _apply_plan(self, plan: BatchPlan) -> list[ChunkWork]:
@@ -260,10 +295,16 @@ class Engine:
             start = request.num_computed_tokens
             request.num_computed_tokens += chunk.num_tokens
             request.num_inflight_steps += 1
-            work.append(ChunkWork(
-                request.request_id, request.prompt_token_ids[start:start + chunk.num_tokens],
-                start, chunk.is_last, tuple(request.block_ids), request.pooler,
-            ))
+            work.append(
+                ChunkWork(
+                    request.request_id,
+                    request.prompt_token_ids[start : start + chunk.num_tokens],
+                    start,
+                    chunk.is_last,
+                    tuple(request.block_ids),
+                    request.pooler,
+                )
+            )
         return work
 
     async def _finish_step(self, step: PreparedStep, pending: asyncio.Future[StepResult]) -> None:
@@ -272,7 +313,7 @@ class Engine:
             result = await pending
             if result.copy_done is not None:
                 await asyncio.to_thread(result.copy_done.synchronize)
-        except Exception as exc:  # noqa: BLE001 - one bad step must not stop the engine
+        except Exception as exc:
             self._fail_step(step, exc)
             return
         self.num_steps += 1
@@ -298,15 +339,19 @@ class Engine:
             return
         current = result.num_tokens / result.duration_s
         previous = self.admission.throughput_tokens_per_s
-        self.admission.throughput_tokens_per_s = current if previous is None else 0.8 * previous + 0.2 * current
+        self.admission.throughput_tokens_per_s = (
+            current if previous is None else 0.8 * previous + 0.2 * current
+        )
 
     def _resolve(self, request: PoolingRequest, output: torch.Tensor, now: float) -> None:
         """Hand a finished output to its caller and free the request."""
         request.status = RequestStatus.FINISHED
         started = request.first_scheduled_time or now
         result = PoolingOutput(
-            request_id=request.request_id, data=np.asarray(output.numpy(), dtype=np.float32),
-            num_prompt_tokens=request.num_prompt_tokens, queue_time_s=started - request.arrival_time,
+            request_id=request.request_id,
+            data=np.asarray(output.numpy(), dtype=np.float32),
+            num_prompt_tokens=request.num_prompt_tokens,
+            queue_time_s=started - request.arrival_time,
             inference_time_s=now - started,
         )
         self.observer.on_request_done(result.queue_time_s, result.inference_time_s)
@@ -318,9 +363,10 @@ class Engine:
         """Fail every request of a step that raised; mark the engine dead on device errors."""
         logger.exception("step %d failed", step.step_index, exc_info=exc)
         fatal = _is_fatal_device_error(exc)
+        error: Exception = StepFailedError(str(exc))
         if fatal:
             self.dead_reason = f"device error: {exc}"
-        error = EngineDeadError(self.dead_reason) if fatal else StepFailedError(str(exc))
+            error = EngineDeadError(self.dead_reason)
         for chunk in step.chunks:
             request = self.by_id.get(chunk.request_id)
             if request is None:

@@ -79,3 +79,10 @@ class EngineDeadError(SchedulerError):
 
 class StepFailedError(SchedulerError):
     """One step failed; the requests in it fail, the engine keeps running."""
+
+
+class EmptyPromptError(SchedulerError):
+    """A prompt with no tokens: there is nothing to pool."""
+
+    def __init__(self) -> None:
+        super().__init__("the prompt has no tokens")

@@ -64,4 +64,8 @@ class PoolingRequest:
     @property
     def is_done(self) -> bool:
         """True once the request can no longer produce an output."""
-        return self.status in (RequestStatus.FINISHED, RequestStatus.CANCELLED, RequestStatus.FAILED)
+        return self.status in (
+            RequestStatus.FINISHED,
+            RequestStatus.CANCELLED,
+            RequestStatus.FAILED,
+        )

@@ -69,14 +69,20 @@ class Runner:
         self.is_cuda = device.type == "cuda"
         spec = loaded.spec
         pin = self.is_cuda
-        self.host_ids = torch.zeros(self.NUM_SLOTS, max_num_tokens, dtype=torch.long, pin_memory=pin)
-        self.host_pos = torch.zeros(self.NUM_SLOTS, max_num_tokens, dtype=torch.long, pin_memory=pin)
+        self.host_ids = torch.zeros(
+            self.NUM_SLOTS, max_num_tokens, dtype=torch.long, pin_memory=pin
+        )
+        self.host_pos = torch.zeros(
+            self.NUM_SLOTS, max_num_tokens, dtype=torch.long, pin_memory=pin
+        )
         self.dev_ids = torch.zeros(self.NUM_SLOTS, max_num_tokens, dtype=torch.long, device=device)
         self.dev_pos = torch.zeros(self.NUM_SLOTS, max_num_tokens, dtype=torch.long, device=device)
         # The next step overwrites this buffer: outputs viewing it must own their storage first.
         self.hidden = torch.empty(max_num_tokens, spec.hidden_size, dtype=spec.dtype, device=device)
         self.kv_cache = (
-            PagedKVCache(spec, num_kv_blocks, block_size, device, spec.dtype) if spec.is_causal else None
+            PagedKVCache(spec, num_kv_blocks, block_size, device, spec.dtype)
+            if spec.is_causal
+            else None
         )
         self.copy_stream = torch.cuda.Stream(device) if self.is_cuda else None
 
@@ -104,7 +110,9 @@ class Runner:
                 [c.pooler for c in step.chunks],
             )
             finished = [
-                (c.request_id, out) for c, out in zip(step.chunks, pooled, strict=True) if out is not None
+                (c.request_id, out)
+                for c, out in zip(step.chunks, pooled, strict=True)
+                if out is not None
             ]
             outputs, copy_done = self._to_host(finished)
         return StepResult(

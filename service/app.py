@@ -71,8 +71,12 @@ async def _start(state: ServiceState) -> None:
     handle = _model_handle(loaded, settings, defaults)
     config = _scheduler_config(settings, loaded, handle.max_model_len)
     engine = Engine(
-        loaded, config, device, max_model_len=handle.max_model_len,
-        embed_pooling=defaults.embed_pooling, observer=state.metrics,
+        loaded,
+        config,
+        device,
+        max_model_len=handle.max_model_len,
+        embed_pooling=defaults.embed_pooling,
+        observer=state.metrics,
     )
     state.model, state.engine = handle, engine
     state.device, state.dtype = device.type, str(loaded.spec.dtype).removeprefix("torch.")
@@ -84,9 +88,16 @@ async def _start(state: ServiceState) -> None:
     logger.info(
         "ready: model=%s served_as=%s tasks=%s device=%s dtype=%s max_model_len=%d "
         "max_num_batched_tokens=%d max_num_seqs=%d max_num_queued_tokens=%d async_scheduling=%s",
-        loaded.path, handle.served_name, ",".join(t.value for t in state.supported_tasks), state.device,
-        state.dtype, handle.max_model_len, config.max_num_batched_tokens, config.max_num_seqs,
-        config.max_num_queued_tokens, config.async_scheduling,
+        loaded.path,
+        handle.served_name,
+        ",".join(t.value for t in state.supported_tasks),
+        state.device,
+        state.dtype,
+        handle.max_model_len,
+        config.max_num_batched_tokens,
+        config.max_num_seqs,
+        config.max_num_queued_tokens,
+        config.async_scheduling,
     )
 
 
@@ -97,21 +108,31 @@ def _model_handle(loaded: LoadedModel, settings: ServerSettings, defaults: objec
     for side in ("left", "right"):
         tokenizer = copy.deepcopy(loaded.tokenizer)
         tokenizer.truncation_side = side
-        tokenizer.model_max_length = 1 << 30  # the engine enforces max_model_len, with a clear error
+        tokenizer.model_max_length = (
+            1 << 30
+        )  # the engine enforces max_model_len, with a clear error
         tokenizers[side] = tokenizer
-    name = settings.served_model_name or (settings.model or "sentence-transformers/all-MiniLM-L6-v2")
+    name = settings.served_model_name or (
+        settings.model or "sentence-transformers/all-MiniLM-L6-v2"
+    )
     return ModelHandle(
-        loaded=loaded, served_name=name, max_model_len=max_model_len,
-        tokenizers=tokenizers, defaults=defaults,  # type: ignore[arg-type]
+        loaded=loaded,
+        served_name=name,
+        max_model_len=max_model_len,
+        tokenizers=tokenizers,
+        defaults=defaults,  # type: ignore[arg-type]
     )
 
 
-def _scheduler_config(settings: ServerSettings, loaded: LoadedModel, max_model_len: int) -> SchedulerConfig:
+def _scheduler_config(
+    settings: ServerSettings, loaded: LoadedModel, max_model_len: int
+) -> SchedulerConfig:
     """Budgets from the flags; encoders need a whole prompt to fit one step."""
     budget = settings.max_num_batched_tokens
     if not loaded.spec.is_causal and budget < max_model_len:
         raise ValueError(
-            f"encoder prompts cannot be chunked: --max-num-batched-tokens ({budget}) must be at least "
+            f"encoder prompts cannot be chunked: --max-num-batched-tokens ({budget}) "
+            f"must be at least "
             f"max_model_len ({max_model_len})"
         )
     blocks_for_longest = math.ceil(max_model_len / settings.block_size)

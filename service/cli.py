@@ -17,7 +17,9 @@ NEGATED_FLAGS = {"async_scheduling": "--no-async-scheduling"}
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser, documented from the settings' field descriptions."""
-    parser = argparse.ArgumentParser(prog="poolserve", description="A pooling microservice for language models.")
+    parser = argparse.ArgumentParser(
+        prog="poolserve", description="A pooling microservice for language models."
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser(
         "serve",
@@ -29,12 +31,19 @@ def build_parser() -> argparse.ArgumentParser:
         env = f"POOLSERVE_{name.upper()}"
         if name in NEGATED_FLAGS:
             serve.add_argument(
-                NEGATED_FLAGS[name], dest=name, action="store_const", const=False, default=None,
+                NEGATED_FLAGS[name],
+                dest=name,
+                action="store_const",
+                const=False,
+                default=None,
                 help=f"Turn off: {field.description} (env {env}=false)",
             )
             continue
         serve.add_argument(
-            "--" + name.replace("_", "-"), dest=name, default=None, metavar=name.upper(),
+            "--" + name.replace("_", "-"),
+            dest=name,
+            default=None,
+            metavar=name.upper(),
             help=f"{field.description} (env {env}; default {field.default!r})",
         )
     return parser
@@ -48,7 +57,9 @@ def parse_settings(argv: Sequence[str] | None = None) -> ServerSettings:
     try:
         return ServerSettings(**given)
     except ValidationError as exc:
-        problems = "; ".join(f"--{'-'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+        problems = "; ".join(
+            f"--{'-'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
+        )
         parser.error(problems)
         raise  # unreachable: parser.error exits
 
@@ -57,7 +68,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Run the server until SIGTERM/SIGINT, then drain and exit 0."""
     settings = parse_settings(argv)
     logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
     from service.server import run_server  # imported late: loading torch is slow for --help

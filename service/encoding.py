@@ -42,6 +42,8 @@ def stream_item(item: dict[str, object], data: np.ndarray, key: str = "data") ->
         return
     yield head + separator + b'"' + key.encode() + b'":['
     for start in range(0, data.shape[0], ROWS_PER_PIECE):
-        piece = dumps(np.ascontiguousarray(data[start:start + ROWS_PER_PIECE]))[1:-1]  # rows w/o brackets
+        piece = dumps(np.ascontiguousarray(data[start : start + ROWS_PER_PIECE]))[
+            1:-1
+        ]  # rows w/o brackets
         yield (b"," if start else b"") + piece
     yield b"]}\n"

@@ -16,6 +16,7 @@ from models.errors import InvalidTokenIdError, ModelError
 from pooling.errors import InvalidPoolingParamsError, PoolingError, UnsupportedTaskError
 from scheduler.errors import (
     DrainingError,
+    EmptyPromptError,
     EngineDeadError,
     OverloadedError,
     PromptTooLongError,
@@ -88,13 +89,16 @@ def _input(_: Exception) -> str | None:
 
 # Most specific classes first: lookup walks the exception's MRO.
 ERROR_TABLE: dict[type[Exception], ErrorShape] = {
-    UnsupportedTaskError: ErrorShape(400, "invalid_request_error", "unsupported_task", lambda e: "task"),
+    UnsupportedTaskError: ErrorShape(
+        400, "invalid_request_error", "unsupported_task", lambda e: "task"
+    ),
     InvalidPoolingParamsError: ErrorShape(
         400, "invalid_request_error", "invalid_parameter", lambda e: getattr(e, "param_name", None)
     ),
     PoolingError: ErrorShape(400, "invalid_request_error", None, _none),
     PromptTooLongError: ErrorShape(400, "invalid_request_error", "context_length_exceeded", _input),
     RequestTooLargeError: ErrorShape(400, "invalid_request_error", "request_too_large", _input),
+    EmptyPromptError: ErrorShape(400, "invalid_request_error", "empty_prompt", _input),
     InvalidTokenIdError: ErrorShape(400, "invalid_request_error", "invalid_token_id", _input),
     ModelError: ErrorShape(400, "invalid_request_error", None, _none),
     OverloadedError: ErrorShape(429, "rate_limit_error", "overloaded", _none),
@@ -108,11 +112,19 @@ ERROR_TABLE: dict[type[Exception], ErrorShape] = {
 HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
 
 
-def error_response(status: int, message: str, type_: str, param: str | None, code: str | None,
-                   headers: dict[str, str] | None = None) -> Response:
+def error_response(
+    status: int,
+    message: str,
+    type_: str,
+    param: str | None,
+    code: str | None,
+    headers: dict[str, str] | None = None,
+) -> Response:
     """An OpenAI-style error body."""
     body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return Response(orjson.dumps(body), status_code=status, media_type="application/json", headers=headers)
+    return Response(
+        orjson.dumps(body), status_code=status, media_type="application/json", headers=headers
+    )
 
 
 def response_for(exc: Exception) -> Response:
@@ -123,7 +135,9 @@ def response_for(exc: Exception) -> Response:
         shape = ERROR_TABLE.get(cls)
         if shape is not None:
             headers = _retry_after(exc)
-            return error_response(shape.status, str(exc), shape.type, shape.param(exc), shape.code, headers)
+            return error_response(
+                shape.status, str(exc), shape.type, shape.param(exc), shape.code, headers
+            )
     logger.error("unhandled error", exc_info=exc)
     return error_response(500, "internal server error", "internal_error", None, None)
 

@@ -1,4 +1,4 @@
-"""Turns a request's `input` into token-id prompts: checks, tokenization off the loop, truncation."""
+"""A request's `input` into token-id prompts: checks, tokenization off the loop, truncation."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ def split_input(value: object, max_batch: int) -> RawInputs:
         raise InvalidRequestError("input must not be empty", "input")
     if len(value) > max_batch:
         raise InvalidRequestError(
-            f"input has {len(value)} items, more than the limit of {max_batch} (--max-client-batch-size)",
+            f"input has {len(value)} items, more than the limit of {max_batch} "
+            "(--max-client-batch-size)",
             "input",
         )
     if isinstance(value[0], str):
@@ -72,8 +73,12 @@ async def tokenize(
     return await asyncio.to_thread(_encode, tokenizer, texts, keep)
 
 
-def _encode(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], keep: int | None) -> list[list[int]]:
-    encoded = tokenizer(list(texts), add_special_tokens=True, truncation=keep is not None, max_length=keep)
+def _encode(
+    tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], keep: int | None
+) -> list[list[int]]:
+    encoded = tokenizer(
+        list(texts), add_special_tokens=True, truncation=keep is not None, max_length=keep
+    )
     return [list(ids) for ids in encoded["input_ids"]]
 
 

@@ -10,7 +10,23 @@ from prometheus_client.registry import Collector
 
 from scheduler.stats import EngineSnapshot
 
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 REJECT_REASONS = ("queue_full", "tokens_full", "draining", "not_ready")
 
@@ -22,38 +38,60 @@ class ServiceMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
-            "poolserve_requests", "HTTP requests by endpoint, task and status.",
-            ["endpoint", "task", "status"], registry=r,
+            "poolserve_requests",
+            "HTTP requests by endpoint, task and status.",
+            ["endpoint", "task", "status"],
+            registry=r,
         )
         self.request_duration = Histogram(
-            "poolserve_request_duration_seconds", "HTTP request latency.", ["endpoint"],
-            buckets=LATENCY_BUCKETS, registry=r,
+            "poolserve_request_duration_seconds",
+            "HTTP request latency.",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.tokenization = Histogram(
-            "poolserve_tokenization_duration_seconds", "Tokenization time per HTTP request.",
-            buckets=LATENCY_BUCKETS, registry=r,
+            "poolserve_tokenization_duration_seconds",
+            "Tokenization time per HTTP request.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.queue = Histogram(
-            "poolserve_queue_duration_seconds", "Time an input waited before its first step.",
-            buckets=LATENCY_BUCKETS, registry=r,
+            "poolserve_queue_duration_seconds",
+            "Time an input waited before its first step.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.inference = Histogram(
-            "poolserve_inference_duration_seconds", "Time from an input's first step to its output.",
-            buckets=LATENCY_BUCKETS, registry=r,
+            "poolserve_inference_duration_seconds",
+            "Time from an input's first step to its output.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
-        self.prompt_tokens = Counter("poolserve_prompt_tokens", "Prompt tokens admitted.", registry=r)
-        self.output_bytes = Counter("poolserve_output_bytes", "Response body bytes of inference routes.", registry=r)
+        self.prompt_tokens = Counter(
+            "poolserve_prompt_tokens", "Prompt tokens admitted.", registry=r
+        )
+        self.output_bytes = Counter(
+            "poolserve_output_bytes", "Response body bytes of inference routes.", registry=r
+        )
         self.step_duration = Histogram(
-            "poolserve_step_duration_seconds", "Forward + pooling time of one step.",
-            buckets=STEP_BUCKETS, registry=r,
+            "poolserve_step_duration_seconds",
+            "Forward + pooling time of one step.",
+            buckets=STEP_BUCKETS,
+            registry=r,
         )
         self.rejected = Counter(
-            "poolserve_rejected_requests", "Requests refused before any work, by reason.", ["reason"], registry=r,
+            "poolserve_rejected_requests",
+            "Requests refused before any work, by reason.",
+            ["reason"],
+            registry=r,
         )
         for reason in REJECT_REASONS:
             self.rejected.labels(reason)
 
-    def bind_engine(self, snapshot: Callable[[], EngineSnapshot], ready: Callable[[], bool]) -> None:
+    def bind_engine(
+        self, snapshot: Callable[[], EngineSnapshot], ready: Callable[[], bool]
+    ) -> None:
         """Export the engine's gauges and counters, read at scrape time."""
         self.registry.register(_EngineCollector(snapshot, ready))
 
@@ -89,17 +127,25 @@ class _EngineCollector(Collector):
         gauges = {
             "poolserve_running_requests": ("Inputs in a step right now.", s.num_running),
             "poolserve_waiting_requests": ("Inputs waiting for their first step.", s.num_waiting),
-            "poolserve_queued_tokens": ("Prompt tokens of queued and running inputs.", s.num_queued_tokens),
-            "poolserve_kv_blocks_used": ("KV cache blocks held by chunked prompts.", s.num_kv_blocks_used),
-            "poolserve_kv_blocks_total": ("KV cache blocks in all.", s.num_kv_blocks_total),
+            "poolserve_queued_tokens": (
+                "Prompt tokens of queued and running inputs.",
+                s.num_queued_tokens,
+            ),
+            "poolserve_kv_blocks_used": (
+                "KV cache blocks held by chunked prompts.",
+                s.num_kv_blocks_used,
+            ),
+            "poolserve_kv_blocks_capacity": ("KV cache blocks in all.", s.num_kv_blocks_total),
             "poolserve_ready": ("1 when the server accepts work, else 0.", int(self.ready())),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
         counters = {
             "poolserve_step_tokens": ("Tokens run through the model.", s.step_tokens_total),
-            "poolserve_cloned_bytes": ("Bytes cloned to own pooled outputs under async scheduling.",
-                                       s.cloned_bytes_total),
+            "poolserve_cloned_bytes": (
+                "Bytes cloned to own pooled outputs under async scheduling.",
+                s.cloned_bytes_total,
+            ),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)

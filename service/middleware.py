@@ -20,7 +20,9 @@ class _BodyTooLarge(HTTPException):
     """Raised from receive() once the body passes the limit (the app renders it as 413)."""
 
     def __init__(self, limit: int) -> None:
-        super().__init__(413, f"request body is larger than the limit of {limit} bytes (--payload-limit)")
+        super().__init__(
+            413, f"request body is larger than the limit of {limit} bytes (--payload-limit)"
+        )
 
 
 class EdgeMiddleware:
@@ -46,7 +48,10 @@ class EdgeMiddleware:
         async def send_wrapped(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status["code"], status["started"] = message["status"], True
-                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+                message["headers"] = [
+                    *message.get("headers", []),
+                    (b"x-request-id", request_id.encode()),
+                ]
             await send(message)
 
         counted = scope["path"] not in OPEN_PATHS

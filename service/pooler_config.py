@@ -9,7 +9,6 @@ from pydantic import BaseModel, ConfigDict, StrictInt
 from pooling.params import PoolingType
 
 
-
 class PoolerDefaults(BaseModel):
     """Defaults applied before a request's own fields."""
 

@@ -26,7 +26,9 @@ def _json(document: object, status: int = 200) -> Response:
 async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     """Token ids of a prompt, as the engine would see them."""
     _, model = check_serving(service_state(request), body.model)
-    encoded = await asyncio.to_thread(model.tokenizer, body.prompt, add_special_tokens=body.add_special_tokens)
+    encoded = await asyncio.to_thread(
+        model.tokenizer, body.prompt, add_special_tokens=body.add_special_tokens
+    )
     ids = list(encoded["input_ids"])
     return _json({"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids})
 
@@ -38,7 +40,9 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
     vocab_size = model.loaded.spec.vocab_size
     bad = [t for t in body.tokens if t >= vocab_size]
     if bad:
-        raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (size {vocab_size})", "tokens")
+        raise InvalidRequestError(
+            f"token id {bad[0]} is outside the vocabulary (size {vocab_size})", "tokens"
+        )
     text = await asyncio.to_thread(model.tokenizer.decode, body.tokens)
     return _json({"prompt": text})
 
@@ -49,8 +53,12 @@ async def models(request: Request) -> Response:
     state = service_state(request)
     _, model = check_serving(state, None)
     card = {
-        "id": model.served_name, "object": "model", "created": int(time.time()), "owned_by": "poolserve",
-        "root": str(model.loaded.path), "max_model_len": model.max_model_len,
+        "id": model.served_name,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "poolserve",
+        "root": str(model.loaded.path),
+        "max_model_len": model.max_model_len,
     }
     return _json({"object": "list", "data": [card]})
 
@@ -61,16 +69,25 @@ async def info(request: Request) -> Response:
     state = service_state(request)
     _, model = check_serving(state, None)
     s = state.settings
-    return _json({
-        "model": model.served_name, "model_path": str(model.loaded.path),
-        "architecture": model.loaded.spec.architecture,
-        "tasks": [t.value for t in state.supported_tasks], "dtype": state.dtype, "device": state.device,
-        "max_model_len": model.max_model_len, "max_num_batched_tokens": s.max_num_batched_tokens,
-        "max_num_seqs": s.max_num_seqs, "max_num_queued_requests": s.max_num_queued_requests,
-        "max_num_queued_tokens": s.max_num_queued_tokens, "max_client_batch_size": s.max_client_batch_size,
-        "payload_limit": s.payload_limit, "async_scheduling": s.async_scheduling,
-        "version": version("poolserve"),
-    })
+    return _json(
+        {
+            "model": model.served_name,
+            "model_path": str(model.loaded.path),
+            "architecture": model.loaded.spec.architecture,
+            "tasks": [t.value for t in state.supported_tasks],
+            "dtype": state.dtype,
+            "device": state.device,
+            "max_model_len": model.max_model_len,
+            "max_num_batched_tokens": s.max_num_batched_tokens,
+            "max_num_seqs": s.max_num_seqs,
+            "max_num_queued_requests": s.max_num_queued_requests,
+            "max_num_queued_tokens": s.max_num_queued_tokens,
+            "max_client_batch_size": s.max_client_batch_size,
+            "payload_limit": s.payload_limit,
+            "async_scheduling": s.async_scheduling,
+            "version": version("poolserve"),
+        }
+    )
 
 
 @router.get("/health")
@@ -78,13 +95,15 @@ async def health(request: Request) -> Response:
     """Liveness: 200 while the process and the engine loop live."""
     engine = service_state(request).engine
     if engine is not None and not engine.is_alive:
-        return error_response(503, "the engine loop has stopped", "service_unavailable", None, "engine_dead")
+        return error_response(
+            503, "the engine loop has stopped", "service_unavailable", None, "engine_dead"
+        )
     return _json({"status": "ok"})
 
 
 @router.get("/ready")
 async def ready(request: Request) -> Response:
-    """Readiness: 503 until warm-up finished, while draining, after an unrecoverable engine error."""
+    """Readiness: 503 until warmed up, while draining, after an unrecoverable engine error."""
     state = service_state(request)
     if state.accepting():
         return _json({"status": "ready"})

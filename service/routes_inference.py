@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 import numpy as np
 from fastapi import APIRouter, Request
@@ -33,7 +33,9 @@ def _usage(run: Submitted) -> dict[str, int]:
     return {"prompt_tokens": run.num_prompt_tokens, "total_tokens": run.num_prompt_tokens}
 
 
-async def _respond(request: Request, document: dict[str, object], outputs: list[PoolingOutput]) -> Response:
+async def _respond(
+    request: Request, document: Mapping[str, object], outputs: list[PoolingOutput]
+) -> Response:
     """Encode off the event loop and account the bytes."""
     body = await asyncio.to_thread(dumps, document)
     service_state(request).metrics.output_bytes.inc(len(body))
@@ -44,14 +46,21 @@ async def _respond(request: Request, document: dict[str, object], outputs: list[
 async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     """OpenAI embeddings."""
     defaults = _defaults(request)
-    params = _params(PoolingTask.EMBED, defaults, dimensions=body.dimensions, normalize=body.normalize)
+    params = _params(
+        PoolingTask.EMBED, defaults, dimensions=body.dimensions, normalize=body.normalize
+    )
     run = await submit(request, body, PoolingTask.EMBED, params)
     outputs = await gather(request, run)
     data = [
         {"object": "embedding", "index": i, "embedding": encode_value(o.data, body.encoding_format)}
         for i, o in enumerate(outputs)
     ]
-    document = {"object": "list", "data": data, "model": run.model.served_name, "usage": _usage(run)}
+    document = {
+        "object": "list",
+        "data": data,
+        "model": run.model.served_name,
+        "usage": _usage(run),
+    }
     return await _respond(request, document, outputs)
 
 
@@ -62,8 +71,12 @@ async def pooling(body: PoolingRequestBody, request: Request) -> Response:
     state = service_state(request)
     task = body.task or state.default_task
     params = _params(
-        task, _defaults(request), dimensions=body.dimensions, normalize=body.normalize,
-        use_activation=body.use_activation, step_tag_id=body.step_tag_id,
+        task,
+        _defaults(request),
+        dimensions=body.dimensions,
+        normalize=body.normalize,
+        use_activation=body.use_activation,
+        step_tag_id=body.step_tag_id,
         returned_token_ids=body.returned_token_ids,
     )
     run = await submit(request, body, task, params)
@@ -71,7 +84,9 @@ async def pooling(body: PoolingRequestBody, request: Request) -> Response:
         return StreamingResponse(_stream(request, body, run), media_type="application/x-ndjson")
     outputs = await gather(request, run)
     document = {
-        "id": f"pool-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+        "id": f"pool-{uuid.uuid4().hex}",
+        "object": "list",
+        "created": int(time.time()),
         "model": run.model.served_name,
         "data": [_pooling_item(i, o.data, body) for i, o in enumerate(outputs)],
         "usage": _usage(run),
@@ -81,14 +96,18 @@ async def pooling(body: PoolingRequestBody, request: Request) -> Response:
 
 def _pooling_item(index: int, data: np.ndarray, body: PoolingRequestBody) -> dict[str, object]:
     item: dict[str, object] = {
-        "index": index, "object": "pooling", "data": encode_value(data, body.encoding_format, body.embed_dtype)
+        "index": index,
+        "object": "pooling",
+        "data": encode_value(data, body.encoding_format, body.embed_dtype),
     }
     if body.encoding_format == "base64":
         item["shape"] = list(data.shape)
     return item
 
 
-async def _stream(request: Request, body: PoolingRequestBody, run: Submitted) -> AsyncIterator[bytes]:
+async def _stream(
+    request: Request, body: PoolingRequestBody, run: Submitted
+) -> AsyncIterator[bytes]:
     """One line per input as it finishes (token-level outputs in row pieces), then usage."""
     metrics = service_state(request).metrics
     async for index, output in as_completed(run):
@@ -114,10 +133,16 @@ async def classify(body: ClassifyRequest, request: Request) -> Response:
     for i, o in enumerate(outputs):
         best = int(np.argmax(o.data))
         label = labels[best] if best < len(labels) else f"LABEL_{best}"
-        data.append({"index": i, "label": label, "probs": o.data, "num_classes": int(o.data.shape[-1])})
+        data.append(
+            {"index": i, "label": label, "probs": o.data, "num_classes": int(o.data.shape[-1])}
+        )
     document = {
-        "id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-        "model": run.model.served_name, "data": data, "usage": _usage(run),
+        "id": f"classify-{uuid.uuid4().hex}",
+        "object": "list",
+        "created": int(time.time()),
+        "model": run.model.served_name,
+        "data": data,
+        "usage": _usage(run),
     }
     return await _respond(request, document, outputs)
 

@@ -6,6 +6,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 
@@ -45,17 +46,21 @@ def check_serving(state: ServiceState, model_name: str | None) -> tuple[Engine, 
         raise NotReadyError("the server is not ready yet")
     if model_name is not None and model_name != state.model.served_name:
         raise ModelNotFoundError(
-            f"model {model_name!r} does not exist; this server serves {state.model.served_name!r}", "model"
+            f"model {model_name!r} does not exist; this server serves {state.model.served_name!r}",
+            "model",
         )
     return state.engine, state.model
 
 
-async def submit(request: Request, body: _InputBody, task: PoolingTask, params: PoolingParams) -> Submitted:
+async def submit(
+    request: Request, body: _InputBody, task: PoolingTask, params: PoolingParams
+) -> Submitted:
     """Admission check, then tokenization off the loop, then all-or-nothing submission."""
     state = service_state(request)
     request.state.task = task.value
     engine, model = check_serving(state, body.model)
     raw = split_input(body.input, state.settings.max_client_batch_size)
+    engine.check_params(params)
     engine.precheck(len(raw))  # 429 before any tokenization work
     keep = truncation_length(body.truncate_prompt_tokens, model)
     started = time.perf_counter()
@@ -72,7 +77,8 @@ async def gather(request: Request, run: Submitted) -> list[PoolingOutput]:
     everything = asyncio.ensure_future(asyncio.gather(*(asyncio.shield(f) for f in run.futures)))
     watcher = asyncio.ensure_future(_disconnected(request))
     try:
-        await asyncio.wait({everything, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        waiters: set[asyncio.Future[Any]] = {everything, watcher}
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         if not everything.done():
             raise asyncio.CancelledError("client disconnected")
         return list(everything.result())

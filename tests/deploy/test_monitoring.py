@@ -31,7 +31,7 @@ DASHBOARD_MUST_READ = {
     "queued tokens": "poolserve_queued_tokens",
     "step tokens/s": "poolserve_step_tokens_total",
     "KV blocks used": "poolserve_kv_blocks_used",
-    "KV blocks total": "poolserve_kv_blocks_total",
+    "KV blocks total": "poolserve_kv_blocks_capacity",
     "cloned bytes": "poolserve_cloned_bytes_total",
     "output bytes": "poolserve_output_bytes_total",
     "rejections": "poolserve_rejected_requests_total",

@@ -28,7 +28,10 @@ TASKS = (PoolingTask.EMBED, PoolingTask.TOKEN_EMBED)
 
 def _config(**overrides: object) -> SchedulerConfig:
     base: dict[str, object] = {
-        "max_num_batched_tokens": 64, "max_num_seqs": 16, "block_size": 8, "num_kv_blocks": 512,
+        "max_num_batched_tokens": 64,
+        "max_num_seqs": 16,
+        "block_size": 8,
+        "num_kv_blocks": 512,
     }
     base.update(overrides)
     return SchedulerConfig(**base)  # type: ignore[arg-type]
@@ -40,7 +43,10 @@ def _close(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 async def _run_all(
-    loaded: LoadedModel, config: SchedulerConfig, prompts: list[list[int]], params: list[PoolingParams]
+    loaded: LoadedModel,
+    config: SchedulerConfig,
+    prompts: list[list[int]],
+    params: list[PoolingParams],
 ) -> list[PoolingOutput]:
     engine = Engine(loaded, config, CPU)
     engine.start()
@@ -67,7 +73,9 @@ def _workload(seed: int, n: int, max_len: int) -> tuple[list[list[int]], list[Po
 def test_batch_invariance(llama: LoadedModel, async_scheduling: bool) -> None:
     """>= 50 concurrent prompts, chunked and interleaved, equal each prompt run alone."""
     prompts, params = _workload(seed=1, n=56, max_len=150)
-    mixed = asyncio.run(_run_all(llama, _config(async_scheduling=async_scheduling), prompts, params))
+    mixed = asyncio.run(
+        _run_all(llama, _config(async_scheduling=async_scheduling), prompts, params)
+    )
     alone_config = _config(max_num_batched_tokens=256, async_scheduling=False)
     for prompt, param, got in zip(prompts, params, mixed, strict=True):
         (alone,) = asyncio.run(_run_all(llama, alone_config, [prompt], [param]))
@@ -116,10 +124,14 @@ def test_cancellation_frees_blocks_and_pooling_state(llama: LoadedModel) -> None
     assert engine.admission.queued_requests == 0 and engine.admission.queued_tokens == 0
     survivors = [i for i, r in enumerate(results) if r is not None]
     assert len(survivors) >= 25
-    alone = asyncio.run(_run_all(
-        llama, _config(max_num_batched_tokens=256), [prompts[i] for i in survivors],
-        [params[i] for i in survivors],
-    ))
+    alone = asyncio.run(
+        _run_all(
+            llama,
+            _config(max_num_batched_tokens=256),
+            [prompts[i] for i in survivors],
+            [params[i] for i in survivors],
+        )
+    )
     for i, ref in zip(survivors, alone, strict=True):
         got = results[i]
         assert got is not None and _close(got.data, ref.data)

@@ -25,7 +25,9 @@ def make_client(tiny_model_dir: Callable[[str], Path]) -> Callable[..., object]:
     @contextmanager
     def make(name: str | None, **settings: object) -> Iterator[TestClient]:
         model = str(tiny_model_dir(name)) if name else None
-        app = create_app(ServerSettings(model=model, served_model_name=name or "minilm", **settings))
+        app = create_app(
+            ServerSettings(model=model, served_model_name=name or "minilm", **settings)
+        )
         with TestClient(app) as client:
             yield client
 

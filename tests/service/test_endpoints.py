@@ -33,7 +33,9 @@ def _pool(client: Any, **body: Any) -> list[Any]:
 
 
 def test_embeddings_minilm_equal_sentence_transformers(make_client: Callable[..., Any]) -> None:
-    reference = SentenceTransformer(str(MINILM_DIR), device="cpu").encode(TEXTS, convert_to_numpy=True)
+    reference = SentenceTransformer(str(MINILM_DIR), device="cpu").encode(
+        TEXTS, convert_to_numpy=True
+    )
     with make_client(None) as client:
         for fmt in ("float", "base64"):
             response = client.post("/v1/embeddings", json={"input": TEXTS, "encoding_format": fmt})
@@ -112,7 +114,8 @@ def test_stream_lines_equal_the_plain_response(make_client: Callable[..., Any], 
     with make_client("llama", max_num_batched_tokens=128) as client:
         plain = _pool(client, input=texts, task="token_embed", encoding_format=fmt)
         with client.stream(
-            "POST", "/v1/pooling",
+            "POST",
+            "/v1/pooling",
             json={"input": texts, "task": "token_embed", "stream": True, "encoding_format": fmt},
         ) as response:
             assert response.headers["content-type"].startswith("application/x-ndjson")
@@ -133,7 +136,9 @@ def test_stream_lines_equal_the_plain_response(make_client: Callable[..., Any], 
 def test_base64_embed_dtype(make_client: Callable[..., Any], dtype: str, np_dtype: str) -> None:
     with make_client("llama") as client:
         (floats,) = _pool(client, input="hello", task="embed")
-        (encoded,) = _pool(client, input="hello", task="embed", encoding_format="base64", embed_dtype=dtype)
+        (encoded,) = _pool(
+            client, input="hello", task="embed", encoding_format="base64", embed_dtype=dtype
+        )
     decoded = np.frombuffer(base64.b64decode(encoded), np_dtype).astype(np.float32)
     assert np.abs(decoded - np.asarray(floats)).max() <= (1e-3 if dtype == "float16" else 1e-7)
 
@@ -141,7 +146,9 @@ def test_base64_embed_dtype(make_client: Callable[..., Any], dtype: str, np_dtyp
 def test_bfloat16_base64_round_trips(make_client: Callable[..., Any]) -> None:
     with make_client("llama") as client:
         (floats,) = _pool(client, input="hello", task="embed")
-        (encoded,) = _pool(client, input="hello", task="embed", encoding_format="base64", embed_dtype="bfloat16")
+        (encoded,) = _pool(
+            client, input="hello", task="embed", encoding_format="base64", embed_dtype="bfloat16"
+        )
     raw = np.frombuffer(base64.b64decode(encoded), "<u2").astype(np.uint32) << 16
     decoded = raw.view(np.float32)
     assert np.abs(decoded - np.asarray(floats)).max() <= 1e-2
@@ -161,7 +168,9 @@ def test_tokenize_detokenize_models_info(make_client: Callable[..., Any]) -> Non
 
 def test_headers_echo_request_id_and_timings(make_client: Callable[..., Any]) -> None:
     with make_client("llama") as client:
-        response = client.post("/v1/embeddings", json={"input": "hi"}, headers={"x-request-id": "abc-123"})
+        response = client.post(
+            "/v1/embeddings", json={"input": "hi"}, headers={"x-request-id": "abc-123"}
+        )
     assert response.headers["x-request-id"] == "abc-123"
     assert float(response.headers["x-queue-time"]) >= 0
     assert float(response.headers["x-inference-time"]) >= 0

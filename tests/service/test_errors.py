@@ -27,7 +27,9 @@ def _error(response: Any, status: int, param: str | None = None) -> dict[str, An
 
 
 def test_malformed_json(client: Any) -> None:
-    response = client.post("/v1/embeddings", content=b"{not json", headers={"content-type": "application/json"})
+    response = client.post(
+        "/v1/embeddings", content=b"{not json", headers={"content-type": "application/json"}
+    )
     _error(response, 400)
 
 
@@ -62,11 +64,17 @@ def test_token_ids_out_of_range(client: Any, ids: Any) -> None:
 @pytest.mark.parametrize("dimensions", [0, -3, 65, 16])
 def test_invalid_or_unsupported_dimensions(client: Any, dimensions: int) -> None:
     # the tiny llama declares no Matryoshka support, so even 16 is refused
-    _error(client.post("/v1/embeddings", json={"input": "a", "dimensions": dimensions}), 400, "dimensions")
+    _error(
+        client.post("/v1/embeddings", json={"input": "a", "dimensions": dimensions}),
+        400,
+        "dimensions",
+    )
 
 
 def test_prompt_too_long_states_both_lengths(client: Any) -> None:
-    error = _error(client.post("/v1/embeddings", json={"input": [list(range(1, 101))]}), 400, "input")
+    error = _error(
+        client.post("/v1/embeddings", json={"input": [list(range(1, 101))]}), 400, "input"
+    )
     assert "100" in error["message"] and "64" in error["message"]
 
 
@@ -93,7 +101,9 @@ def test_payload_too_large_streamed_without_length(client: Any) -> None:
             yield b"a" * 1000
         yield b'"}'
 
-    response = client.post("/v1/embeddings", content=chunks(), headers={"content-type": "application/json"})
+    response = client.post(
+        "/v1/embeddings", content=chunks(), headers={"content-type": "application/json"}
+    )
     _error(response, 413)
 
 
@@ -103,7 +113,9 @@ def test_unsupported_task_lists_supported(client: Any) -> None:
 
 
 def test_unknown_model_is_404(client: Any) -> None:
-    error = _error(client.post("/v1/embeddings", json={"input": "a", "model": "nope"}), 404, "model")
+    error = _error(
+        client.post("/v1/embeddings", json={"input": "a", "model": "nope"}), 404, "model"
+    )
     assert error["code"] == "model_not_found"
 
 

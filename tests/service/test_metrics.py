@@ -1,0 +1,71 @@
+"""/metrics parses with the Prometheus text parser and moves by the expected amounts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def _samples(client: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = client.get("/metrics").text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def _value(samples: dict[Any, float], name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_counters_move_by_the_expected_amounts(make_client: Callable[..., Any]) -> None:
+    with make_client("llama") as client:
+        before = _samples(client)
+        ids = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+        assert client.post("/v1/embeddings", json={"input": ids}).status_code == 200
+        assert (
+            client.post("/v1/pooling", json={"input": ids[:1], "task": "token_embed"}).status_code
+            == 200
+        )
+        assert (
+            client.post("/v1/pooling", json={"input": "a", "task": "classify"}).status_code == 400
+        )
+        after = _samples(client)
+
+    def delta(name: str, **labels: str) -> float:
+        return _value(after, name, **labels) - _value(before, name, **labels)
+
+    assert (
+        delta("poolserve_requests_total", endpoint="/v1/embeddings", task="embed", status="200")
+        == 1
+    )
+    assert (
+        delta("poolserve_requests_total", endpoint="/v1/pooling", task="token_embed", status="200")
+        == 1
+    )
+    assert (
+        delta("poolserve_requests_total", endpoint="/v1/pooling", task="classify", status="400")
+        == 1
+    )
+    assert delta("poolserve_prompt_tokens_total") == 9 + 3
+    assert delta("poolserve_queue_duration_seconds_count") == 4
+    assert delta("poolserve_inference_duration_seconds_count") == 4
+    assert delta("poolserve_step_tokens_total") == 12
+    assert delta("poolserve_tokenization_duration_seconds_count") == 2
+    assert delta("poolserve_request_duration_seconds_count", endpoint="/v1/embeddings") == 1
+    assert delta("poolserve_output_bytes_total") > 0
+    assert _value(after, "poolserve_ready") == 1
+    assert _value(after, "poolserve_kv_blocks_used") == 0
+    assert _value(after, "poolserve_kv_blocks_capacity") > 0
+    assert _value(after, "poolserve_waiting_requests") == 0
+
+
+def test_labels_never_take_client_values(make_client: Callable[..., Any]) -> None:
+    with make_client("llama") as client:
+        client.post("/v1/nonexistent-route-xyz", json={})
+        client.post("/v1/pooling", json={"input": "a", "task": "client-made-up"})
+        text = client.get("/metrics").text
+    assert "nonexistent-route-xyz" not in text and "client-made-up" not in text

@@ -1,0 +1,126 @@
+"""A real `poolserve serve` process: the official openai client, concurrency, SIGTERM drain."""
+
+from __future__ import annotations
+
+import base64
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from sentence_transformers import SentenceTransformer
+
+from tests.tiny_models import MINILM_DIR
+
+pytestmark = pytest.mark.slow
+TEXTS = [
+    "the cat sat on the mat",
+    "poolserve serves pooled outputs",
+    "a third, longer sentence " * 5,
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_server(
+    port: int, *args: str, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """Start `poolserve serve` and wait until /ready answers 200 (or fail clearly)."""
+    command = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), *args]
+    process = subprocess.Popen(
+        command,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"server exited early: {process.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
+                return process
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    raise AssertionError("server did not become ready within 120 s")
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    port = free_port()
+    process = start_server(port, "--served-model-name", "minilm", "--shutdown-timeout", "20")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+
+
+def test_openai_client_float_and_base64_concurrently(server: str) -> None:
+    reference = SentenceTransformer(str(MINILM_DIR), device="cpu").encode(TEXTS)
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+
+    def embed(fmt: str) -> list[object]:
+        result = client.embeddings.create(model="minilm", input=TEXTS, encoding_format=fmt)  # type: ignore[arg-type]
+        # an explicit base64 request hands back the raw string; the client decodes only its default
+        return [
+            np.frombuffer(base64.b64decode(d.embedding), "<f4") if fmt == "base64" else d.embedding
+            for d in result.data
+        ]
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(embed, ["float", "base64"] * 8))
+    for vectors in results:
+        got = np.asarray(vectors, dtype=np.float32)
+        assert np.abs(got - reference).max() <= 1e-4 * np.abs(reference).max()
+    # the client's default (no encoding_format) is base64 under the hood
+    default = client.embeddings.create(model="minilm", input=TEXTS[0]).data[0].embedding
+    assert np.abs(np.asarray(default) - reference[0]).max() <= 1e-4
+
+
+def test_sigterm_lets_the_inflight_request_finish_and_exits_zero() -> None:
+    port = free_port()
+    process = start_server(port, "--shutdown-timeout", "30", "--max-num-batched-tokens", "512")
+    url = f"http://127.0.0.1:{port}"
+    texts = [f"sentence number {i} " * 20 for i in range(400)]
+    outcome: dict[str, object] = {}
+
+    def long_request() -> None:
+        body = {"input": texts, "encoding_format": "base64"}
+        outcome["response"] = httpx.post(f"{url}/v1/embeddings", json=body, timeout=120)
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    time.sleep(0.5)  # the request is in flight
+    process.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    try:
+        refused = httpx.post(f"{url}/v1/embeddings", json={"input": "late"}, timeout=10)
+        assert refused.status_code == 503
+    except httpx.TransportError:
+        pass  # the server may already have finished the drain and closed its socket
+    thread.join(120)
+    response = outcome["response"]
+    assert isinstance(response, httpx.Response) and response.status_code == 200
+    data = response.json()["data"]
+    assert len(data) == len(texts)
+    assert len(base64.b64decode(data[0]["embedding"])) == 384 * 4
+    assert process.wait(60) == 0
