@@ -16,9 +16,7 @@ class UnsupportedTaskError(PoolingError):
         self.task = task
         self.supported = tuple(sorted(supported))
         names = ", ".join(self.supported) or "none"
-        super().__init__(
-            f"task {task!r} is not supported by this model; supported tasks: {names}"
-        )
+        super().__init__(f"task {task!r} is not supported by this model; supported tasks: {names}")
 
 
 class InvalidPoolingParamsError(PoolingError):

@@ -46,8 +46,9 @@ class PoolingModelInfo:
     """A model as pooling sees it; built once per loaded model by the scheduler's runner.
 
     Head modules map hidden states `[..., hidden_size]` to outputs `[..., out]` and are shared by
-    every request (pooling never mutates them). `embed_projection` is the sentence-transformers
-    Dense chain as a plain tensor -> tensor module.
+    every request (pooling never mutates them). Give them in float32: heads compute in float32,
+    and a half-precision module is run with float32 copies of its weights on every call.
+    `embed_projection` is the sentence-transformers Dense chain as a plain tensor -> tensor module.
     """
 
     is_causal: bool

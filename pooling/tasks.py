@@ -112,9 +112,7 @@ TASK_PLANS: dict[tuple[HeadKind, PoolingTask], TaskPlan] = {
     (HeadKind.SEQ_CLASSIFIER, PoolingTask.REWARD): TaskPlan(
         _sequence_pooling, _sequence_reward_head
     ),
-    (HeadKind.TOKEN_CLASSIFIER, PoolingTask.TOKEN_CLASSIFY): TaskPlan(
-        _all, _token_classifier_head
-    ),
+    (HeadKind.TOKEN_CLASSIFIER, PoolingTask.TOKEN_CLASSIFY): TaskPlan(_all, _token_classifier_head),
     (HeadKind.TOKEN_CLASSIFIER, PoolingTask.EMBED_TOKEN_CLASSIFY): TaskPlan(
         _all, _embed_token_classify_head
     ),

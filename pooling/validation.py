@@ -95,9 +95,7 @@ def validate_params(info: PoolingModelInfo, params: PoolingParams) -> None:
         if value is None:
             continue
         if params.task not in tasks:
-            raise InvalidPoolingParamsError(
-                name, f"does not apply to task {params.task.value!r}"
-            )
+            raise InvalidPoolingParamsError(name, f"does not apply to task {params.task.value!r}")
         heads = FIELD_HEADS.get(name)
         if heads is not None and info.head_kind not in heads:
             raise InvalidPoolingParamsError(name, "applies to process reward models only")

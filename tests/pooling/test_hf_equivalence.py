@@ -39,6 +39,7 @@ def _ids_tensor(ids: tuple[int, ...]) -> torch.Tensor:
     return torch.tensor([ids])  # [1, num_tokens]
 
 
+@cache
 @torch.no_grad()
 def _backbone_hidden(name: str, ids: tuple[int, ...]) -> torch.Tensor:
     """Last hidden states `[num_tokens, hidden]` of the reference model's backbone."""
@@ -47,6 +48,7 @@ def _backbone_hidden(name: str, ids: tuple[int, ...]) -> torch.Tensor:
     return backbone(input_ids=_ids_tensor(ids)).last_hidden_state[0]
 
 
+@cache
 @torch.no_grad()
 def _hf_logits(name: str, ids: tuple[int, ...]) -> torch.Tensor:
     return _hf(name)(input_ids=_ids_tensor(ids)).logits[0]

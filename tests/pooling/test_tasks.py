@@ -31,7 +31,12 @@ HIDDEN = 64
 
 def test_task_values_are_the_wire_names() -> None:
     assert {t.value for t in PoolingTask} == {
-        "embed", "classify", "token_embed", "token_classify", "embed&token_classify", "reward"
+        "embed",
+        "classify",
+        "token_embed",
+        "token_classify",
+        "embed&token_classify",
+        "reward",
     }
     assert frozenset(PoolingTask) == SUPPORTED_TASKS
     assert PoolingParams(task=T.EMBED_TOKEN_CLASSIFY).is_token_level
@@ -89,7 +94,8 @@ def test_decoder_base_model_supports_embed_and_token_embed() -> None:
 def test_decoder_token_classifier_supports_token_tasks() -> None:
     # No encoder-only filtering: a decoder *ForTokenClassification serves token_classify.
     assert get_supported_tasks(_decoder_token_classifier()) == {
-        T.TOKEN_CLASSIFY, T.EMBED_TOKEN_CLASSIFY
+        T.TOKEN_CLASSIFY,
+        T.EMBED_TOKEN_CLASSIFY,
     }
 
 
@@ -226,9 +232,7 @@ def test_default_step_tag_comes_from_the_model() -> None:
         num_labels=2,
         default_step_tag_id=9,
     )
-    pooler = build_pooler(
-        info, PoolingParams(T.REWARD), async_scheduling=False, stats=CloneStats()
-    )
+    pooler = build_pooler(info, PoolingParams(T.REWARD), async_scheduling=False, stats=CloneStats())
     out = pooler.add_chunk(torch.randn(6, HIDDEN), [1, 9, 2, 9, 9, 3], is_last=True)
     assert out is not None and out.shape == (3, 2)
 
