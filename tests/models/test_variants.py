@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -51,7 +52,7 @@ VARIANTS: dict[str, tuple[str, str, dict[str, object]]] = {
 }
 
 
-def _build(name: str, directory: Path) -> torch.nn.Module:
+def _build(name: str, directory: Path) -> Any:
     """Saves a variant checkpoint like the tiny fixtures and returns its HF reference."""
     config_class, model_class, overrides = VARIANTS[name]
     base = dict(TINY_SPECS["qwen2"].config)
