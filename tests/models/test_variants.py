@@ -81,3 +81,27 @@ def test_variant_matches_hf_whole_and_chunked(name: str, tmp_path: Path) -> None
     for outputs in (run_whole(loaded, prompts, CPU), run_chunked(loaded, prompts, 16, CPU)):
         for ours, reference in zip(outputs, references, strict=True):
             assert_close(ours, reference)
+
+
+@pytest.mark.parametrize(
+    "model_class", ["BertForSequenceClassification", "BertForTokenClassification"]
+)
+def test_bert_heads_match_hf(model_class: str, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    config = transformers.BertConfig(**{**TINY_SPECS["bert"].config, "num_labels": 3})
+    config._attn_implementation = "eager"
+    hf = getattr(transformers, model_class)(config).eval()
+    hf.save_pretrained(tmp_path)
+    for filename in TOKENIZER_FILES:
+        shutil.copy(MINILM_DIR / filename, tmp_path / filename)
+    loaded = load_model(str(tmp_path), device=CPU)
+    prompts = make_prompts((4, 60), seed=9)
+    for prompt, hidden in zip(prompts, run_whole(loaded, prompts, CPU), strict=True):
+        with torch.no_grad():
+            logits = hf(input_ids=torch.tensor([prompt])).logits[0]
+            if loaded.heads.seq_classifier is not None:
+                assert_close(loaded.heads.seq_classifier(hidden[0]), logits)
+            else:
+                assert loaded.heads.token_classifier is not None
+                assert_close(loaded.heads.token_classifier(hidden), logits)
+    assert loaded.spec.num_labels == 3
