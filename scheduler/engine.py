@@ -32,9 +32,10 @@ from scheduler.errors import (
 )
 from scheduler.kv_blocks import BlockAllocator
 from scheduler.observer import EngineObserver, NullObserver
-from scheduler.planner import BatchPlan, PlannerSeq, max_prompt_tokens, plan_step
+from scheduler.planner import max_prompt_tokens, plan_step
+from scheduler.queues import RequestQueues
 from scheduler.request import PoolingOutput, PoolingRequest, RequestStatus
-from scheduler.runner import ChunkWork, PreparedStep, Runner, StepResult
+from scheduler.runner import PreparedStep, Runner, StepResult
 from scheduler.stats import EngineSnapshot
 
 logger = logging.getLogger(__name__)
@@ -70,12 +71,8 @@ class Engine:
             async_scheduling=config.async_scheduling,
         )
         self.blocks = BlockAllocator(config.num_kv_blocks)
-        self.admission = AdmissionControl(
-            config.max_num_queued_requests, config.max_num_queued_tokens
-        )
-        self.waiting: list[PoolingRequest] = []
-        self.running: list[PoolingRequest] = []  # partially prefilled (chunks still to schedule)
-        self.by_id: dict[int, PoolingRequest] = {}
+        self.admission = AdmissionControl.from_config(config)
+        self.queues = RequestQueues(self.blocks, self.admission)
         self._ids = itertools.count()
         self._steps = itertools.count()
         self._wake = asyncio.Event()
@@ -102,11 +99,11 @@ class Engine:
         """Stop admitting, finish in-flight work within the timeout, then stop; True if clean."""
         self.draining = True
         deadline = time.monotonic() + timeout_s
-        while self.by_id and time.monotonic() < deadline and self.is_alive:
+        while self.queues and time.monotonic() < deadline and self.is_alive:
             await asyncio.sleep(0.01)
-        clean = not self.by_id
-        for request in list(self.by_id.values()):
-            self.cancel(request.request_id)
+        clean = not self.queues
+        for request in list(self.queues.by_id.values()):
+            self.queues.cancel(request)
         await self.stop()
         return clean
 
@@ -141,6 +138,7 @@ class Engine:
         self.precheck(len(prompts))
         for prompt in prompts:
             self._validate_prompt(prompt)
+        self.check_params(params)
         try:
             self.admission.reserve(len(prompts), sum(len(p) for p in prompts))
         except OverloadedError as exc:
@@ -150,8 +148,7 @@ class Engine:
         futures = []
         for prompt in prompts:
             request = self._new_request(prompt, params, priority, loop)
-            self.waiting.append(request)
-            self.by_id[request.request_id] = request
+            self.queues.add(request)
             futures.append(request.future)
         self._wake.set()
         return futures
@@ -173,9 +170,9 @@ class Engine:
 
     def cancel_future(self, future: asyncio.Future[PoolingOutput]) -> None:
         """Cancel the request behind a future returned by submit_many."""
-        for request in list(self.by_id.values()):
-            if request.future is future:
-                self.cancel(request.request_id)
+        request = self.queues.request_of(future)
+        if request is not None:
+            self.queues.cancel(request)
 
     def _validate_prompt(self, prompt: Sequence[int]) -> None:
         if len(prompt) == 0:
@@ -209,31 +206,6 @@ class Engine:
             priority=priority,
         )
 
-    # ---- cancellation --------------------------------------------------------------------------
-    def cancel(self, request_id: int) -> None:
-        """Remove a request wherever it is; free its blocks and pooling state at once if idle."""
-        request = self.by_id.get(request_id)
-        if request is None or request.is_done:
-            return
-        request.status = RequestStatus.CANCELLED
-        if request in self.waiting:
-            self.waiting.remove(request)
-        if request in self.running:
-            self.running.remove(request)
-        if not request.future.done():
-            request.future.cancel()
-        if request.num_inflight_steps == 0:
-            self._release(request)
-
-    def _release(self, request: PoolingRequest) -> None:
-        """Return a finished request's blocks, pooling state and admission share."""
-        if request.block_ids:
-            self.blocks.free(request.block_ids)
-            request.block_ids = []
-        request.pooler.close()
-        if self.by_id.pop(request.request_id, None) is not None:
-            self.admission.release(1, request.num_prompt_tokens)
-
     # ---- the loop ----------------------------------------------------------------------------
     async def _run(self) -> None:
         """Plan step N+1 while step N runs; deliver N's outputs; repeat."""
@@ -255,57 +227,13 @@ class Engine:
 
     def _plan_and_prepare(self) -> PreparedStep | None:
         """Plan the next step and fill its host buffers; None when there is nothing to run."""
-        plan = plan_step(
-            [self._planner_view(r) for r in self.waiting],
-            [self._planner_view(r) for r in self.running],
-            self.config,
-            self.blocks.num_free,
-        )
+        if not self.queues.has_work:
+            return None
+        waiting, running = self.queues.planner_inputs()
+        plan = plan_step(waiting, running, self.config, self.blocks.num_free)
         if plan.is_empty:
             return None
-        return self.runner.prepare(next(self._steps), self._apply_plan(plan))
-
-    @staticmethod
-    def _planner_view(request: PoolingRequest) -> PlannerSeq:
-        return PlannerSeq(
-            request_id=request.request_id,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_computed_tokens=request.num_computed_tokens,
-            num_blocks_held=len(request.block_ids),
-            priority=request.priority,
-            arrival_index=request.arrival_index,
-        )
-
-    def _apply_plan(self, plan: BatchPlan) -> list[ChunkWork]:
-        """Advance request state as if the plan had run, so the next plan can be made at once."""
-        now = time.monotonic()
-        work = []
-        for chunk in plan.chunks:
-            request = self.by_id[chunk.request_id]
-            if chunk.num_new_blocks:
-                request.block_ids.extend(self.blocks.allocate(chunk.num_new_blocks))
-            if request.status is RequestStatus.WAITING:
-                self.waiting.remove(request)
-                request.status = RequestStatus.RUNNING
-                request.first_scheduled_time = now
-                if not chunk.is_last:
-                    self.running.append(request)
-            elif chunk.is_last:
-                self.running.remove(request)
-            start = request.num_computed_tokens
-            request.num_computed_tokens += chunk.num_tokens
-            request.num_inflight_steps += 1
-            work.append(
-                ChunkWork(
-                    request.request_id,
-                    request.prompt_token_ids[start : start + chunk.num_tokens],
-                    start,
-                    chunk.is_last,
-                    tuple(request.block_ids),
-                    request.pooler,
-                )
-            )
-        return work
+        return self.runner.prepare(next(self._steps), self.queues.apply(plan))
 
     async def _finish_step(self, step: PreparedStep, pending: asyncio.Future[StepResult]) -> None:
         """Await a step, then resolve its finished requests or fail them all."""
@@ -323,13 +251,13 @@ class Engine:
         outputs = dict(result.outputs)
         now = time.monotonic()
         for chunk in step.chunks:
-            request = self.by_id.get(chunk.request_id)
+            request = self.queues.by_id.get(chunk.request_id)
             if request is None:
                 continue
             request.num_inflight_steps -= 1
             if request.status is RequestStatus.CANCELLED:
                 if request.num_inflight_steps == 0:
-                    self._release(request)
+                    self.queues.release(request)
             elif chunk.request_id in outputs:
                 self._resolve(request, outputs[chunk.request_id], now)
 
@@ -357,7 +285,7 @@ class Engine:
         self.observer.on_request_done(result.queue_time_s, result.inference_time_s)
         if not request.future.done():
             request.future.set_result(result)
-        self._release(request)
+        self.queues.release(request)
 
     def _fail_step(self, step: PreparedStep, exc: Exception) -> None:
         """Fail every request of a step that raised; mark the engine dead on device errors."""
@@ -368,28 +296,18 @@ class Engine:
             self.dead_reason = f"device error: {exc}"
             error = EngineDeadError(self.dead_reason)
         for chunk in step.chunks:
-            request = self.by_id.get(chunk.request_id)
+            request = self.queues.by_id.get(chunk.request_id)
             if request is None:
                 continue
             request.num_inflight_steps -= 1
-            self._fail_request(request, error)
-
-    def _fail_request(self, request: PoolingRequest, error: Exception) -> None:
-        if request in self.running:
-            self.running.remove(request)
-        if request.status is not RequestStatus.CANCELLED:
-            request.status = RequestStatus.FAILED
-            if not request.future.done():
-                request.future.set_exception(error)
-        if request.num_inflight_steps == 0:
-            self._release(request)
+            self.queues.fail(request, error)
 
     # ---- counters ------------------------------------------------------------------------
     def snapshot(self) -> EngineSnapshot:
         """Current gauges and counters for metrics."""
         return EngineSnapshot(
-            num_running=sum(1 for r in self.by_id.values() if r.status is RequestStatus.RUNNING),
-            num_waiting=len(self.waiting),
+            num_running=self.queues.num_running(),
+            num_waiting=len(self.queues.waiting),
             num_queued_tokens=self.admission.queued_tokens,
             num_kv_blocks_used=self.blocks.num_used,
             num_kv_blocks_total=self.blocks.num_total,

@@ -38,7 +38,7 @@ class DrainingServer(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         """Exit once a drain has no in-flight work left or its deadline passed."""
         if self.drain_deadline is not None:
-            engine_busy = self.state.engine is not None and bool(self.state.engine.by_id)
+            engine_busy = self.state.engine is not None and bool(self.state.engine.queues)
             idle = self.state.active_requests == 0 and not engine_busy
             if idle or time.monotonic() >= self.drain_deadline:
                 self.should_exit = True

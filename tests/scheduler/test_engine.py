@@ -113,7 +113,7 @@ def test_cancellation_frees_blocks_and_pooling_state(llama: LoadedModel) -> None
         for i in doomed:
             engine.cancel_future(futures[i])
         results = await asyncio.gather(*futures, return_exceptions=True)
-        while engine.by_id:
+        while engine.queues:
             await asyncio.sleep(0.01)
         await engine.stop()
         return engine, [r if isinstance(r, PoolingOutput) else None for r in results]
@@ -149,7 +149,7 @@ def test_admission_burst_refuses_exactly_the_excess(llama: LoadedModel) -> None:
             except OverloadedError as exc:
                 assert exc.retry_after_s >= 1
                 refused += 1
-        return refused, engine.num_steps, len(engine.waiting)
+        return refused, engine.num_steps, len(engine.queues.waiting)
 
     refused, steps, waiting = asyncio.run(scenario())
     assert (refused, steps, waiting) == (7, 0, 5)
