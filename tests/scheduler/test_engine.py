@@ -19,7 +19,7 @@ from models.spec import LoadedModel
 from pooling.params import PoolingParams, PoolingTask
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
-from scheduler.errors import OverloadedError
+from scheduler.errors import DrainingError, EngineDeadError, OverloadedError, StepFailedError
 from scheduler.request import PoolingOutput
 
 CPU = torch.device("cpu")
@@ -190,3 +190,80 @@ def test_next_step_is_planned_while_the_current_one_runs(
     assert len(executed) == 5  # 80 tokens under a budget of 16
     for step in range(4):
         assert prepared[step + 1] < executed[step]
+
+
+def test_a_failing_step_fails_only_its_requests(
+    llama: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One step raises: its requests get StepFailedError, later requests are served correctly."""
+
+    async def scenario() -> tuple[list[BaseException | PoolingOutput], PoolingOutput, Engine]:
+        engine = Engine(llama, _config(), CPU)
+        execute = engine.runner.execute
+        calls = {"n": 0}
+
+        def flaky(step):  # type: ignore[no-untyped-def]
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("boom")
+            return execute(step)
+
+        monkeypatch.setattr(engine.runner, "execute", flaky)
+        engine.start()
+        first = engine.submit_many([[1, 2, 3], [4, 5]], PoolingParams(task=PoolingTask.EMBED))
+        failed = await asyncio.gather(*first, return_exceptions=True)
+        later = await engine.submit([1, 2, 3], PoolingParams(task=PoolingTask.EMBED))
+        await engine.stop()
+        return failed, later, engine
+
+    failed, later, engine = asyncio.run(scenario())
+    assert all(isinstance(f, StepFailedError) for f in failed)
+    assert engine.dead_reason is None and not engine.queues
+    (alone,) = asyncio.run(
+        _run_all(llama, _config(), [[1, 2, 3]], [PoolingParams(task=PoolingTask.EMBED)])
+    )
+    assert _close(later.data, alone.data)
+
+
+def test_a_device_error_marks_the_engine_dead(
+    llama: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A CUDA error poisons the context: requests fail and new ones are refused."""
+
+    async def scenario() -> tuple[BaseException | PoolingOutput, Engine]:
+        engine = Engine(llama, _config(), CPU)
+
+        def broken(step):  # type: ignore[no-untyped-def]
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        monkeypatch.setattr(engine.runner, "execute", broken)
+        engine.start()
+        (future,) = engine.submit_many([[1, 2, 3]], PoolingParams(task=PoolingTask.EMBED))
+        (outcome,) = await asyncio.gather(future, return_exceptions=True)
+        with pytest.raises(EngineDeadError):
+            engine.precheck(1)
+        await engine.stop()
+        return outcome, engine
+
+    outcome, engine = asyncio.run(scenario())
+    assert isinstance(outcome, EngineDeadError)
+    assert engine.dead_reason is not None and "illegal memory access" in engine.dead_reason
+
+
+def test_drain_finishes_inflight_work_and_refuses_new(llama: LoadedModel) -> None:
+    """drain(): new submissions get DrainingError, queued ones still complete."""
+
+    async def scenario() -> tuple[list[PoolingOutput], bool]:
+        engine = Engine(llama, _config(max_num_batched_tokens=16), CPU)
+        engine.start()
+        prompts, _ = _workload(seed=5, n=10, max_len=60)
+        futures = engine.submit_many(prompts, PoolingParams(task=PoolingTask.EMBED))
+        drained = asyncio.ensure_future(engine.drain(timeout_s=60))
+        await asyncio.sleep(0)
+        with pytest.raises(DrainingError):
+            engine.submit_many([[1, 2]], PoolingParams(task=PoolingTask.EMBED))
+        outputs = list(await asyncio.gather(*futures))
+        return outputs, await drained
+
+    outputs, clean = asyncio.run(scenario())
+    assert clean and len(outputs) == 10

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import openai
+import orjson
 import pytest
 from sentence_transformers import SentenceTransformer
 
@@ -124,3 +125,37 @@ def test_sigterm_lets_the_inflight_request_finish_and_exits_zero() -> None:
     assert len(data) == len(texts)
     assert len(base64.b64decode(data[0]["embedding"])) == 384 * 4
     assert process.wait(60) == 0
+
+
+def _metric(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not exported")
+
+
+def test_a_disconnected_client_frees_its_work(server: str) -> None:
+    text = "a sentence that is long enough to take a while to embed " * 6
+    num_tokens = int(httpx.post(f"{server}/tokenize", json={"prompt": text}).json()["count"])
+    body = orjson.dumps({"input": [text] * 600})
+    steps_before = _metric(server, "poolserve_step_tokens_total")
+    host, port = server.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        head = (
+            f"POST /v1/embeddings HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n\r\n"
+        )
+        sock.sendall(head.encode() + body)
+        deadline = time.monotonic() + 30
+        while _metric(server, "poolserve_step_tokens_total") == steps_before:
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.02)
+    # the client is gone: its queued inputs must be dropped long before all 600 could run
+    deadline = time.monotonic() + 30
+    while _metric(server, "poolserve_queued_tokens") > 0:
+        assert time.monotonic() < deadline, "work of a disconnected client was not freed"
+        time.sleep(0.05)
+    ran = _metric(server, "poolserve_step_tokens_total") - steps_before
+    assert ran < 600 * num_tokens / 2
+    assert _metric(server, "poolserve_kv_blocks_used") == 0
+    assert _metric(server, "poolserve_waiting_requests") == 0
