@@ -197,7 +197,7 @@ class Engine:
         request_id = next(self._ids)
         return PoolingRequest(
             request_id=request_id,
-            prompt_token_ids=tuple(prompt),
+            prompt_token_ids=np.asarray(prompt, dtype=np.int64),
             params=params,
             pooler=pooler,
             future=loop.create_future(),

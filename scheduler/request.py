@@ -38,7 +38,7 @@ class PoolingRequest:
     """Engine-owned state of one prompt; only the engine's loop task mutates it."""
 
     request_id: int
-    prompt_token_ids: tuple[int, ...]
+    prompt_token_ids: np.ndarray  # [num_prompt_tokens] int64; chunks are views of it
     params: PoolingParams
     pooler: RequestPooler
     future: asyncio.Future[PoolingOutput]

@@ -5,7 +5,9 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
+import numpy as np
 import torch
 
 from models.attention import build_attention_metadata
@@ -19,7 +21,7 @@ class ChunkWork:
     """One request's chunk in a step, with everything the worker needs to run it."""
 
     request_id: int
-    token_ids: tuple[int, ...]
+    token_ids: np.ndarray  # [num_tokens] int64, a view of the prompt
     context_len: int  # tokens of this prompt already in the KV cache
     is_last: bool
     block_ids: tuple[int, ...]
@@ -89,14 +91,13 @@ class Runner:
     def prepare(self, step_index: int, chunks: Sequence[ChunkWork]) -> PreparedStep:
         """Fill the host slot of this step with token ids and positions (loop thread)."""
         slot = step_index % self.NUM_SLOTS
-        ids: list[int] = []
-        positions: list[int] = []
-        for chunk in chunks:
-            ids.extend(chunk.token_ids)
-            positions.extend(range(chunk.context_len, chunk.context_len + len(chunk.token_ids)))
+        ids = np.concatenate([c.token_ids for c in chunks])  # [num_tokens]
+        positions = np.concatenate(
+            [np.arange(c.context_len, c.context_len + len(c.token_ids)) for c in chunks]
+        )  # [num_tokens]
         num_tokens = len(ids)
-        self.host_ids[slot, :num_tokens] = torch.tensor(ids, dtype=torch.long)  # [num_tokens]
-        self.host_pos[slot, :num_tokens] = torch.tensor(positions, dtype=torch.long)  # [num_tokens]
+        self.host_ids[slot, :num_tokens].copy_(torch.from_numpy(ids))
+        self.host_pos[slot, :num_tokens].copy_(torch.from_numpy(positions))
         return PreparedStep(step_index, tuple(chunks), num_tokens, slot)
 
     def execute(self, step: PreparedStep) -> StepResult:
@@ -106,7 +107,11 @@ class Runner:
             hidden = self._forward(step)  # [num_tokens, hidden]
             pooled = pool_step(
                 hidden,
-                [ChunkInput(len(c.token_ids), c.token_ids, c.is_last) for c in step.chunks],
+                # an int64 array is a sequence of ints for pooling's purposes (len, iteration)
+                [
+                    ChunkInput(len(c.token_ids), cast("Sequence[int]", c.token_ids), c.is_last)
+                    for c in step.chunks
+                ],
                 [c.pooler for c in step.chunks],
             )
             finished = [
