@@ -119,6 +119,13 @@ def test_unknown_model_is_404(client: Any) -> None:
     assert error["code"] == "model_not_found"
 
 
+def _tokenizations(client: Any) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith("poolserve_tokenization_duration_seconds_count "):
+            return float(line.split()[1])
+    raise AssertionError("tokenization histogram not exported")
+
+
 def test_admission_full_is_429_before_tokenization(make_client: Callable[..., Any]) -> None:
     with make_client("llama", max_num_queued_requests=2, max_client_batch_size=8) as client:
         response = client.post("/v1/embeddings", json={"input": ["a", "b", "c"]})
@@ -126,9 +133,11 @@ def test_admission_full_is_429_before_tokenization(make_client: Callable[..., An
         engine = client.app.state.poolserve.engine
         engine.admission.reserve(2, 10)  # the queue is full right now
         try:
+            tokenized_before = _tokenizations(client)
             response = client.post("/v1/embeddings", json={"input": "a"})
             _error(response, 429)
             assert int(response.headers["retry-after"]) >= 1
+            assert _tokenizations(client) == tokenized_before  # refused before any tokenization
             metrics = client.get("/metrics").text
             assert 'poolserve_rejected_requests_total{reason="queue_full"} 1.0' in metrics
         finally:
