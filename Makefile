@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # CPU build by default (development and CI). On a GPU host: make install TORCH_SPEC=torch
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install test lint serve gpu-check
+.PHONY: install test lint serve gpu-check bench docker-smoke
 
 install: $(VENV)/.installed
 
@@ -30,3 +30,11 @@ serve: install
 
 gpu-check:
 	bash scripts/gpu_check.sh
+
+# Benchmarks against peers (not tests); results go to docs/benchmarks.md.
+bench: install
+	$(PY) -m bench all --quick
+
+# For maintainers with a Docker engine: build, compose up, one request, Prometheus target up.
+docker-smoke:
+	bash scripts/docker-smoke.sh
