@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from models.attention import AttentionMetadata, write_new_kv
+from models.attention_blocked import QUERY_BLOCK, blocked_causal_attention
 from models.kv_cache import PagedKVCache
 
 
@@ -25,6 +26,12 @@ def _needs_mask(causal: bool, num_context: int, num_new: int, window: int | None
     """Whether plain is_causal (or no mask) is not enough for this sequence."""
     window_bites = window is not None and num_context + num_new > window
     return causal and (num_context > 0 or window_bites)
+
+
+def _use_blocked(causal: bool, num_context: int, num_new: int, window: int | None) -> bool:
+    """Long causal sequences without a binding window take the blocked-GEMM path."""
+    window_bites = window is not None and num_context + num_new > window
+    return causal and not window_bites and num_new > QUERY_BLOCK
 
 
 class ReferenceAttention:
@@ -50,8 +57,11 @@ class ReferenceAttention:
             start, num_new = meta.query_starts[i], meta.seq_lens_q[i]
             stop = start + num_new
             keys, values = self._keys(key[start:stop], value[start:stop], i, layer, meta, kv_cache)
-            mask = None
             num_context = meta.context_lens[i]
+            if _use_blocked(meta.causal, num_context, num_new, sliding_window):
+                out[start:stop] = blocked_causal_attention(query[start:stop], keys, values, scale)
+                continue
+            mask = None
             if _needs_mask(meta.causal, num_context, num_new, sliding_window):
                 mask = allowed_keys(num_context, num_new, sliding_window, query.device)
             attended = F.scaled_dot_product_attention(
