@@ -1,0 +1,71 @@
+"""One entry point: `python -m bench [offline|served|token|engine|planner|all] [--quick] [...]`.
+
+Each part is imported only when it runs (the served part and the engine parts load heavy
+dependencies), and receives the remaining arguments. `all` runs every part in turn with the
+same flags (only `--quick` is passed on to all of them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+logger = logging.getLogger(__name__)
+
+
+def _with_argv(module: str, argv: Sequence[str]) -> None:
+    """Run a part whose main() reads sys.argv itself."""
+    saved = sys.argv
+    sys.argv = [f"bench.{module}", *argv]
+    try:
+        importlib.import_module(f"bench.{module}").main()
+    finally:
+        sys.argv = saved
+
+
+def _with_list(module: str, argv: Sequence[str]) -> None:
+    """Run a part whose main(argv) takes its arguments."""
+    importlib.import_module(f"bench.{module}").main(list(argv))
+
+
+def _planner(argv: Sequence[str]) -> None:
+    """The planner micro-benchmark has no flags; --quick changes nothing there."""
+    importlib.import_module("bench.planner_bench").main()
+
+
+PARTS: dict[str, Callable[[Sequence[str]], None]] = {
+    "offline": lambda argv: _with_list("offline", argv),
+    "served": lambda argv: _with_list("served", argv),
+    "token": lambda argv: _with_list("token_level", argv),
+    "engine": lambda argv: _with_argv("engine_bench", argv),
+    "planner": _planner,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Dispatch to one part, or every part in turn."""
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument("part", choices=[*PARTS, "all"])
+    args, rest = parser.parse_known_args(argv)
+    if args.part != "all":
+        PARTS[args.part](rest)
+        return
+    shared = ["--quick"] if "--quick" in rest else []
+    failed = []
+    for name, part in PARTS.items():
+        logger.warning("bench part %s", name)
+        try:
+            part(shared)
+        except Exception:  # one broken part must not hide the others' results
+            logger.exception("bench part %s failed", name)
+            failed.append(name)
+    if failed:
+        sys.exit(f"failed parts: {', '.join(failed)}")
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    main()
