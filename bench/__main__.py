@@ -49,7 +49,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Dispatch to one part, or every part in turn."""
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("part", choices=[*PARTS, "all"])
-    args, rest = parser.parse_known_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, rest = parser.parse_args(argv[:1]), argv[1:]  # the part's own flags, --help too
     if args.part != "all":
         PARTS[args.part](rest)
         return
