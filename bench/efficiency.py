@@ -122,3 +122,32 @@ def measure_matmul_peak(shape: Shape, num_tokens: int = 2048, *,
     logger.info("matmul peak %.1f GFLOP/s (%s, %d tokens)", peak.flops_per_s / 1e9,
                 peak.dtype, num_tokens)
     return peak
+
+
+def profile_engine_steps(model_dir: str, prompts: list[list[int]], num_steps: int,
+                         budget: int = 2048) -> str:
+    """torch.profiler table of the first steps' forwards, run in this thread (loop not started)."""
+    import asyncio
+
+    from models.loader import load_model
+    from pooling.params import PoolingParams, PoolingTask
+    from scheduler.config import SchedulerConfig
+    from scheduler.engine import Engine
+
+    cpu = torch.device("cpu")
+    loaded = load_model(model_dir, device=cpu, dtype=torch.float32)
+
+    async def steps() -> str:
+        engine = Engine(loaded, SchedulerConfig(max_num_batched_tokens=budget), cpu)
+        engine.submit_many(prompts, PoolingParams(task=PoolingTask.EMBED))
+        prepared = [engine._plan_and_prepare() for _ in range(num_steps)]
+        engine.runner.execute(prepared[0])  # type: ignore[arg-type]  # warm-up
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        with torch.profiler.profile(activities=acts) as prof:
+            for step in prepared[1:]:
+                if step is not None:
+                    engine.runner.execute(step)
+        await engine.stop()
+        return str(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
+
+    return asyncio.run(steps())

@@ -41,6 +41,7 @@ class PeerJob:
     max_length: int  # longest prompt in tokens, special tokens included
     batch_size: int | None = None  # sentence-transformers and HF peers
     max_num_batched_tokens: int = 2048  # poolserve engine
+    num_kv_blocks: int = 512  # poolserve engine: 8,192 tokens of chunked-prefill context
     device: str = "cpu"
     dtype: str = "float32"
     async_scheduling: bool = True
@@ -82,7 +83,7 @@ def _poolserve(job: PeerJob) -> Runner:
     device = torch.device(job.device)
     loaded = load_model(job.model_dir, device=device, dtype=getattr(torch, job.dtype))
     config = SchedulerConfig(
-        max_num_batched_tokens=job.max_num_batched_tokens, num_kv_blocks=2048,
+        max_num_batched_tokens=job.max_num_batched_tokens, num_kv_blocks=job.num_kv_blocks,
         enable_chunked_prefill=loaded.spec.is_causal, async_scheduling=job.async_scheduling,
         max_num_queued_tokens=1 << 24, max_num_queued_requests=1 << 16,
     )
