@@ -26,6 +26,7 @@ from bench.efficiency import (
     MatmulPeak,
     Shape,
     measure_matmul_peak,
+    profile_engine_steps,
     shape_from_config,
     workload_flops,
 )
@@ -213,12 +214,26 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench offline", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="2 decoder layers, fewer prompts")
     parser.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--profile", action="store_true",
+                        help="torch.profiler of engine steps over the prompts >= 512 tokens")
     parser.add_argument("--plot", default="docs/bench_offline.png", help="PNG path ('' = none)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     mode = MODES["smoke" if args.smoke else "quick" if args.quick else "full"]
     logger.info("mode %s, torch threads %d", mode, torch.get_num_threads())
     run(mode, print, Path(args.plot) if args.plot else None)
+    if args.profile:
+        print(profile_long_prompts(mode))
+
+
+def profile_long_prompts(mode: Mode, num_steps: int = 4) -> str:
+    """Operator table of the engine's first steps over the long prompts (first one warms up)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        decoder_dir = save_decoder(Path(tmp), mode.num_layers)
+        prompts = [list(p) for p in build_workload(200, seed=0).prompts if len(p) >= LONG_PROMPT]
+        table = profile_engine_steps(str(decoder_dir), prompts, num_steps)
+    return (f"torch.profiler, {num_steps - 1} engine steps of 2,048 tokens over prompts >= "
+            f"{LONG_PROMPT} tokens, {mode.num_layers} layers:\n```\n{table}\n```")
 
 
 if __name__ == "__main__":
