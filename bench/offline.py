@@ -147,9 +147,15 @@ def table(rows: list[Row], peak: MatmulPeak | None) -> str:
             f"{r.flops / r.result.wall_s / peak.flops_per_s:.0%}"
         lines.append(
             f"| {r.model} | {r.label} | {r.num_tokens} | {r.result.wall_s:.2f} | "
-            f"{r.tokens_per_s:.0f} | {base / r.tokens_per_s:.2f}x | {r.result.peak_rss_mib:.0f} | "
+            f"{r.tokens_per_s:.0f} | {_ratio(base, r, rows[0].num_tokens)} | "
+            f"{r.result.peak_rss_mib:.0f} | "
             f"{r.result.load_rss_mib:.0f} | {gflops} | {share} |")
     return "\n".join(lines)
+
+
+def _ratio(base: float, row: Row, base_tokens: int) -> str:
+    """poolserve's tokens/s over the row's, for rows on the same prompts only."""
+    return f"{base / row.tokens_per_s:.2f}x" if row.num_tokens == base_tokens else ""
 
 
 def plot(rows: list[Row], path: Path) -> None:
