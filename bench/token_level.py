@@ -4,8 +4,9 @@ Run from the repository root: `python -m bench token [--quick]`. Starts `poolser
 loopback once per response format (a fresh process each, so resident memory is comparable),
 sends `embed` requests (the forward's own cost) and `token_embed` requests per prompt length
 (a few repeats; the least CPU is kept), and reads the server's CPU time (/proc/PID/stat utime +
-stime) and resident memory (/proc/PID/status VmRSS, sampled every 5 ms during each request). Also times the response
-encoders in-process on outputs of the same shape. Prints markdown; asserts nothing.
+stime) and resident memory (/proc/PID/status VmRSS, sampled every 5 ms during each request).
+Also times the response encoders in-process on outputs of the same shape (and their peak
+allocation under tracemalloc). Prints markdown; asserts nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import sys
 import tempfile
 import threading
 import time
+import tracemalloc
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -210,24 +212,42 @@ def _time(fn: Callable[[np.ndarray], int], data: np.ndarray, repeats: int) -> tu
     return statistics.median(times), size
 
 
+def _held(fn: Callable[[np.ndarray], int], data: np.ndarray) -> float:
+    """Peak MB that fn allocates while encoding (tracemalloc sees numpy and bytes buffers)."""
+    tracemalloc.start()
+    try:
+        fn(data)
+        return tracemalloc.get_traced_memory()[1] / 1e6
+    finally:
+        tracemalloc.stop()
+
+
+def _lazy_stream(data: np.ndarray) -> int:
+    """The streamed pieces consumed one at a time, as a lazily yielding route would."""
+    return sum(len(p) for p in stream_item({"index": 0}, data))
+
+
 ENCODERS: dict[str, Callable[[np.ndarray], int]] = {
     "float JSON": lambda d: len(dumps({"index": 0, "data": encode_value(d, "float")})),
     "base64": lambda d: len(dumps({"index": 0, "data": encode_value(d, "base64")})),
-    "streamed NDJSON (float)": lambda d: sum(len(p) for p in stream_item({"index": 0}, d)),
+    # the route collects an output's pieces in a list before yielding them
+    "streamed NDJSON (float)": lambda d: sum(len(p) for p in list(stream_item({"index": 0}, d))),
+    "streamed, pieces consumed lazily": _lazy_stream,
 }
 
 
 def encode_table(lengths: tuple[int, ...], repeats: int) -> str:
     """In-process encoder cost per token for each format; ratio against base64."""
     gen = np.random.default_rng(0)
-    lines = ["| prompt tokens | format | encode ms | us per token | bytes | x base64 time |",
-             "|---:|---|---:|---:|---:|---:|"]
+    lines = ["| prompt tokens | format | encode ms | us per token | bytes | x base64 time "
+             "| peak MB allocated |", "|---:|---|---:|---:|---:|---:|---:|"]
     for length in lengths:
         data = gen.standard_normal((length, HIDDEN), dtype=np.float32)  # [L, hidden]
         timed = {name: _time(fn, data, repeats) for name, fn in ENCODERS.items()}
         base = timed["base64"][0]
         lines += [f"| {length} | {name} | {s * 1e3:.1f} | {s / length * 1e6:.1f} | {n} | "
-                  f"{s / base:.1f}x |" for name, (s, n) in timed.items()]
+                  f"{s / base:.1f}x | {_held(ENCODERS[name], data):.1f} |"
+                  for name, (s, n) in timed.items()]
     return "\n".join(lines)
 
 
@@ -290,6 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plot", default="docs/bench_token_rss.png", help="PNG path ('' = none)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     mode = MODES["quick" if args.quick else "full"]
     logger.info("mode %s, torch threads %d, pid %d", mode, torch.get_num_threads(), os.getpid())
     run(mode, print, Path(args.plot) if args.plot else None)
