@@ -125,6 +125,7 @@ def run_engine(label: str, loaded: LoadedModel, config: SchedulerConfig, shape: 
     """One engine pass (plus a profiled repeat for the busy share) as a Run row."""
     wall, _, engine = asyncio.run(engine_pass(loaded, config, prompts, task, False))
     snap = engine.snapshot()
+    del engine  # its KV cache (gigabytes for the 4B shape) goes before the next pass allocates
     busy = asyncio.run(engine_pass(loaded, config, prompts, task, True))[1] if profile else None
     lengths = [len(p) for p in prompts]
     return Run(label, sum(lengths), wall, workload_flops(shape, lengths), busy,
