@@ -130,7 +130,8 @@ async def run_point(base_url: str, path: str, bodies: Sequence[RequestBody],
     """Drive one point against a running server and summarize it."""
     limits = httpx.Limits(max_connections=point.concurrency,
                           max_keepalive_connections=point.concurrency)
-    timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=30.0)
+    # A request may wait behind the whole point's work: allow it the point's time and more.
+    timeout = httpx.Timeout(max(REQUEST_TIMEOUT_S, 2 * point.time_limit_s), connect=30.0)
     chosen = list(itertools.islice(itertools.cycle(bodies), point.num_requests))
     samples: list[Sample] = []
     async with httpx.AsyncClient(limits=limits, timeout=timeout, base_url=base_url) as client:

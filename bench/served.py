@@ -63,9 +63,9 @@ class Mode:
 
 MODES = {
     "quick": Mode("quick", 1, 512, ((1, 8), (16, 32), (64, 64), (256, 256)),
-                  ((1, 2), (16, 16)), 90.0, 20),
-    "full": Mode("full", 4, 2048, ((1, 32), (16, 128), (64, 256), (256, 512)),
-                 ((1, 4), (16, 32), (64, 64), (256, 256)), 600.0, 50),
+                  ((1, 2), (4, 8)), 90.0, 20),
+    "full": Mode("full", 2, 2048, ((1, 32), (16, 128), (64, 256), (256, 512)),
+                 ((1, 4), (16, 32), (64, 64), (256, 256)), 900.0, 50),
 }
 
 
@@ -192,14 +192,14 @@ def model_cases(mode: Mode, tmp: Path) -> list[ModelCase]:
 
 
 @contextlib.contextmanager
-def running(server: ServerCase, model: ModelCase,
+def running(server: ServerCase, model: ModelCase, port: int,
             log_dir: Path) -> Iterator[subprocess.Popen[bytes]]:
     """Start a server process in its own session; always terminate (then kill) it."""
     env = {**os.environ, "DO_NOT_TRACK": "1", "INFINITY_ANONYMOUS_USAGE_STATS": "0",
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "PYTHONPATH": str(ROOT)}
     log = (log_dir / f"{server.name}.log").open("ab")
-    process = subprocess.Popen(server.command(model, PORT), cwd=ROOT, env=env, stdout=log,
+    process = subprocess.Popen(server.command(model, port), cwd=ROOT, env=env, stdout=log,
                                stderr=subprocess.STDOUT, start_new_session=True)
     try:
         yield process
@@ -215,66 +215,92 @@ def running(server: ServerCase, model: ModelCase,
         log.close()
 
 
-async def drive(server: ServerCase, texts: Texts, mode: Mode) -> list[PointResult]:
-    """Warm up, time short single requests (first result), then every load point."""
-    url = f"http://127.0.0.1:{PORT}"
-    await run_point(url, server.embed_path, texts.singles[:4], LoadPoint(2, 8, 120.0))
-    results = [await run_point(url, server.embed_path, [texts.short],
-                               LoadPoint(1, mode.short_requests, 60.0))]
-    for bodies, points in ((texts.singles, mode.single_points),
-                           (texts.batches, mode.batch_points)):
-        for concurrency, count in points:
-            result = await run_point(url, server.embed_path, bodies,
-                                     LoadPoint(concurrency, count, mode.time_limit_s))
-            logger.info("%s c=%d x%d: %.1f req/s, %.0f tok/s, p50 %.0f ms, p99 %.0f ms, "
-                        "%d errors", server.name, concurrency, result.inputs_per_request,
-                        result.requests_per_s, result.tokens_per_s, result.p50_ms,
-                        result.p99_ms, result.errors)
-            results.append(result)
-    return results
-
-
-async def serve_and_drive(server: ServerCase, model: ModelCase, texts: Texts, mode: Mode,
-                          log_dir: Path) -> list[PointResult] | str:
-    """One server on one model: its points, or why it could not run."""
-    if server.name == "infinity" and not INFINITY_BIN.exists():
-        return "not installed (run bash bench/infinity_env.sh)"
+async def start_all(servers: Sequence[ServerCase], model: ModelCase, log_dir: Path,
+                    stack: contextlib.ExitStack) -> dict[str, int | str]:
+    """Start every server (one port each); map name -> port, or why it could not run."""
     started = time.perf_counter()
-    with running(server, model, log_dir) as process:
+    processes = {}
+    for index, server in enumerate(servers):
+        if server.name == "infinity" and not INFINITY_BIN.exists():
+            continue
+        port = PORT + index
+        processes[server.name] = (port, stack.enter_context(
+            running(server, model, port, log_dir)))
+    outcome: dict[str, int | str] = {
+        s.name: "not installed (run bash bench/infinity_env.sh)" for s in servers
+        if s.name not in processes}
+    for server in (s for s in servers if s.name in processes):
+        port, process = processes[server.name]
         try:
-            await wait_ready(f"http://127.0.0.1:{PORT}", server.ready_path, READY_TIMEOUT_S,
-                             lambda: process.poll() is None)
+            await wait_ready(f"http://127.0.0.1:{port}", server.ready_path, READY_TIMEOUT_S,
+                             lambda p=process: p.poll() is None)  # type: ignore[misc]
         except (RuntimeError, TimeoutError) as exc:
             tail = (log_dir / f"{server.name}.log").read_text(errors="replace")[-2000:]
             logger.error("%s failed to start: %s\n%s", server.name, exc, tail)
-            return f"failed to start: {exc}"
+            outcome[server.name] = f"failed to start: {exc}"
+            continue
         logger.info("%s ready after %.0f s", server.name, time.perf_counter() - started)
-        return await drive(server, texts, mode)
+        outcome[server.name] = port
+    return outcome
 
 
-async def run(mode: Mode, servers: Sequence[str]) -> dict[str, object]:
-    """Every model, offline baseline first, then each server in turn."""
+async def drive(servers: Sequence[ServerCase], ports: dict[str, int], texts: Texts,
+                mode: Mode) -> dict[str, list[PointResult]]:
+    """Per point, every server in turn (so load from other jobs hits all alike); short first."""
+    urls = {s.name: (f"http://127.0.0.1:{ports[s.name]}", s.embed_path) for s in servers
+            if s.name in ports}
+    for url, path in urls.values():
+        await run_point(url, path, texts.singles[:4], LoadPoint(2, 8, 120.0))
+    results: dict[str, list[PointResult]] = {name: [] for name in urls}
+    plan: list[tuple[Sequence[RequestBody], LoadPoint]] = [
+        ([texts.short], LoadPoint(1, mode.short_requests, 60.0))]
+    plan += [(texts.singles, LoadPoint(c, n, mode.time_limit_s)) for c, n in mode.single_points]
+    plan += [(texts.batches, LoadPoint(c, n, mode.time_limit_s)) for c, n in mode.batch_points]
+    for bodies, point in plan:
+        for name, (url, path) in urls.items():
+            result = await run_point(url, path, bodies, point)
+            logger.info("%s c=%d x%d: %.1f req/s, %.0f tok/s, p50 %.0f ms, p99 %.0f ms, "
+                        "%d errors", name, point.concurrency, result.inputs_per_request,
+                        result.requests_per_s, result.tokens_per_s, result.p50_ms,
+                        result.p99_ms, result.errors)
+            results[name].append(result)
+    return results
+
+
+async def run_model(model: ModelCase, mode: Mode, servers: Sequence[ServerCase],
+                    log_dir: Path) -> dict[str, object]:
+    """Offline baseline first (no server running), then every server on one model."""
+    texts = build_texts(mode, model.max_tokens)
+    logger.info("%s: %d single bodies, %d batch bodies", model.label, len(texts.singles),
+                len(texts.batches))
+    offline = await served_offline.measure(model.directory, texts.single_texts, SHORT_TEXT)
+    logger.info("offline engine: %.0f tok/s; bare short forward %.1f ms",
+                offline.tokens_per_s, offline.forward_p50_ms)
+    runs: dict[str, object] = {}
+    with contextlib.ExitStack() as stack:
+        outcome = await start_all(servers, model, log_dir, stack)
+        ports = {k: v for k, v in outcome.items() if isinstance(v, int)}
+        results = await drive(servers, ports, texts, mode)
+    for server in servers:
+        got = results.get(server.name)
+        runs[server.name] = outcome[server.name] if got is None else {
+            "short": asdict(got[0]), "points": [asdict(r) for r in got[1:]]}
+    offline_row: dict[str, object] = {**asdict(offline), "tokens_per_s": offline.tokens_per_s}
+    return {"offline": offline_row, "servers": runs, "load": os.getloadavg()}
+
+
+async def run(mode: Mode, names: Sequence[str]) -> dict[str, object]:
+    """Every model in turn."""
     report: dict[str, object] = {"mode": mode.name, "date": time.strftime("%Y-%m-%d %H:%M UTC",
                                                                           time.gmtime())}
+    servers = [s for s in SERVERS if s.name in names]
     with tempfile.TemporaryDirectory(prefix="bench-served-") as tmp:
         log_dir = Path(tmp) / "logs"
         log_dir.mkdir()
-        for model in model_cases(mode, Path(tmp)):
-            texts = build_texts(mode, model.max_tokens)
-            logger.info("%s: %d single bodies, %d batch bodies", model.label,
-                        len(texts.singles), len(texts.batches))
-            offline = await served_offline.measure(model.directory, texts.single_texts,
-                                                   SHORT_TEXT, model.extra_poolserve_flags)
-            runs: dict[str, object] = {}
-            for server in (s for s in SERVERS if s.name in servers):
-                outcome = await serve_and_drive(server, model, texts, mode, log_dir)
-                runs[server.name] = outcome if isinstance(outcome, str) else {
-                    "short": asdict(outcome[0]), "points": [asdict(r) for r in outcome[1:]]}
-            offline_row: dict[str, object] = {**asdict(offline),
-                                              "tokens_per_s": offline.tokens_per_s}
-            report[model.label] = {"offline": offline_row,
-                                   "servers": runs,
-                                   "load": os.getloadavg()}
+        try:
+            for model in model_cases(mode, Path(tmp)):
+                report[model.label] = await run_model(model, mode, servers, log_dir)
+        finally:
             # Server logs outlive the temporary folder for post-mortems of failed starts.
             shutil.copytree(log_dir, RESULTS_DIR / f"logs_{mode.name}", dirs_exist_ok=True)
     return report
@@ -288,6 +314,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="comma-separated subset of: poolserve,infinity,fastapi+st")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request costs client CPU
     mode = MODES["quick" if args.quick else "full"]
     logger.info("mode %s, torch threads %d", mode, torch.get_num_threads())
     report = asyncio.run(run(mode, args.servers.split(",")))

@@ -40,6 +40,7 @@ class OfflineResult:
     wall_s: float
     short_tokens: int
     forward_p50_ms: float
+    forward_min_ms: float  # the least contended run: other jobs share these cores
 
     @property
     def tokens_per_s(self) -> float:
@@ -53,8 +54,8 @@ def server_like_config(loaded: LoadedModel) -> SchedulerConfig:
                            enable_chunked_prefill=loaded.spec.is_causal)
 
 
-def bare_forward_ms(loaded: LoadedModel, ids: list[int]) -> float:
-    """Median time of the packed model's forward on one prompt (no scheduler, no pooling)."""
+def bare_forward_ms(loaded: LoadedModel, ids: list[int]) -> tuple[float, float]:
+    """(median, min) ms of the packed model's forward on one prompt (no scheduler, pooling)."""
     input_ids = torch.tensor(ids, dtype=torch.int64)  # [num_tokens]
     positions = torch.arange(len(ids), dtype=torch.int64)  # [num_tokens]
     meta = build_attention_metadata(
@@ -66,7 +67,7 @@ def bare_forward_ms(loaded: LoadedModel, ids: list[int]) -> float:
             start = time.perf_counter()
             loaded.model(input_ids, positions, meta, None)  # [num_tokens, hidden]
             times.append(time.perf_counter() - start)
-    return statistics.median(times[5:]) * 1e3
+    return statistics.median(times[5:]) * 1e3, min(times[5:]) * 1e3
 
 
 async def engine_throughput(loaded: LoadedModel, prompts: list[list[int]]) -> float:
@@ -82,18 +83,16 @@ async def engine_throughput(loaded: LoadedModel, prompts: list[list[int]]) -> fl
         await engine.stop()
 
 
-async def measure(model_dir: Path, texts: Sequence[str], short_text: str,
-                  flags: Sequence[str]) -> OfflineResult:
+async def measure(model_dir: Path, texts: Sequence[str], short_text: str) -> OfflineResult:
     """Load the model in this process, measure, and free it before the servers start."""
-    del flags  # the server's --max-model-len does not change these prompts
     loaded = load_model(str(model_dir), device=CPU, dtype=torch.float32)
     prompts = [list(ids) for ids in loaded.tokenizer(list(texts), add_special_tokens=True)[
         "input_ids"]]
     short = list(loaded.tokenizer(short_text, add_special_tokens=True)["input_ids"])
-    forward_ms = bare_forward_ms(loaded, short)
+    forward_p50, forward_min = bare_forward_ms(loaded, short)
     wall = await engine_throughput(loaded, prompts)
     result = OfflineResult(len(prompts), sum(len(p) for p in prompts), wall, len(short),
-                           forward_ms)
+                           forward_p50, forward_min)
     del loaded
     gc.collect()
     return result

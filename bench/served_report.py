@@ -79,15 +79,17 @@ def summary_table(entry: dict[str, Any]) -> str:
         if conc >= 16:
             lines.append(f"| poolserve served / offline, {inputs} input(s), concurrency {conc} | "
                          f"{_tps(point) / offline['tokens_per_s']:.0%} |")
-    lines.append(f"| bare forward, short prompt ({offline['short_tokens']} tokens), p50 | "
-                 f"{offline['forward_p50_ms']:.1f} ms |")
+    least = offline.get("forward_min_ms")  # absent from results of older runs
+    lines.append(f"| bare forward, short prompt ({offline['short_tokens']} tokens), p50 (min) | "
+                 f"{offline['forward_p50_ms']:.1f} ms "
+                 f"({'n/a' if least is None else f'{least:.1f}'}) |")
     for name in SERVER_ORDER:
         run = entry["servers"].get(name)
         if isinstance(run, dict):
             p50 = run["short"]["p50_ms"]
             lines.append(f"| {name}: short single request p50 (p99), concurrency 1 | "
                          f"{p50:.1f} ms ({run['short']['p99_ms']:.1f}); "
-                         f"+{p50 - offline['forward_p50_ms']:.1f} ms over the forward |")
+                         f"{p50 - offline['forward_p50_ms']:+.1f} ms vs the forward p50 |")
     return "\n".join(lines)
 
 
