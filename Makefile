@@ -33,6 +33,7 @@ gpu-check:
 
 # Benchmarks against peers (not tests); results go to docs/benchmarks.md.
 bench: install
+	$(PY) -m pip install -q -e ".[bench]"
 	$(PY) -m bench all --quick
 
 # For maintainers with a Docker engine: build, compose up, one request, Prometheus target up.

@@ -120,7 +120,7 @@ def instrument(engine: Engine, recorder: Recorder) -> None:
             recorder.forwards.append((start, time.perf_counter()))
 
     def timed_plan() -> PreparedStep | None:
-        queued = len(engine.waiting) + len(engine.running)
+        queued = len(engine.queues.waiting) + len(engine.queues.running)
         start = time.perf_counter()
         prepared = plan_and_prepare()
         recorder.plans.append((time.perf_counter() - start, queued, prepared is not None))
@@ -173,8 +173,8 @@ async def isolated_plan_times(loaded: LoadedModel, prompts: tuple[tuple[int, ...
     engine = Engine(loaded, DECODER_CONFIG, CPU)
     engine.submit_many([list(p) for p in prompts], EMBED)
     times = []
-    while engine.waiting or engine.running:
-        queued = len(engine.waiting) + len(engine.running)
+    while engine.queues.has_work:
+        queued = len(engine.queues.waiting) + len(engine.queues.running)
         if profile is not None:
             profile.enable()
         start = time.perf_counter()

@@ -25,11 +25,14 @@ class PagedKVCache:
         self.num_kv_heads = spec.num_kv_heads
         self.head_dim = spec.head_dim
         shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        # Uninitialised on purpose: a slot is read only after its chunk wrote it, and on CPU the
+        # pages of an empty tensor are committed only when first written, so a cache sized for
+        # the longest prompt costs memory only as long prompts actually use it.
         self.key_caches = [
-            torch.zeros(shape, device=device, dtype=dtype) for _ in range(spec.num_layers)
+            torch.empty(shape, device=device, dtype=dtype) for _ in range(spec.num_layers)
         ]
         self.value_caches = [
-            torch.zeros(shape, device=device, dtype=dtype) for _ in range(spec.num_layers)
+            torch.empty(shape, device=device, dtype=dtype) for _ in range(spec.num_layers)
         ]
 
     def flat_keys(self, layer: int) -> torch.Tensor:

@@ -87,7 +87,8 @@ async def _start(state: ServiceState) -> None:
     state.ready = True
     logger.info(
         "ready: model=%s served_as=%s tasks=%s device=%s dtype=%s max_model_len=%d "
-        "max_num_batched_tokens=%d max_num_seqs=%d max_num_queued_tokens=%d async_scheduling=%s",
+        "max_num_batched_tokens=%d max_num_seqs=%d max_num_queued_tokens=%d num_kv_blocks=%d "
+        "async_scheduling=%s",
         loaded.path,
         handle.served_name,
         ",".join(t.value for t in state.supported_tasks),
@@ -97,6 +98,7 @@ async def _start(state: ServiceState) -> None:
         config.max_num_batched_tokens,
         config.max_num_seqs,
         config.max_num_queued_tokens,
+        config.num_kv_blocks,
         config.async_scheduling,
     )
 
@@ -136,9 +138,12 @@ def _scheduler_config(
             f"max_model_len ({max_model_len})"
         )
     blocks_for_longest = math.ceil(max_model_len / settings.block_size)
-    if settings.num_kv_blocks < blocks_for_longest and loaded.spec.is_causal:
+    num_kv_blocks = settings.num_kv_blocks or blocks_for_longest + math.ceil(
+        budget / settings.block_size
+    )
+    if num_kv_blocks < blocks_for_longest and loaded.spec.is_causal:
         raise ValueError(
-            f"--num-kv-blocks ({settings.num_kv_blocks}) cannot hold one prompt of max_model_len "
+            f"--num-kv-blocks ({num_kv_blocks}) cannot hold one prompt of max_model_len "
             f"({max_model_len}); it needs at least {blocks_for_longest}"
         )
     return SchedulerConfig(
@@ -148,7 +153,7 @@ def _scheduler_config(
         max_num_queued_tokens=settings.max_num_queued_tokens,
         long_prefill_token_threshold=settings.long_prefill_token_threshold,
         block_size=settings.block_size,
-        num_kv_blocks=settings.num_kv_blocks,
+        num_kv_blocks=num_kv_blocks,
         enable_chunked_prefill=loaded.spec.is_causal,
         async_scheduling=settings.async_scheduling,
     )

@@ -1,9 +1,9 @@
-"""Response encoding straight from numpy buffers: orjson for floats, base64 for raw bytes."""
+"""Response encoding straight from numpy buffers: orjson for floats, raw base64 bytes spliced in."""
 
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
 import orjson
@@ -21,29 +21,53 @@ def to_dtype_bytes(data: np.ndarray, embed_dtype: str) -> bytes:
     return np.ascontiguousarray(data, dtype=np.dtype(embed_dtype).newbyteorder("<")).tobytes()
 
 
-def encode_value(data: np.ndarray, encoding_format: str, embed_dtype: str = "float32") -> object:
-    """The JSON value of one output: the array itself (orjson nests it) or a base64 string."""
-    if encoding_format == "base64":
-        return base64.b64encode(to_dtype_bytes(data, embed_dtype)).decode("ascii")
-    return np.ascontiguousarray(data, dtype=np.float32)
-
-
 def dumps(document: object) -> bytes:
     """Serialize a response document (numpy arrays included)."""
     return orjson.dumps(document, option=OPTIONS)
 
 
-def stream_item(item: dict[str, object], data: np.ndarray, key: str = "data") -> Iterator[bytes]:
-    """One NDJSON line for an output, in pieces of ROWS_PER_PIECE rows: never one giant blob."""
-    head = dumps(item)[:-1]  # the item's fields without its closing brace
-    separator = b"," if item else b""
+def _open(fields: Mapping[str, object]) -> bytes:
+    """`{"a":1,"b":2,` ready for one more key (or `{` when there are no fields)."""
+    head = dumps(fields)[:-1]
+    return head + b"," if fields else head
+
+
+def _key(key: str) -> bytes:
+    return orjson.dumps(key) + b":"
+
+
+def encode_item(
+    fields: Mapping[str, object],
+    key: str,
+    data: np.ndarray,
+    encoding_format: str,
+    embed_dtype: str = "float32",
+) -> bytes:
+    """One output object: its fields plus `key` holding the nested floats or the base64 text.
+
+    Base64 text needs no JSON escaping, so its bytes are spliced in as they are: no str
+    round trip and no second pass over a payload that can be tens of megabytes.
+    """
+    if encoding_format == "base64":
+        raw = base64.b64encode(to_dtype_bytes(data, embed_dtype))
+        return _open(fields) + _key(key) + b'"' + raw + b'"}'
+    return _open(fields) + _key(key) + dumps(np.ascontiguousarray(data, dtype=np.float32)) + b"}"
+
+
+def document(fields: Mapping[str, object], key: str, items: Iterable[bytes]) -> bytes:
+    """A response document: its fields plus `key` holding the already-encoded items."""
+    return _open(fields) + _key(key) + b"[" + b",".join(items) + b"]}"
+
+
+def stream_item(
+    fields: Mapping[str, object], data: np.ndarray, key: str = "data"
+) -> Iterator[bytes]:
+    """One NDJSON line of float output, in pieces of ROWS_PER_PIECE rows: never one giant blob."""
     if data.ndim < 2 or data.shape[0] <= ROWS_PER_PIECE:
-        yield head + separator + b'"' + key.encode() + b'":' + dumps(data) + b"}\n"
+        yield encode_item(fields, key, data, "float") + b"\n"
         return
-    yield head + separator + b'"' + key.encode() + b'":['
+    yield _open(fields) + _key(key) + b"["
     for start in range(0, data.shape[0], ROWS_PER_PIECE):
-        piece = dumps(np.ascontiguousarray(data[start : start + ROWS_PER_PIECE]))[
-            1:-1
-        ]  # rows w/o brackets
-        yield (b"," if start else b"") + piece
+        rows = dumps(np.ascontiguousarray(data[start : start + ROWS_PER_PIECE]))[1:-1]
+        yield (b"," if start else b"") + rows
     yield b"]}\n"

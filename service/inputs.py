@@ -25,8 +25,8 @@ class RawInputs:
 
 def split_input(value: object, max_batch: int) -> RawInputs:
     """Classify and check the `input` field (the schema already checked its types)."""
-    if isinstance(value, str):
-        value = [value]
+    if isinstance(value, str) or (isinstance(value, list) and value and isinstance(value[0], int)):
+        value = [value]  # one text or one token-id prompt
     assert isinstance(value, list)
     if not value:
         raise InvalidRequestError("input must not be empty", "input")
@@ -40,8 +40,6 @@ def split_input(value: object, max_batch: int) -> RawInputs:
         if any(not text for text in value):
             raise InvalidRequestError("input must not contain empty strings", "input")
         return RawInputs(tuple(value), None)
-    if isinstance(value[0], int):
-        return RawInputs(None, (tuple(value),))
     if any(not ids for ids in value):
         raise InvalidRequestError("input must not contain empty token lists", "input")
     return RawInputs(None, tuple(tuple(ids) for ids in value))

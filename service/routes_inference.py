@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator
 
 import numpy as np
 from fastapi import APIRouter, Request
@@ -13,7 +13,7 @@ from starlette.responses import Response, StreamingResponse
 
 from pooling.params import PoolingParams, PoolingTask
 from scheduler.request import PoolingOutput
-from service.encoding import dumps, encode_value, stream_item
+from service.encoding import document, dumps, encode_item, stream_item
 from service.pooler_config import PoolerDefaults
 from service.runs import Submitted, as_completed, gather, service_state, submit, timing_headers
 from service.schemas import ClassifyRequest, EmbeddingRequest, PoolingRequestBody
@@ -33,11 +33,8 @@ def _usage(run: Submitted) -> dict[str, int]:
     return {"prompt_tokens": run.num_prompt_tokens, "total_tokens": run.num_prompt_tokens}
 
 
-async def _respond(
-    request: Request, document: Mapping[str, object], outputs: list[PoolingOutput]
-) -> Response:
-    """Encode off the event loop and account the bytes."""
-    body = await asyncio.to_thread(dumps, document)
+async def _respond(request: Request, body: bytes, outputs: list[PoolingOutput]) -> Response:
+    """Account the bytes and answer with the timing headers."""
     service_state(request).metrics.output_bytes.inc(len(body))
     return Response(body, media_type="application/json", headers=timing_headers(outputs))
 
@@ -51,17 +48,18 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     )
     run = await submit(request, body, PoolingTask.EMBED, params)
     outputs = await gather(request, run)
-    data = [
-        {"object": "embedding", "index": i, "embedding": encode_value(o.data, body.encoding_format)}
-        for i, o in enumerate(outputs)
-    ]
-    document = {
-        "object": "list",
-        "data": data,
-        "model": run.model.served_name,
-        "usage": _usage(run),
-    }
-    return await _respond(request, document, outputs)
+    fields = {"object": "list", "model": run.model.served_name, "usage": _usage(run)}
+
+    def encode() -> bytes:
+        items = (
+            encode_item(
+                {"object": "embedding", "index": i}, "embedding", o.data, body.encoding_format
+            )
+            for i, o in enumerate(outputs)
+        )
+        return document(fields, "data", items)
+
+    return await _respond(request, await asyncio.to_thread(encode), outputs)
 
 
 @router.post("/v1/pooling")
@@ -83,39 +81,44 @@ async def pooling(body: PoolingRequestBody, request: Request) -> Response:
     if body.stream:
         return StreamingResponse(_stream(request, body, run), media_type="application/x-ndjson")
     outputs = await gather(request, run)
-    document = {
+    fields = {
         "id": f"pool-{uuid.uuid4().hex}",
         "object": "list",
         "created": int(time.time()),
         "model": run.model.served_name,
-        "data": [_pooling_item(i, o.data, body) for i, o in enumerate(outputs)],
         "usage": _usage(run),
     }
-    return await _respond(request, document, outputs)
+
+    def encode() -> bytes:
+        return document(
+            fields, "data", (_pooling_item(i, o.data, body) for i, o in enumerate(outputs))
+        )
+
+    return await _respond(request, await asyncio.to_thread(encode), outputs)
 
 
-def _pooling_item(index: int, data: np.ndarray, body: PoolingRequestBody) -> dict[str, object]:
-    item: dict[str, object] = {
-        "index": index,
-        "object": "pooling",
-        "data": encode_value(data, body.encoding_format, body.embed_dtype),
-    }
+def _pooling_item(index: int, data: np.ndarray, body: PoolingRequestBody) -> bytes:
+    fields: dict[str, object] = {"index": index, "object": "pooling"}
     if body.encoding_format == "base64":
-        item["shape"] = list(data.shape)
-    return item
+        fields["shape"] = list(data.shape)
+    return encode_item(fields, "data", data, body.encoding_format, body.embed_dtype)
 
 
 async def _stream(
     request: Request, body: PoolingRequestBody, run: Submitted
 ) -> AsyncIterator[bytes]:
-    """One line per input as it finishes (token-level outputs in row pieces), then usage."""
+    """One line per input as it finishes (float token-level outputs in row pieces), then usage.
+
+    Each piece is encoded in a worker thread just before it is sent, so at most one piece of
+    one output exists as JSON at a time.
+    """
     metrics = service_state(request).metrics
     async for index, output in as_completed(run):
         if body.encoding_format == "base64":
-            pieces = [dumps(_pooling_item(index, output.data, body)) + b"\n"]
+            pieces: Iterator[bytes] = iter([_pooling_item(index, output.data, body) + b"\n"])
         else:
-            pieces = list(stream_item({"index": index, "object": "pooling"}, output.data))
-        for piece in pieces:
+            pieces = stream_item({"index": index, "object": "pooling"}, output.data)
+        while (piece := await asyncio.to_thread(next, pieces, None)) is not None:
             metrics.output_bytes.inc(len(piece))
             yield piece
     yield dumps({"object": "usage", "usage": _usage(run)}) + b"\n"
@@ -136,7 +139,7 @@ async def classify(body: ClassifyRequest, request: Request) -> Response:
         data.append(
             {"index": i, "label": label, "probs": o.data, "num_classes": int(o.data.shape[-1])}
         )
-    document = {
+    answer = {
         "id": f"classify-{uuid.uuid4().hex}",
         "object": "list",
         "created": int(time.time()),
@@ -144,7 +147,7 @@ async def classify(body: ClassifyRequest, request: Request) -> Response:
         "data": data,
         "usage": _usage(run),
     }
-    return await _respond(request, document, outputs)
+    return await _respond(request, await asyncio.to_thread(dumps, answer), outputs)
 
 
 def _defaults(request: Request) -> PoolerDefaults:

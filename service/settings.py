@@ -43,7 +43,12 @@ class ServerSettings(BaseSettings):
         gt=0,
         description="Cap on one prompt's chunk per step, so long prompts cannot starve short ones.",
     )
-    num_kv_blocks: int = Field(2048, gt=0, description="Paged KV cache blocks for chunked prefill.")
+    num_kv_blocks: int | None = Field(
+        None,
+        gt=0,
+        description="Paged KV cache blocks for chunked prefill (default: one max_model_len prompt "
+        "plus one step's budget).",
+    )
     block_size: int = Field(16, gt=0, description="Tokens per KV block.")
     max_client_batch_size: int = Field(2048, gt=0, description="Most inputs in one request.")
     payload_limit: int = Field(

@@ -187,3 +187,10 @@ def test_auth_matrix(keyed: Any, method: str, path: str, body: Any, auth: str | 
 @pytest.mark.parametrize("path", OPEN_ROUTES)
 def test_open_routes_need_no_key(keyed: Any, path: str) -> None:
     assert keyed.get(path).status_code == 200
+
+
+def test_one_long_token_id_prompt_is_one_input(client: Any) -> None:
+    """A flat token-id list is one prompt: its length is not counted as a batch size."""
+    response = client.post("/v1/embeddings", json={"input": list(range(1, 41))})
+    assert response.status_code == 200, response.text
+    assert len(response.json()["data"]) == 1
