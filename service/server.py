@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from types import FrameType
@@ -58,4 +57,4 @@ def run_server(settings: ServerSettings) -> None:
         access_log=False,
     )
     server = DrainingServer(config, state)
-    asyncio.run(server.serve())
+    server.run()  # uvicorn picks uvloop and httptools when installed
