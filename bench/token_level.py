@@ -33,7 +33,7 @@ import torch
 
 from bench.corpus import token_stream
 from bench.engine_bench import save_decoder
-from service.encoding import dumps, encode_value, stream_item
+from service.encoding import encode_item, stream_item
 
 logger = logging.getLogger(__name__)
 
@@ -222,17 +222,15 @@ def _held(fn: Callable[[np.ndarray], int], data: np.ndarray) -> float:
         tracemalloc.stop()
 
 
-def _lazy_stream(data: np.ndarray) -> int:
-    """The streamed pieces consumed one at a time, as a lazily yielding route would."""
+def _stream(data: np.ndarray) -> int:
+    """The streamed pieces consumed one at a time, as the route sends them."""
     return sum(len(p) for p in stream_item({"index": 0}, data))
 
 
 ENCODERS: dict[str, Callable[[np.ndarray], int]] = {
-    "float JSON": lambda d: len(dumps({"index": 0, "data": encode_value(d, "float")})),
-    "base64": lambda d: len(dumps({"index": 0, "data": encode_value(d, "base64")})),
-    # the route collects an output's pieces in a list before yielding them
-    "streamed NDJSON (float)": lambda d: sum(len(p) for p in list(stream_item({"index": 0}, d))),
-    "streamed, pieces consumed lazily": _lazy_stream,
+    "float JSON": lambda d: len(encode_item({"index": 0}, "data", d, "float")),
+    "base64": lambda d: len(encode_item({"index": 0}, "data", d, "base64")),
+    "streamed NDJSON (float)": _stream,
 }
 
 
