@@ -50,13 +50,14 @@ def encode_item(
     """
     if encoding_format == "base64":
         raw = base64.b64encode(to_dtype_bytes(data, embed_dtype))
-        return _open(fields) + _key(key) + b'"' + raw + b'"}'
-    return _open(fields) + _key(key) + dumps(np.ascontiguousarray(data, dtype=np.float32)) + b"}"
+        return b"".join((_open(fields), _key(key), b'"', raw, b'"}'))  # one copy of the payload
+    floats = dumps(np.ascontiguousarray(data, dtype=np.float32))
+    return b"".join((_open(fields), _key(key), floats, b"}"))
 
 
 def document(fields: Mapping[str, object], key: str, items: Iterable[bytes]) -> bytes:
     """A response document: its fields plus `key` holding the already-encoded items."""
-    return _open(fields) + _key(key) + b"[" + b",".join(items) + b"]}"
+    return b"".join((_open(fields), _key(key), b"[", b",".join(items), b"]}"))
 
 
 def stream_item(
