@@ -32,6 +32,7 @@ from bench.efficiency import (
 )
 from bench.engine_bench import save_decoder
 from bench.peers import PeerJob, PeerResult, run_in_child
+from bench.plotting import pyplot
 
 logger = logging.getLogger(__name__)
 
@@ -160,12 +161,8 @@ def _ratio(base: float, row: Row, base_tokens: int) -> str:
 
 def plot(rows: list[Row], path: Path) -> None:
     """Bar chart of tokens/s per peer, one panel per model (skipped without matplotlib)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.warning("matplotlib missing: no plot (pip install matplotlib)")
+    plt = pyplot()
+    if plt is None:
         return
     models = sorted({r.model for r in rows}, key=[r.model for r in rows].index)
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)

@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from bench.plotting import pyplot
+
 logger = logging.getLogger(__name__)
 
 SERVER_ORDER = ("poolserve", "infinity", "fastapi+st")
@@ -110,13 +112,8 @@ def _slug(label: str) -> str:
 
 def plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
     """Per model: throughput vs concurrency, and p50/p99 latency vs concurrency (PNG)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.warning("matplotlib is not installed: no plots")
+    plt = pyplot()
+    if plt is None:
         return []
     written = []
     for model in _models(report):

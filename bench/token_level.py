@@ -33,6 +33,7 @@ import torch
 
 from bench.corpus import token_stream
 from bench.engine_bench import save_decoder
+from bench.plotting import pyplot
 from service.encoding import encode_item, stream_item
 
 logger = logging.getLogger(__name__)
@@ -265,12 +266,8 @@ def served_table(rows: list[Row]) -> str:
 
 def plot(rows: list[Row], path: Path) -> None:
     """Server RSS growth during the request vs prompt length, one line per format."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.warning("matplotlib missing: no plot (pip install matplotlib)")
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     for fmt in FORMATS:

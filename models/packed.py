@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Sequence
 
 import torch
@@ -29,11 +30,12 @@ def validate_token_ids(token_ids: Sequence[int] | torch.Tensor, vocab_size: int)
         raise InvalidTokenIdError(high, vocab_size)
 
 
-class PackedModel(torch.nn.Module):
+class PackedModel(torch.nn.Module, abc.ABC):
     """A backbone over a flat token stream: returns hidden states [num_tokens, hidden]."""
 
     vocab_size: int
 
+    @abc.abstractmethod
     def forward(
         self,
         input_ids: torch.Tensor,  # [num_tokens] int64
@@ -43,7 +45,6 @@ class PackedModel(torch.nn.Module):
         out: torch.Tensor | None = None,  # [>= num_tokens, hidden]
     ) -> torch.Tensor:  # [num_tokens, hidden]
         """Runs the backbone; writes into `out` and returns a view of it when given."""
-        raise NotImplementedError
 
     def check_inputs(self, input_ids: torch.Tensor) -> None:
         """Validates ids still on the host; device ids were validated before their copy."""

@@ -19,7 +19,7 @@ from pooling.params import PoolingParams, PoolingType
 from pooling.stats import CloneStats
 from pooling.tasks import build_pooler, get_supported_tasks
 from pooling.validation import validate_params
-from scheduler.admission import AdmissionControl, OverloadReason
+from scheduler.admission import AdmissionControl
 from scheduler.bridge import pooling_info_from
 from scheduler.config import SchedulerConfig
 from scheduler.errors import (
@@ -136,18 +136,17 @@ class Engine:
     ) -> list[asyncio.Future[PoolingOutput]]:
         """Admit all prompts or none; each gets a future resolved with its output."""
         self.precheck(len(prompts))
-        for prompt in prompts:
-            self._validate_prompt(prompt)
+        token_ids = [self._checked_prompt(prompt) for prompt in prompts]
         self.check_params(params)
         try:
-            self.admission.reserve(len(prompts), sum(len(p) for p in prompts))
+            self.admission.reserve(len(token_ids), sum(len(ids) for ids in token_ids))
         except OverloadedError as exc:
             self.observer.on_reject(exc.reason.value)
             raise
         loop = asyncio.get_running_loop()
         futures = []
-        for prompt in prompts:
-            request = self._new_request(prompt, params, priority, loop)
+        for ids in token_ids:
+            request = self._new_request(ids, params, priority, loop)
             self.queues.add(request)
             futures.append(request.future)
         self._wake.set()
@@ -174,16 +173,19 @@ class Engine:
         if request is not None:
             self.queues.cancel(request)
 
-    def _validate_prompt(self, prompt: Sequence[int]) -> None:
+    def _checked_prompt(self, prompt: Sequence[int]) -> np.ndarray:
+        """The prompt as the int64 array the request keeps, after length and id checks."""
         if len(prompt) == 0:
             raise EmptyPromptError()
         if len(prompt) > self.max_model_len:
             raise PromptTooLongError(len(prompt), self.max_model_len)
-        validate_token_ids(prompt, self.loaded.spec.vocab_size)
+        ids = np.asarray(prompt, dtype=np.int64)  # [num_prompt_tokens]
+        validate_token_ids(torch.from_numpy(ids), self.loaded.spec.vocab_size)
+        return ids
 
     def _new_request(
         self,
-        prompt: Sequence[int],
+        token_ids: np.ndarray,
         params: PoolingParams,
         priority: int,
         loop: asyncio.AbstractEventLoop,
@@ -197,8 +199,7 @@ class Engine:
         request_id = next(self._ids)
         return PoolingRequest(
             request_id=request_id,
-            prompt_token_ids=np.asarray(prompt, dtype=np.int64),
-            params=params,
+            prompt_token_ids=token_ids,
             pooler=pooler,
             future=loop.create_future(),
             arrival_time=time.monotonic(),
@@ -323,6 +324,3 @@ def _is_fatal_device_error(exc: Exception) -> bool:
     """CUDA errors poison the context: nothing after them can be trusted."""
     accelerator_error = getattr(torch, "AcceleratorError", ())
     return isinstance(exc, accelerator_error) or "CUDA error" in str(exc)
-
-
-__all__ = ["Engine", "OverloadReason"]

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pooling.params import PoolingParams
 from pooling.tasks import RequestPooler
 
 
@@ -39,7 +38,6 @@ class PoolingRequest:
 
     request_id: int
     prompt_token_ids: np.ndarray  # [num_prompt_tokens] int64; chunks are views of it
-    params: PoolingParams
     pooler: RequestPooler
     future: asyncio.Future[PoolingOutput]
     arrival_time: float

@@ -21,7 +21,7 @@ from service import routes_admin, routes_inference
 from service.errors import install_error_handlers
 from service.metrics import ServiceMetrics
 from service.middleware import EdgeMiddleware
-from service.pooler_config import parse_pooler_config
+from service.pooler_config import PoolerDefaults, parse_pooler_config
 from service.settings import ServerSettings
 from service.state import ModelHandle, ServiceState
 
@@ -103,16 +103,18 @@ async def _start(state: ServiceState) -> None:
     )
 
 
-def _model_handle(loaded: LoadedModel, settings: ServerSettings, defaults: object) -> ModelHandle:
+def _model_handle(
+    loaded: LoadedModel, settings: ServerSettings, defaults: PoolerDefaults
+) -> ModelHandle:
+    """The served name, the effective max_model_len and one tokenizer per truncation side."""
     limit = loaded.spec.max_model_len
     max_model_len = min(settings.max_model_len or limit, limit)
     tokenizers = {}
     for side in ("left", "right"):
         tokenizer = copy.deepcopy(loaded.tokenizer)
         tokenizer.truncation_side = side
-        tokenizer.model_max_length = (
-            1 << 30
-        )  # the engine enforces max_model_len, with a clear error
+        # the engine enforces max_model_len with a clear error; silence the tokenizer's warning
+        tokenizer.model_max_length = 1 << 30
         tokenizers[side] = tokenizer
     name = settings.served_model_name or (
         settings.model or "sentence-transformers/all-MiniLM-L6-v2"
@@ -122,7 +124,7 @@ def _model_handle(loaded: LoadedModel, settings: ServerSettings, defaults: objec
         served_name=name,
         max_model_len=max_model_len,
         tokenizers=tokenizers,
-        defaults=defaults,  # type: ignore[arg-type]
+        defaults=defaults,
     )
 
 

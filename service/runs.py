@@ -16,7 +16,7 @@ from scheduler.errors import DrainingError
 from scheduler.request import PoolingOutput
 from service.errors import ModelNotFoundError, NotReadyError
 from service.inputs import split_input, tokenize, truncation_length
-from service.schemas import _InputBody
+from service.schemas import InputBody
 from service.state import ModelHandle, ServiceState
 
 
@@ -53,7 +53,7 @@ def check_serving(state: ServiceState, model_name: str | None) -> tuple[Engine, 
 
 
 async def submit(
-    request: Request, body: _InputBody, task: PoolingTask, params: PoolingParams
+    request: Request, body: InputBody, task: PoolingTask, params: PoolingParams
 ) -> Submitted:
     """Admission check, then tokenization off the loop, then all-or-nothing submission."""
     state = service_state(request)

@@ -19,7 +19,9 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class _InputBody(_Body):
+class InputBody(_Body):
+    """Fields shared by every route that takes `input`."""
+
     input: Input
     model: str | None = None
     user: str | None = None
@@ -30,7 +32,7 @@ class _InputBody(_Body):
     priority: StrictInt = 0
 
 
-class EmbeddingRequest(_InputBody):
+class EmbeddingRequest(InputBody):
     """OpenAI `POST /v1/embeddings`."""
 
     encoding_format: Literal["float", "base64"] = "float"
@@ -38,7 +40,7 @@ class EmbeddingRequest(_InputBody):
     normalize: bool | None = None
 
 
-class PoolingRequestBody(_InputBody):
+class PoolingRequestBody(InputBody):
     """vLLM-compatible `POST /v1/pooling`."""
 
     task: PoolingTask | None = None
@@ -52,7 +54,7 @@ class PoolingRequestBody(_InputBody):
     stream: bool = False
 
 
-class ClassifyRequest(_InputBody):
+class ClassifyRequest(InputBody):
     """`POST /v1/classify`."""
 
     use_activation: bool | None = None
