@@ -31,6 +31,9 @@ class RequestPooler:
         self._head = head
         self._stats = stats
         self._is_open = True
+        # Set by the scheduler's thread while a step holding this request may be running on the
+        # model thread: a plain flag read before each chunk, so no lock is needed.
+        self._is_abandoned = False
         stats.num_open_poolers += 1
 
     @property
@@ -39,9 +42,18 @@ class RequestPooler:
         return self._is_open
 
     @property
+    def is_abandoned(self) -> bool:
+        """True once the request failed or was cancelled: its later chunks are skipped."""
+        return self._is_abandoned
+
+    @property
     def pooling_type(self) -> PoolingType:
         """The pooling method this request runs."""
         return self._method.pooling_type
+
+    def abandon(self) -> None:
+        """Skip this request's later chunks; `close()` still drops the state."""
+        self._is_abandoned = True
 
     def add_chunk(
         self, hidden: torch.Tensor, token_ids: Sequence[int], is_last: bool
@@ -58,6 +70,8 @@ class RequestPooler:
                 pooled = self._method.add_chunk(hidden, token_ids, is_last)
                 output = None if pooled is None else self._head(pooled)
         except BaseException:
+            # The state may be half-updated: no later chunk of this request can be pooled.
+            self.abandon()
             self.close()
             raise
         if is_last:
@@ -73,10 +87,18 @@ class RequestPooler:
         self._stats.num_open_poolers -= 1
 
 
-def pool_step(
+@dataclass(frozen=True)
+class PooledChunk:
+    """What pooling one request's chunk gave: its output on the last chunk, or its error."""
+
+    output: torch.Tensor | None = None
+    error: Exception | None = None
+
+
+def pool_chunks(
     hidden: torch.Tensor, chunks: Sequence[ChunkInput], poolers: Sequence[RequestPooler]
-) -> list[torch.Tensor | None]:
-    """Feed each request its slice of the packed hidden states `[num_tokens, hidden]`."""
+) -> list[PooledChunk]:
+    """Feed each request its slice of `[num_tokens, hidden]`; one request's error is its own."""
     if len(chunks) != len(poolers):
         raise PoolingStateError(f"{len(chunks)} chunks for {len(poolers)} poolers")
     counts = [chunk.num_tokens for chunk in chunks]
@@ -87,6 +109,27 @@ def pool_step(
     # Host-side counts: splitting needs no device sync.
     slices = hidden.split(counts)  # each [num_tokens_i, hidden], views
     return [
-        pooler.add_chunk(part, chunk.token_ids, chunk.is_last)
+        _pool_one(pooler, part, chunk)
         for pooler, part, chunk in zip(poolers, slices, chunks, strict=True)
     ]
+
+
+def _pool_one(pooler: RequestPooler, hidden: torch.Tensor, chunk: ChunkInput) -> PooledChunk:
+    """One request's chunk; an abandoned request's rows are ignored (they were packed anyway)."""
+    if pooler.is_abandoned:
+        return PooledChunk()
+    try:
+        return PooledChunk(output=pooler.add_chunk(hidden, chunk.token_ids, chunk.is_last))
+    except Exception as exc:
+        return PooledChunk(error=exc)
+
+
+def pool_step(
+    hidden: torch.Tensor, chunks: Sequence[ChunkInput], poolers: Sequence[RequestPooler]
+) -> list[torch.Tensor | None]:
+    """`pool_chunks` for callers that treat the step as a whole: the first error is raised."""
+    pooled = pool_chunks(hidden, chunks, poolers)
+    for result in pooled:
+        if result.error is not None:
+            raise result.error
+    return [result.output for result in pooled]

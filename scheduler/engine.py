@@ -13,7 +13,6 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from models.packed import validate_token_ids
 from models.spec import LoadedModel
 from pooling.params import PoolingParams, PoolingType
 from pooling.stats import CloneStats
@@ -22,19 +21,12 @@ from pooling.validation import validate_params
 from scheduler.admission import AdmissionControl
 from scheduler.bridge import pooling_info_from
 from scheduler.config import SchedulerConfig
-from scheduler.errors import (
-    DrainingError,
-    EmptyPromptError,
-    EngineDeadError,
-    OverloadedError,
-    PromptTooLongError,
-    StepFailedError,
-)
+from scheduler.errors import DrainingError, EngineDeadError, OverloadedError, StepFailedError
 from scheduler.kv_blocks import BlockAllocator
 from scheduler.observer import EngineObserver, NullObserver
 from scheduler.planner import max_prompt_tokens, plan_step
 from scheduler.queues import RequestQueues
-from scheduler.request import PoolingOutput, PoolingRequest, RequestStatus
+from scheduler.request import PoolingOutput, PoolingRequest, RequestStatus, checked_prompt
 from scheduler.runner import PreparedStep, Runner, StepResult
 from scheduler.stats import EngineSnapshot
 
@@ -136,7 +128,8 @@ class Engine:
     ) -> list[asyncio.Future[PoolingOutput]]:
         """Admit all prompts or none; each gets a future resolved with its output."""
         self.precheck(len(prompts))
-        token_ids = [self._checked_prompt(prompt) for prompt in prompts]
+        vocab_size = self.loaded.spec.vocab_size
+        token_ids = [checked_prompt(p, self.max_model_len, vocab_size) for p in prompts]
         self.check_params(params)
         try:
             self.admission.reserve(len(token_ids), sum(len(ids) for ids in token_ids))
@@ -172,16 +165,6 @@ class Engine:
         request = self.queues.request_of(future)
         if request is not None:
             self.queues.cancel(request)
-
-    def _checked_prompt(self, prompt: Sequence[int]) -> np.ndarray:
-        """The prompt as the int64 array the request keeps, after length and id checks."""
-        if len(prompt) == 0:
-            raise EmptyPromptError()
-        if len(prompt) > self.max_model_len:
-            raise PromptTooLongError(len(prompt), self.max_model_len)
-        ids = np.asarray(prompt, dtype=np.int64)  # [num_prompt_tokens]
-        validate_token_ids(torch.from_numpy(ids), self.loaded.spec.vocab_size)
-        return ids
 
     def _new_request(
         self,
@@ -237,11 +220,12 @@ class Engine:
         return self.runner.prepare(next(self._steps), self.queues.apply(plan))
 
     async def _finish_step(self, step: PreparedStep, pending: asyncio.Future[StepResult]) -> None:
-        """Await a step, then resolve its finished requests or fail them all."""
+        """Await a step, then deliver its outputs, or fail its requests if it raised."""
         try:
             result = await pending
             if result.copy_done is not None:
                 await asyncio.to_thread(result.copy_done.synchronize)
+            _raise_fatal_failure(result)
         except Exception as exc:
             self._fail_step(step, exc)
             return
@@ -249,18 +233,25 @@ class Engine:
         self.step_tokens_total += result.num_tokens
         self.observer.on_step(result.num_tokens, result.duration_s)
         self._update_throughput(result)
+        self._deliver(step, result)
+
+    def _deliver(self, step: PreparedStep, result: StepResult) -> None:
+        """Resolve finished requests and fail those whose pooling raised; free the done ones."""
         outputs = dict(result.outputs)
+        failures = {failure.request_id: failure.error for failure in result.failures}
         now = time.monotonic()
         for chunk in step.chunks:
-            request = self.queues.by_id.get(chunk.request_id)
+            request = self.queues.step_delivered(chunk.request_id)
             if request is None:
-                continue
-            request.num_inflight_steps -= 1
-            if request.status is RequestStatus.CANCELLED:
-                if request.num_inflight_steps == 0:
-                    self.queues.release(request)
+                continue  # failed or cancelled meanwhile: what the step computed for it is dropped
+            if chunk.request_id in failures:
+                self._fail_pooling(request, failures[chunk.request_id])
             elif chunk.request_id in outputs:
                 self._resolve(request, outputs[chunk.request_id], now)
+            elif chunk.is_last:
+                # Never leave a caller waiting: a last chunk always ends its request.
+                error = StepFailedError(f"request {request.request_id} got no pooled output")
+                self.queues.fail(request, error)
 
     def _update_throughput(self, result: StepResult) -> None:
         """Smoothed tokens/s, so a 429's Retry-After reflects how fast the queue drains."""
@@ -275,33 +266,30 @@ class Engine:
     def _resolve(self, request: PoolingRequest, output: torch.Tensor, now: float) -> None:
         """Hand a finished output to its caller and free the request."""
         request.status = RequestStatus.FINISHED
-        started = request.first_scheduled_time or now
-        result = PoolingOutput(
-            request_id=request.request_id,
-            data=np.asarray(output.numpy(), dtype=np.float32),
-            num_prompt_tokens=request.num_prompt_tokens,
-            queue_time_s=started - request.arrival_time,
-            inference_time_s=now - started,
-        )
+        result = request.output(output, now)
         self.observer.on_request_done(result.queue_time_s, result.inference_time_s)
         if not request.future.done():
             request.future.set_result(result)
         self.queues.release(request)
 
+    def _fail_pooling(self, request: PoolingRequest, exc: Exception) -> None:
+        """Fail one request whose pooling raised; the others of its step are unaffected."""
+        logger.error("pooling failed for request %d", request.request_id, exc_info=exc)
+        error = StepFailedError(f"pooling failed for request {request.request_id}: {exc}")
+        error.__cause__ = exc
+        self.queues.fail(request, error)
+
     def _fail_step(self, step: PreparedStep, exc: Exception) -> None:
         """Fail every request of a step that raised; mark the engine dead on device errors."""
-        logger.exception("step %d failed", step.step_index, exc_info=exc)
-        fatal = _is_fatal_device_error(exc)
+        logger.error("step %d failed", step.step_index, exc_info=exc)
         error: Exception = StepFailedError(str(exc))
-        if fatal:
+        if _is_fatal_device_error(exc):
             self.dead_reason = f"device error: {exc}"
             error = EngineDeadError(self.dead_reason)
         for chunk in step.chunks:
-            request = self.queues.by_id.get(chunk.request_id)
-            if request is None:
-                continue
-            request.num_inflight_steps -= 1
-            self.queues.fail(request, error)
+            request = self.queues.step_delivered(chunk.request_id)
+            if request is not None:
+                self.queues.fail(request, error)
 
     # ---- counters ------------------------------------------------------------------------
     def snapshot(self) -> EngineSnapshot:
@@ -316,8 +304,16 @@ class Engine:
             step_tokens_total=self.step_tokens_total,
             cloned_bytes_total=self.clone_stats.cloned_bytes,
             num_clones=self.clone_stats.num_clones,
+            num_open_poolers=self.clone_stats.num_open_poolers,
             rejected=self.admission.rejected_by_reason(),
         )
+
+
+def _raise_fatal_failure(result: StepResult) -> None:
+    """A device error while pooling one request poisons the whole step, not just that request."""
+    for failure in result.failures:
+        if _is_fatal_device_error(failure.error):
+            raise failure.error
 
 
 def _is_fatal_device_error(exc: Exception) -> bool:

@@ -102,21 +102,33 @@ class RequestQueues:
         if request.is_done:
             return
         request.status = RequestStatus.CANCELLED
-        self._unqueue(request)
+        self._abandon(request)
         if not request.future.done():
             request.future.cancel()
-        if request.num_inflight_steps == 0:
-            self.release(request)
+        self._release_if_idle(request)
 
     def fail(self, request: PoolingRequest, error: Exception) -> None:
-        """Fail a request of a broken step (a cancelled one stays cancelled)."""
-        self._unqueue(request)
-        if request.status is not RequestStatus.CANCELLED:
+        """Fail a request (a done one keeps its outcome); free it once no step holds it."""
+        if not request.is_done:
             request.status = RequestStatus.FAILED
+            self._abandon(request)
             if not request.future.done():
                 request.future.set_exception(error)
-        if request.num_inflight_steps == 0:
-            self.release(request)
+        self._release_if_idle(request)
+
+    def step_delivered(self, request_id: int) -> PoolingRequest | None:
+        """A step holding the request was delivered; the request if it can still produce output.
+
+        A failed or cancelled one is freed here once no step in flight holds it any more.
+        """
+        request = self.by_id.get(request_id)
+        if request is None:
+            return None
+        request.num_inflight_steps -= 1
+        if request.is_done:
+            self._release_if_idle(request)
+            return None
+        return request
 
     def release(self, request: PoolingRequest) -> None:
         """Return a finished request's blocks, pooling state and admission share."""
@@ -129,9 +141,16 @@ class RequestQueues:
             self._views.pop(request.request_id, None)
             self.admission.release(1, request.num_prompt_tokens)
 
-    def _unqueue(self, request: PoolingRequest) -> None:
+    def _abandon(self, request: PoolingRequest) -> None:
+        """Plan no more of the request's chunks and skip pooling those already planned."""
         self.waiting.pop(request.request_id, None)
         self.running.pop(request.request_id, None)
+        request.pooler.abandon()
+
+    def _release_if_idle(self, request: PoolingRequest) -> None:
+        """Free a done request unless a step in flight still reads its blocks or pooler."""
+        if request.num_inflight_steps == 0:
+            self.release(request)
 
     def num_running(self) -> int:
         """Requests that have started and not finished."""

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
+from models.packed import validate_token_ids
 from pooling.tasks import RequestPooler
+from scheduler.errors import EmptyPromptError, PromptTooLongError
 
 
 class RequestStatus(enum.Enum):
@@ -67,3 +71,30 @@ class PoolingRequest:
             RequestStatus.CANCELLED,
             RequestStatus.FAILED,
         )
+
+    def output(self, pooled: torch.Tensor, now: float) -> PoolingOutput:
+        """The caller's view of this request finished at `now` with its pooled host tensor."""
+        started = self.first_scheduled_time or now
+        return PoolingOutput(
+            request_id=self.request_id,
+            data=np.asarray(pooled.numpy(), dtype=np.float32),
+            num_prompt_tokens=self.num_prompt_tokens,
+            queue_time_s=started - self.arrival_time,
+            inference_time_s=now - started,
+        )
+
+
+def checked_prompt(prompt: Sequence[int], max_model_len: int, vocab_size: int) -> np.ndarray:
+    """The prompt as the int64 array a request keeps, after length and id checks."""
+    if len(prompt) == 0:
+        raise EmptyPromptError()
+    if len(prompt) > max_model_len:
+        raise PromptTooLongError(len(prompt), max_model_len)
+    try:
+        ids = np.asarray(prompt, dtype=np.int64)  # [num_prompt_tokens]
+    except OverflowError:
+        # An id beyond int64 cannot be converted; finding it in Python costs only on this path.
+        validate_token_ids(prompt, vocab_size)
+        raise
+    validate_token_ids(torch.from_numpy(ids), vocab_size)
+    return ids

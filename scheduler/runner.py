@@ -13,7 +13,7 @@ import torch
 from models.attention import build_attention_metadata
 from models.kv_cache import PagedKVCache
 from models.spec import LoadedModel
-from pooling.tasks import ChunkInput, RequestPooler, pool_step
+from pooling.pooler import ChunkInput, RequestPooler, pool_chunks
 
 
 @dataclass(frozen=True)
@@ -39,11 +39,20 @@ class PreparedStep:
 
 
 @dataclass(frozen=True)
+class PoolingFailure:
+    """One request whose pooling raised in a step: it fails alone, the step's others do not."""
+
+    request_id: int
+    error: Exception
+
+
+@dataclass(frozen=True)
 class StepResult:
-    """What a step produced: finished outputs (host-bound) and how long the forward took."""
+    """What a step produced: finished outputs (host-bound), pooling failures, forward time."""
 
     step_index: int
     outputs: tuple[tuple[int, torch.Tensor], ...]  # (request_id, output) of finished requests
+    failures: tuple[PoolingFailure, ...]  # requests whose pooling raised: each fails alone
     copy_done: torch.cuda.Event | None  # set when the D2H copy has landed (CUDA only)
     num_tokens: int
     duration_s: float
@@ -103,25 +112,34 @@ class Runner:
     def execute(self, step: PreparedStep) -> StepResult:
         """Forward, pool and start the D2H copy of finished outputs (worker thread)."""
         start = time.perf_counter()
-        with torch.inference_mode():
-            hidden = self._forward(step)  # [num_tokens, hidden]
-            pooled = pool_step(
-                hidden,
-                # an int64 array is a sequence of ints for pooling's purposes (len, iteration)
-                [
-                    ChunkInput(len(c.token_ids), cast("Sequence[int]", c.token_ids), c.is_last)
-                    for c in step.chunks
-                ],
-                [c.pooler for c in step.chunks],
-            )
-            finished = [
-                (c.request_id, out)
-                for c, out in zip(step.chunks, pooled, strict=True)
-                if out is not None
-            ]
-            outputs, copy_done = self._to_host(finished)
+        try:
+            with torch.inference_mode():
+                hidden = self._forward(step)  # [num_tokens, hidden]
+                pooled = pool_chunks(hidden, _chunk_inputs(step), [c.pooler for c in step.chunks])
+                finished = [
+                    (c.request_id, p.output)
+                    for c, p in zip(step.chunks, pooled, strict=True)
+                    if p.output is not None
+                ]
+                outputs, copy_done = self._to_host(finished)
+        except BaseException:
+            # The step's requests fail: their chunks already planned into the next step must be
+            # skipped, and this thread runs that step next, so mark them here, before it starts.
+            for chunk in step.chunks:
+                chunk.pooler.abandon()
+            raise
+        failures = tuple(
+            PoolingFailure(c.request_id, p.error)
+            for c, p in zip(step.chunks, pooled, strict=True)
+            if p.error is not None
+        )
         return StepResult(
-            step.step_index, outputs, copy_done, step.num_tokens, time.perf_counter() - start
+            step.step_index,
+            outputs,
+            failures,
+            copy_done,
+            step.num_tokens,
+            time.perf_counter() - start,
         )
 
     def _forward(self, step: PreparedStep) -> torch.Tensor:
@@ -166,3 +184,11 @@ class Runner:
         """The output itself, or a copy when it still views the hidden buffer without async."""
         shares = out.untyped_storage().data_ptr() == self.hidden.untyped_storage().data_ptr()
         return out.clone() if shares and not self.async_scheduling else out
+
+
+def _chunk_inputs(step: PreparedStep) -> list[ChunkInput]:
+    """What pooling needs of each chunk (an int64 array serves as a sequence of ints)."""
+    return [
+        ChunkInput(len(c.token_ids), cast("Sequence[int]", c.token_ids), c.is_last)
+        for c in step.chunks
+    ]

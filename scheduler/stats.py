@@ -19,4 +19,5 @@ class EngineSnapshot:
     step_tokens_total: int
     cloned_bytes_total: int
     num_clones: int
+    num_open_poolers: int  # pooling states of requests not yet finished or released
     rejected: Mapping[str, int]

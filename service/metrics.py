@@ -136,6 +136,10 @@ class _EngineCollector(Collector):
                 s.num_kv_blocks_used,
             ),
             "poolserve_kv_blocks_capacity": ("KV cache blocks in all.", s.num_kv_blocks_total),
+            "poolserve_open_poolers": (
+                "Pooling states of requests not yet finished or released; zero at idle.",
+                s.num_open_poolers,
+            ),
             "poolserve_ready": ("1 when the server accepts work, else 0.", int(self.ready())),
         }
         for name, (doc, value) in gauges.items():
