@@ -51,7 +51,8 @@ class PoolingModelInfo:
     `embed_projection` is the sentence-transformers Dense chain as a plain tensor -> tensor module.
     """
 
-    is_causal: bool
+    # Decoders (causal or bidirectional) pool their last token by default; encoders their first.
+    is_decoder: bool
     hidden_size: int
     seq_classifier: nn.Module | None = None
     token_classifier: nn.Module | None = None
@@ -64,7 +65,7 @@ class PoolingModelInfo:
     st_pooling_mode: str | None = None
     supports_matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] | None = None
-    # Overrides the embed pooling type derived from st_pooling_mode / is_causal.
+    # Overrides the embed pooling type derived from st_pooling_mode / is_decoder.
     default_pooling_type: PoolingType | None = None
     # Step tag a process reward model uses when a request names none (e.g. the id of "<extra_0>").
     default_step_tag_id: int | None = None
@@ -116,12 +117,12 @@ class PoolingModelInfo:
             return self.default_pooling_type
         if self.st_pooling_mode is not None:
             return ST_POOLING_MODES[self.st_pooling_mode]
-        return PoolingType.LAST if self.is_causal else PoolingType.CLS
+        return PoolingType.LAST if self.is_decoder else PoolingType.CLS
 
     @property
     def sequence_pooling_type(self) -> PoolingType:
         """Pooling the checkpoint's sequence classifier was trained on."""
-        return PoolingType.LAST if self.is_causal else PoolingType.CLS
+        return PoolingType.LAST if self.is_decoder else PoolingType.CLS
 
 
 def get_supported_tasks(info: PoolingModelInfo) -> frozenset[PoolingTask]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from models.registry import ARCHITECTURES, Backbone
 from models.spec import HeadKind, LoadedModel
 from pooling.model_info import PoolingModelInfo
 from pooling.params import PoolingType
@@ -16,7 +17,8 @@ def pooling_info_from(
     spec, heads, st = loaded.spec, loaded.heads, loaded.sentence_transformers
     projection = st.dense if st is not None else None
     return PoolingModelInfo(
-        is_causal=spec.is_causal,
+        # by backbone, not attention: a bidirectional decoder's heads still read the last token
+        is_decoder=ARCHITECTURES[spec.architecture].backbone is Backbone.DECODER,
         hidden_size=spec.hidden_size,
         seq_classifier=heads.seq_classifier,
         token_classifier=heads.token_classifier,

@@ -39,7 +39,7 @@ def no_sync() -> Iterator[None]:
 def _prm_info() -> PoolingModelInfo:
     head = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 2)).cuda()
     return PoolingModelInfo(
-        is_causal=True, hidden_size=HIDDEN, process_reward_head=head, num_labels=2
+        is_decoder=True, hidden_size=HIDDEN, process_reward_head=head, num_labels=2
     )
 
 
@@ -62,7 +62,7 @@ def test_chunked_step_pooling_never_syncs(no_sync: None) -> None:
 
 
 def test_bf16_hidden_states_pool_in_float32(no_sync: None) -> None:
-    info = PoolingModelInfo(is_causal=True, hidden_size=HIDDEN)
+    info = PoolingModelInfo(is_decoder=True, hidden_size=HIDDEN)
     stats = CloneStats()
     hidden = torch.randn(9, HIDDEN, device="cuda", dtype=torch.bfloat16)  # [9, hidden]
     tasks = [PoolingTask.EMBED, PoolingTask.TOKEN_EMBED]

@@ -97,7 +97,7 @@ def _info(name: str) -> PoolingModelInfo:
     """Pooling's view of a tiny model, built from the reference model's own head modules."""
     hf = _hf(name)
     fields = HEAD_FIELDS[name](hf) if name in HEAD_FIELDS else {}
-    return PoolingModelInfo(is_causal=name != "bert", hidden_size=hf.config.hidden_size, **fields)
+    return PoolingModelInfo(is_decoder=name != "bert", hidden_size=hf.config.hidden_size, **fields)
 
 
 @pytest.mark.parametrize("chunk_size", CHUNK_SIZES)
@@ -116,7 +116,7 @@ def test_embed_matches_hf(name: str, st_mode: str | None, reduce: Any, chunk_siz
     ids = _prompt()
     hidden = _backbone_hidden(name, ids)
     info = PoolingModelInfo(
-        is_causal=name != "bert", hidden_size=hidden.shape[1], st_pooling_mode=st_mode
+        is_decoder=name != "bert", hidden_size=hidden.shape[1], st_pooling_mode=st_mode
     )
     out = _pool(info, PoolingParams(T.EMBED), hidden, ids, chunk_size)
     assert_close(out, F.normalize(reduce(hidden), dim=-1))

@@ -171,7 +171,7 @@ def test_chunked_cls_counts_its_kept_row() -> None:
 def _token_info() -> PoolingModelInfo:
     score = nn.Linear(HIDDEN, 3)
     return PoolingModelInfo(
-        is_causal=True, hidden_size=HIDDEN, token_classifier=score, num_labels=3
+        is_decoder=True, hidden_size=HIDDEN, token_classifier=score, num_labels=3
     )
 
 
@@ -190,7 +190,7 @@ def test_raw_token_embed_clones_under_async() -> None:
     hidden, ids = _prompt(seed=10)
     expected = hidden.clone()
     stats = CloneStats()
-    info = PoolingModelInfo(is_causal=True, hidden_size=HIDDEN)
+    info = PoolingModelInfo(is_decoder=True, hidden_size=HIDDEN)
     params = PoolingParams(task=PoolingTask.TOKEN_EMBED, normalize=False)
     pooler = build_pooler(info, params, async_scheduling=True, stats=stats)
     out = pooler.add_chunk(hidden, ids, is_last=True)

@@ -63,7 +63,7 @@ def test_minilm_mean_normalize_matches_sentence_transformers(
     minilm: SentenceTransformer, chunk_size: int | None
 ) -> None:
     expected = minilm.encode(list(SENTENCES), convert_to_tensor=True)  # [3, 384]
-    info = PoolingModelInfo(is_causal=False, hidden_size=384, st_pooling_mode="mean")
+    info = PoolingModelInfo(is_decoder=False, hidden_size=384, st_pooling_mode="mean")
     for text, reference in zip(SENTENCES, expected, strict=True):
         hidden, ids = _hidden_states(minilm, text)
         assert_close(
@@ -76,7 +76,7 @@ def _dense_info(dense: Dense) -> PoolingModelInfo:
     projection = nn.Sequential(dense.linear, nn.Tanh())
     assert isinstance(dense.activation_function, nn.Tanh)
     return PoolingModelInfo(
-        is_causal=False,
+        is_decoder=False,
         hidden_size=384,
         st_pooling_mode="mean",
         embed_projection=projection,

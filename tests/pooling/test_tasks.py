@@ -52,13 +52,13 @@ def _hf(name: str) -> Any:
 
 def _decoder_base() -> PoolingModelInfo:
     hf = _hf("llama")
-    return PoolingModelInfo(is_causal=True, hidden_size=hf.config.hidden_size)
+    return PoolingModelInfo(is_decoder=True, hidden_size=hf.config.hidden_size)
 
 
 def _decoder_token_classifier() -> PoolingModelInfo:
     hf = _hf("qwen2_tokcls")
     return PoolingModelInfo(
-        is_causal=True,
+        is_decoder=True,
         hidden_size=hf.config.hidden_size,
         token_classifier=hf.score,
         num_labels=hf.config.num_labels,
@@ -67,7 +67,7 @@ def _decoder_token_classifier() -> PoolingModelInfo:
 
 def _seq_classifier(num_labels: int) -> PoolingModelInfo:
     return PoolingModelInfo(
-        is_causal=True,
+        is_decoder=True,
         hidden_size=HIDDEN,
         seq_classifier=nn.Linear(HIDDEN, num_labels, bias=False),
         num_labels=num_labels,
@@ -77,13 +77,13 @@ def _seq_classifier(num_labels: int) -> PoolingModelInfo:
 def _prm() -> PoolingModelInfo:
     head = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 2))
     return PoolingModelInfo(
-        is_causal=True, hidden_size=HIDDEN, process_reward_head=head, num_labels=2
+        is_decoder=True, hidden_size=HIDDEN, process_reward_head=head, num_labels=2
     )
 
 
 def _matryoshka(dims: tuple[int, ...] | None) -> PoolingModelInfo:
     return PoolingModelInfo(
-        is_causal=True, hidden_size=HIDDEN, supports_matryoshka=True, matryoshka_dimensions=dims
+        is_decoder=True, hidden_size=HIDDEN, supports_matryoshka=True, matryoshka_dimensions=dims
     )
 
 
@@ -100,10 +100,10 @@ def test_decoder_token_classifier_supports_token_tasks() -> None:
 
 
 def test_encoder_models_are_gated_by_heads_only() -> None:
-    encoder = PoolingModelInfo(is_causal=False, hidden_size=HIDDEN)
+    encoder = PoolingModelInfo(is_decoder=False, hidden_size=HIDDEN)
     assert get_supported_tasks(encoder) == {T.EMBED, T.TOKEN_EMBED}
     tagger = PoolingModelInfo(
-        is_causal=False, hidden_size=HIDDEN, token_classifier=nn.Linear(HIDDEN, 4), num_labels=4
+        is_decoder=False, hidden_size=HIDDEN, token_classifier=nn.Linear(HIDDEN, 4), num_labels=4
     )
     assert get_supported_tasks(tagger) == {T.TOKEN_CLASSIFY, T.EMBED_TOKEN_CLASSIFY}
 
@@ -113,7 +113,7 @@ def test_head_table() -> None:
     assert get_supported_tasks(_seq_classifier(1)) == {T.CLASSIFY, T.REWARD}
     assert get_supported_tasks(_prm()) == {T.REWARD}
     rm = PoolingModelInfo(
-        is_causal=True, hidden_size=HIDDEN, token_reward_head=nn.Linear(HIDDEN, 1), num_labels=1
+        is_decoder=True, hidden_size=HIDDEN, token_reward_head=nn.Linear(HIDDEN, 1), num_labels=1
     )
     assert get_supported_tasks(rm) == {T.REWARD}
 
@@ -143,7 +143,7 @@ def test_token_classifier_refuses_embed() -> None:
         (_matryoshka(None), PoolingParams(T.EMBED, dimensions=-3), "dimensions"),
         (_matryoshka((16, 32)), PoolingParams(T.EMBED, dimensions=24), "dimensions"),
         (
-            PoolingModelInfo(is_causal=True, hidden_size=HIDDEN),
+            PoolingModelInfo(is_decoder=True, hidden_size=HIDDEN),
             PoolingParams(T.EMBED, dimensions=16),
             "dimensions",
         ),
@@ -193,14 +193,14 @@ def test_matryoshka_list_is_enforced_and_applied() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "expected"),
     [
-        ({"is_causal": True}, PoolingType.LAST),
-        ({"is_causal": False}, PoolingType.CLS),
-        ({"is_causal": True, "st_pooling_mode": "lasttoken"}, PoolingType.LAST),
-        ({"is_causal": True, "st_pooling_mode": "mean"}, PoolingType.MEAN),
-        ({"is_causal": False, "st_pooling_mode": "cls"}, PoolingType.CLS),
-        ({"is_causal": False, "st_pooling_mode": "mean"}, PoolingType.MEAN),
+        ({"is_decoder": True}, PoolingType.LAST),
+        ({"is_decoder": False}, PoolingType.CLS),
+        ({"is_decoder": True, "st_pooling_mode": "lasttoken"}, PoolingType.LAST),
+        ({"is_decoder": True, "st_pooling_mode": "mean"}, PoolingType.MEAN),
+        ({"is_decoder": False, "st_pooling_mode": "cls"}, PoolingType.CLS),
+        ({"is_decoder": False, "st_pooling_mode": "mean"}, PoolingType.MEAN),
         (
-            {"is_causal": True, "st_pooling_mode": "mean", "default_pooling_type": PoolingType.CLS},
+            {"is_decoder": True, "st_pooling_mode": "mean", "default_pooling_type": PoolingType.CLS},
             PoolingType.CLS,
         ),
     ],
@@ -226,7 +226,7 @@ def test_task_methods() -> None:
 def test_default_step_tag_comes_from_the_model() -> None:
     head = nn.Sequential(nn.Linear(HIDDEN, 2))
     info = PoolingModelInfo(
-        is_causal=True,
+        is_decoder=True,
         hidden_size=HIDDEN,
         process_reward_head=head,
         num_labels=2,
@@ -251,6 +251,6 @@ def test_default_step_tag_comes_from_the_model() -> None:
     ],
 )
 def test_inconsistent_model_info_is_refused(kwargs: dict[str, object]) -> None:
-    fields: dict[str, object] = {"is_causal": True, "hidden_size": HIDDEN, **kwargs}
+    fields: dict[str, object] = {"is_decoder": True, "hidden_size": HIDDEN, **kwargs}
     with pytest.raises(PoolingConfigError):
         PoolingModelInfo(**fields)  # type: ignore[arg-type]
