@@ -41,6 +41,12 @@ class AttentionMetadata:
         return self.context_slots is not None
 
 
+# (start, stop) of one sequence's tokens in the stream -> the additive score bias of that
+# sequence [num_heads, num_new, num_keys], already scaled; encoders' relative positions (MPNet,
+# DeBERTa) are biases that depend on the sequence, and on its queries and keys.
+AttentionBias = Callable[[int, int], torch.Tensor]
+
+
 class AttentionBackend(Protocol):
     """Computes attention of packed queries over each sequence's cached and new keys."""
 
@@ -55,8 +61,15 @@ class AttentionBackend(Protocol):
         kv_cache: PagedKVCache | None,
         sliding_window: int | None,
         scale: float,
+        softcap: float | None = None,
+        bias: AttentionBias | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Returns the attention output for every query token."""
+        """Attention output for every query token.
+
+        A sliding window keeps keys with q - k < window, or |q - k| < window when bidirectional;
+        softcap (Gemma2) maps the scaled logits through cap * tanh(logit / cap) before the mask;
+        bias is added to the scaled logits of each sequence.
+        """
         ...
 
 

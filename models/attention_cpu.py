@@ -5,26 +5,102 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from models.attention import AttentionMetadata, write_new_kv
+from models.attention import AttentionBias, AttentionMetadata, write_new_kv
 from models.kv_cache import PagedKVCache
+from models.layers import softcap as apply_softcap
 
 
 def allowed_keys(
-    num_context: int, num_new: int, sliding_window: int | None, device: torch.device
+    num_context: int,
+    num_new: int,
+    sliding_window: int | None,
+    device: torch.device,
+    causal: bool = True,
 ) -> torch.Tensor:  # [num_new, num_context + num_new] bool
-    """Lower-right causal mask; a sliding window keeps keys with q_pos - k_pos < window."""
+    """Lower-right causal mask with q - k < window; bidirectional: |q - k| < window."""
     q_pos = torch.arange(num_context, num_context + num_new, device=device)[:, None]
     k_pos = torch.arange(num_context + num_new, device=device)[None, :]
-    allowed = k_pos <= q_pos
+    if causal:
+        allowed = k_pos <= q_pos
+    else:
+        allowed = torch.ones(num_new, num_context + num_new, dtype=torch.bool, device=device)
     if sliding_window is not None:
-        allowed &= k_pos > q_pos - sliding_window
+        allowed &= (q_pos - k_pos).abs() < sliding_window
     return allowed
 
 
 def _needs_mask(causal: bool, num_context: int, num_new: int, window: int | None) -> bool:
     """Whether plain is_causal (or no mask) is not enough for this sequence."""
     window_bites = window is not None and num_context + num_new > window
-    return causal and (num_context > 0 or window_bites)
+    return window_bites or (causal and num_context > 0)
+
+
+def _softcapped(
+    query: torch.Tensor,  # [1, num_heads, num_new, head_dim]
+    keys: torch.Tensor,  # [1, num_kv_heads, num_keys, head_dim]
+    values: torch.Tensor,  # [1, num_kv_heads, num_keys, head_dim]
+    allowed: torch.Tensor | None,  # [num_new, num_keys] bool
+    scale: float,
+    cap: float,
+) -> torch.Tensor:  # [1, num_heads, num_new, head_dim]
+    """Attention with tanh-capped logits, which SDPA cannot do; softmax in float32 like Gemma2."""
+    group = query.shape[1] // keys.shape[1]
+    keys = keys.repeat_interleave(group, dim=1)  # [1, num_heads, num_keys, head_dim]
+    values = values.repeat_interleave(group, dim=1)  # [1, num_heads, num_keys, head_dim]
+    scores = apply_softcap(query @ keys.transpose(-1, -2) * scale, cap)  # [1, H, new, keys]
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = scores.softmax(-1, dtype=torch.float32).to(query.dtype)  # [1, H, new, keys]
+    return probs @ values
+
+
+def _sequence_mask(
+    meta: AttentionMetadata,
+    seq: int,
+    sliding_window: int | None,
+    softcap: float | None,
+    bias: AttentionBias | None,
+    device: torch.device,
+) -> torch.Tensor | None:  # [num_new, num_keys] bool, or [1, num_heads, num_new, num_keys] float
+    """One sequence's mask: none, allowed keys, or its score bias with -inf at barred keys."""
+    start, num_new, num_context = (
+        meta.query_starts[seq],
+        meta.seq_lens_q[seq],
+        meta.context_lens[seq],
+    )
+    needs_mask = _needs_mask(meta.causal, num_context, num_new, sliding_window)
+    # The soft-capped path has no is_causal shortcut, and SDPA takes no is_causal with a bias.
+    if softcap is None and not needs_mask and (bias is None or not meta.causal):
+        return None if bias is None else bias(start, start + num_new)[None]
+    allowed = allowed_keys(num_context, num_new, sliding_window, device, meta.causal)
+    if bias is None:
+        return allowed
+    return bias(start, start + num_new).masked_fill(~allowed, float("-inf"))[None]
+
+
+def _attend_sequence(
+    query: torch.Tensor,  # [1, num_heads, num_new, head_dim]
+    keys: torch.Tensor,  # [1, num_kv_heads, num_keys, head_dim]
+    values: torch.Tensor,  # [1, num_kv_heads, num_keys, head_dim]
+    mask: torch.Tensor | None,  # [num_new, num_keys] bool, or a float score bias
+    causal: bool,
+    scale: float,
+    cap: float | None,
+) -> torch.Tensor:  # [1, num_heads, num_new, head_dim]
+    """One sequence's attention: SDPA, or the explicit soft-capped form."""
+    if cap is not None:
+        if mask is not None and mask.dtype != torch.bool:
+            raise ValueError("soft-capped attention takes no score bias")
+        return _softcapped(query, keys, values, mask, scale, cap)
+    return F.scaled_dot_product_attention(
+        query,
+        keys,
+        values,
+        attn_mask=mask,
+        is_causal=causal and mask is None,
+        scale=scale,
+        enable_gqa=query.shape[1] != keys.shape[1],
+    )
 
 
 class ReferenceAttention:
@@ -41,30 +117,28 @@ class ReferenceAttention:
         kv_cache: PagedKVCache | None,
         sliding_window: int | None,
         scale: float,
+        softcap: float | None = None,
+        bias: AttentionBias | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Writes continuing sequences' K/V, then attends sequence by sequence."""
         write_new_kv(key, value, layer=layer, meta=meta, kv_cache=kv_cache)
         out = torch.empty_like(query)
-        gqa = query.shape[1] != key.shape[1]
         for i in range(meta.num_seqs):
             start, num_new = meta.query_starts[i], meta.seq_lens_q[i]
             stop = start + num_new
             keys, values = self._keys(key[start:stop], value[start:stop], i, layer, meta, kv_cache)
-            num_context = meta.context_lens[i]
-            mask = None
-            if _needs_mask(meta.causal, num_context, num_new, sliding_window):
-                mask = allowed_keys(num_context, num_new, sliding_window, query.device)
+            mask = _sequence_mask(meta, i, sliding_window, softcap, bias, query.device)
             # A leading batch dimension matters: torch's CPU flash kernel takes only 4-D inputs,
             # 3-D ones fall back to the math path, 2-3x slower on long prompts.
-            attended = F.scaled_dot_product_attention(
+            attended = _attend_sequence(
                 query[start:stop].transpose(0, 1)[None],  # [1, num_heads, num_new, head_dim]
                 keys.transpose(0, 1)[None],  # [1, num_kv_heads, num_keys, head_dim]
                 values.transpose(0, 1)[None],  # [1, num_kv_heads, num_keys, head_dim]
-                attn_mask=mask,
-                is_causal=meta.causal and mask is None,
-                scale=scale,
-                enable_gqa=gqa,
-            )
+                mask,
+                meta.causal,
+                scale,
+                softcap,
+            )  # [1, num_heads, num_new, head_dim]
             out[start:stop] = attended[0].transpose(0, 1)
         return out
 

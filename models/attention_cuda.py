@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from models.attention import AttentionMetadata, write_new_kv
+from models.attention import AttentionBias, AttentionMetadata, write_new_kv
 from models.attention_cpu import ReferenceAttention
 from models.kv_cache import PagedKVCache
 
@@ -46,9 +46,12 @@ class CudaAttention:
         """Whether the flash varlen kernel is available at all."""
         return self._varlen is not None
 
-    def can_use_varlen(self, query: torch.Tensor, sliding_window: int | None) -> bool:
-        """Whether the flash kernel handles this dtype, head size and mask."""
-        if self._varlen is None or query.device.type != self._device_type:
+    def can_use_varlen(
+        self, query: torch.Tensor, sliding_window: int | None, softcap: float | None = None
+    ) -> bool:
+        """Whether the flash kernel handles this dtype, head size, mask and logit cap."""
+        # torch's varlen_attn has no soft-capping: Gemma2 layers take the reference path.
+        if self._varlen is None or query.device.type != self._device_type or softcap is not None:
             return False
         if query.dtype not in _FLASH_DTYPES:
             return False
@@ -68,9 +71,12 @@ class CudaAttention:
         kv_cache: PagedKVCache | None,
         sliding_window: int | None,
         scale: float,
+        softcap: float | None = None,
+        bias: AttentionBias | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Writes continuing sequences' K/V, then one varlen call over every sequence."""
-        if not self.can_use_varlen(query, sliding_window):
+        # The flash kernel adds no score bias: MPNet and DeBERTa layers take the reference path.
+        if bias is not None or not self.can_use_varlen(query, sliding_window, softcap):
             return self._fallback.attend(
                 query,
                 key,
@@ -80,6 +86,8 @@ class CudaAttention:
                 kv_cache=kv_cache,
                 sliding_window=sliding_window,
                 scale=scale,
+                softcap=softcap,
+                bias=bias,
             )
         write_new_kv(key, value, layer=layer, meta=meta, kv_cache=kv_cache)
         keys, values = _key_stream(key, value, layer, meta, kv_cache)
@@ -107,9 +115,10 @@ class CudaAttention:
         """Keyword arguments in the dialect of the installed varlen_attn."""
         kwargs: dict[str, Any] = {}
         if "window_size" in self._params:
-            # The kernel keeps keys with k >= q - left; the models keep q - k < window.
+            # The kernel keeps keys with q - left <= k <= q + right; the models keep
+            # q - k < window, and |q - k| < window when bidirectional.
             left = -1 if sliding_window is None else sliding_window - 1
-            kwargs["window_size"] = (left, 0) if causal else (-1, -1)
+            kwargs["window_size"] = (left, 0) if causal else (left, left)
         else:
             kwargs["is_causal"] = causal
         if "scale" in self._params:

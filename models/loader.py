@@ -4,22 +4,27 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
+from tokenizers.normalizers import Lowercase, Normalizer
+from tokenizers.normalizers import Sequence as NormalizerSequence
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from models.attention import AttentionBackend, select_attention_backend
-from models.decoder import DecoderModel, decoder_head_dim
+from models.decoder import DecoderModel
+from models.decoder_config import decoder_head_dim, decoder_is_causal
 from models.encoder import EncoderModel
+from models.encoder_config import adopt_remote_nomic_fields, encoder_max_len
 from models.errors import ModelLoadError, UnsafeCheckpointError, UnsupportedArchitectureError
 from models.heads import build_heads, head_out_features
 from models.packed import PackedModel
 from models.registry import (
     ARCHITECTURES,
     DECODER_FAMILIES,
+    ENCODER_FAMILIES,
     ArchitectureEntry,
     Backbone,
     supported_architectures,
@@ -50,7 +55,11 @@ def load_model(
     packed = _BACKBONES[entry.backbone](
         config, backbone_state, select_attention_backend(device), placement
     )
-    heads = build_heads(entry, state, device)
+    heads = build_heads(entry, state, device, config)
+    st_config = read_sentence_transformers(path, device)
+    tokenizer = _load_tokenizer(path)
+    if st_config is not None and st_config.do_lower_case:
+        _lower_case_first(tokenizer)
     logger.info(
         "loaded %s (%s) from %s on %s as %s", architecture, config.model_type, path, device, dtype
     )
@@ -59,8 +68,8 @@ def load_model(
         spec=_spec(architecture, entry, config, heads, dtype),
         model=packed,
         heads=heads,
-        tokenizer=_load_tokenizer(path),
-        sentence_transformers=read_sentence_transformers(path),
+        tokenizer=tokenizer,
+        sentence_transformers=st_config,
     )
 
 
@@ -115,14 +124,29 @@ def _load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
         raise ModelLoadError(f"cannot load tokenizer: {exc}") from exc
 
 
+def _lower_case_first(tokenizer: PreTrainedTokenizerBase) -> None:
+    """do_lower_case as sentence-transformers applies it: a Lowercase normalizer in front."""
+    if not tokenizer.is_fast:
+        raise ModelLoadError("do_lower_case needs a fast tokenizer (tokenizer.json)")
+    backend = tokenizer.backend_tokenizer
+    current = backend.normalizer
+    parts: list[Normalizer] = [] if current is None else [current]
+    if isinstance(current, NormalizerSequence):
+        # a Sequence iterates over its parts at runtime; the stubs do not say so
+        parts = list(cast(Iterable[Normalizer], current))
+    # the same test sentence-transformers makes: a Lowercase, alone or in a Sequence
+    if not any(isinstance(part, Lowercase) for part in parts):
+        backend.normalizer = NormalizerSequence([Lowercase(), *parts])
+
+
 def _backbone_prefix(entry: ArchitectureEntry, state: dict[str, torch.Tensor]) -> str:
     """The first candidate prefix under which the backbone's embeddings are stored."""
     markers = {
-        Backbone.DECODER: "embed_tokens.weight",
-        Backbone.ENCODER: "embeddings.word_embeddings.weight",
+        Backbone.DECODER: ("embed_tokens.weight",),
+        Backbone.ENCODER: ("embeddings.word_embeddings.weight", "embeddings.tok_embeddings.weight"),
     }
     for prefix in entry.backbone_prefixes:
-        if f"{prefix}{markers[entry.backbone]}" in state:
+        if any(f"{prefix}{marker}" in state for marker in markers[entry.backbone]):
             return prefix
     raise ModelLoadError(
         f"no backbone weights under any of the prefixes {list(entry.backbone_prefixes)}"
@@ -135,7 +159,7 @@ def _decoder(
     backend: AttentionBackend,
     placement: tuple[torch.device, torch.dtype],
 ) -> PackedModel:
-    """The packed decoder for a Llama/Mistral/Qwen2/Qwen3 config."""
+    """The packed decoder of a config whose model_type has a row in DECODER_FAMILIES."""
     family = DECODER_FAMILIES.get(config.model_type)
     if family is None:
         raise UnsupportedArchitectureError(
@@ -150,8 +174,14 @@ def _encoder(
     backend: AttentionBackend,
     placement: tuple[torch.device, torch.dtype],
 ) -> PackedModel:
-    """The packed BERT-family encoder."""
-    return EncoderModel(config, state, backend, placement).eval()
+    """The packed encoder of a config whose model_type has a row in ENCODER_FAMILIES."""
+    family = ENCODER_FAMILIES.get(config.model_type)
+    if family is None:
+        raise UnsupportedArchitectureError(
+            f"model_type {config.model_type}", supported_architectures()
+        )
+    adopt_remote_nomic_fields(config)
+    return EncoderModel(config, state, family, backend, placement).eval()
 
 
 _BACKBONES: dict[Backbone, Callable[..., PackedModel]] = {
@@ -179,7 +209,7 @@ def _spec(
     return ModelSpec(
         architecture=architecture,
         family=str(config.model_type),
-        is_causal=decoder,
+        is_causal=decoder and decoder_is_causal(config),
         hidden_size=int(config.hidden_size),
         vocab_size=int(config.vocab_size),
         num_layers=int(config.num_hidden_layers),
@@ -189,7 +219,7 @@ def _spec(
         head_dim=decoder_head_dim(config)
         if decoder
         else config.hidden_size // config.num_attention_heads,
-        max_model_len=int(config.max_position_embeddings),
+        max_model_len=int(config.max_position_embeddings) if decoder else encoder_max_len(config),
         dtype=dtype,
         head_kind=entry.head_kind,
         num_labels=num_labels,

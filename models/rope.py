@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -12,10 +14,22 @@ from models.errors import ModelLoadError
 _DYNAMIC_ROPE_TYPES = frozenset({"dynamic", "longrope"})
 
 
-def _default_inv_freq(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Plain RoPE: base ** (-2i / head_dim), no post-scaling."""
-    base = float(config.rope_parameters["rope_theta"])
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim  # [head_dim/2]
+def rope_parameters(config: PretrainedConfig, layer_type: str | None) -> dict[str, Any]:
+    """The rope parameters of the model, or of one layer type (Gemma3: local vs global)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if layer_type is None:
+        return dict(params)
+    if not isinstance(params.get(layer_type), dict):
+        raise ModelLoadError(f"config has no rope parameters for {layer_type!r} layers")
+    return dict(params[layer_type])
+
+
+def _default_inv_freq(params: dict[str, Any], head_dim: int) -> tuple[torch.Tensor, float]:
+    """Plain RoPE over the rotated part of each head: base ** (-2i / dim), no post-scaling."""
+    base = float(params["rope_theta"])
+    # Phi-3-style partial rotary: only the first dim channels of a head rotate.
+    dim = int(head_dim * float(params.get("partial_rotary_factor", 1.0)))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim  # [dim/2]
     return 1.0 / (base**exponents), 1.0
 
 
@@ -24,27 +38,30 @@ class Rotary(torch.nn.Module):
 
     inv_freq: torch.Tensor
 
-    def __init__(self, config: PretrainedConfig, head_dim: int) -> None:
+    def __init__(
+        self, config: PretrainedConfig, head_dim: int, layer_type: str | None = None
+    ) -> None:
         super().__init__()
-        params = getattr(config, "rope_parameters", None) or {}
+        params = rope_parameters(config, layer_type)
         rope_type = params.get("rope_type", "default")
         if rope_type in _DYNAMIC_ROPE_TYPES:
             raise ModelLoadError(f"rope type {rope_type!r} is not supported")
         if rope_type == "default":
-            inv_freq, scaling = _default_inv_freq(config, head_dim)
+            inv_freq, scaling = _default_inv_freq(params, head_dim)
         elif rope_type in ROPE_INIT_FUNCTIONS:
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+            extra = {} if layer_type is None else {"layer_type": layer_type}
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **extra)
         else:
             raise ModelLoadError(f"unknown rope type {rope_type!r}")
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)  # [head_dim/2]
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)  # [rotary_dim/2]
         self.scaling = float(scaling)
 
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # [num_tokens, 1, head_dim] each
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [num_tokens, 1, rotary_dim] each
         """cos and sin per token, computed in float32 then cast like the reference."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [num_tokens, head_dim/2]
-        emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]  # [num_tokens, 1, head_dim]
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [num_tokens, rotary_dim/2]
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]  # [num_tokens, 1, rotary_dim]
         cos = emb.cos()
         sin = emb.sin()
         if self.scaling != 1.0:
@@ -55,10 +72,14 @@ class Rotary(torch.nn.Module):
 
 def apply_rotary(
     x: torch.Tensor,  # [num_tokens, heads, head_dim]
-    cos: torch.Tensor,  # [num_tokens, 1, head_dim]
-    sin: torch.Tensor,  # [num_tokens, 1, head_dim]
+    cos: torch.Tensor,  # [num_tokens, 1, rotary_dim]
+    sin: torch.Tensor,  # [num_tokens, 1, rotary_dim]
 ) -> torch.Tensor:  # [num_tokens, heads, head_dim]
-    """x * cos + rotate_half(x) * sin."""
+    """x * cos + rotate_half(x) * sin over the first rotary_dim channels; the rest pass."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        rotated = apply_rotary(x[..., :rotary_dim], cos, sin)  # [num_tokens, heads, rotary_dim]
+        return torch.cat([rotated, x[..., rotary_dim:]], dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # [num_tokens, heads, head_dim]
     return x * cos + rotated * sin

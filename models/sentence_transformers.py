@@ -1,4 +1,4 @@
-"""Reads sentence-transformers files: modules.json, 1_Pooling, 2_Dense, Normalize."""
+"""Reads sentence-transformers files: modules.json, sentence_bert_config.json, Pooling, Dense."""
 
 from __future__ import annotations
 
@@ -13,6 +13,16 @@ from models.spec import SentenceTransformersConfig
 from models.weights import load_state_dict
 
 MODULES_FILE = "modules.json"
+# sentence-transformers reads the first of these it finds in its Transformer module's folder
+TRANSFORMER_CONFIG_FILES = (
+    "sentence_bert_config.json",
+    "sentence_roberta_config.json",
+    "sentence_distilbert_config.json",
+    "sentence_camembert_config.json",
+    "sentence_albert_config.json",
+    "sentence_xlm-roberta_config.json",
+    "sentence_xlnet_config.json",
+)
 # Pooling config flags in the order sentence-transformers itself names the mode.
 _POOLING_FLAGS = {
     "pooling_mode_cls_token": "cls",
@@ -48,8 +58,23 @@ def _pooling_mode(config: dict[str, Any]) -> str | None:
     return modes[0] if modes else None
 
 
-def _dense(directory: Path) -> torch.nn.Module:
-    """One Dense module: Linear plus its activation, float32."""
+def _input_config(directory: Path) -> tuple[int | None, bool]:
+    """max_seq_length and do_lower_case of the Transformer module; (None, False) without a file."""
+    found = [directory / name for name in TRANSFORMER_CONFIG_FILES if (directory / name).is_file()]
+    if not found:
+        return None, False
+    config = _read_json(found[0])
+    length = config.get("max_seq_length")
+    # bool is an int in Python; a JSON true is no length
+    if length is not None and (
+        isinstance(length, bool) or not isinstance(length, int) or length < 1
+    ):
+        raise ModelLoadError(f"{found[0].name}: max_seq_length must be a positive integer")
+    return length, bool(config.get("do_lower_case", False))
+
+
+def _dense(directory: Path, device: torch.device) -> torch.nn.Module:
+    """One Dense module: Linear plus its activation, float32 on the model's device."""
     config = _read_json(directory / "config.json")
     name = str(config.get("activation_function", "Identity")).rsplit(".", 1)[-1]
     if name not in _ACTIVATIONS:
@@ -62,24 +87,26 @@ def _dense(directory: Path) -> torch.nn.Module:
         linear.load_state_dict(state)
     except RuntimeError as exc:
         raise ModelLoadError(f"Dense weights in {directory.name} do not fit: {exc}") from exc
-    return torch.nn.Sequential(linear, _ACTIVATIONS[name]()).float().eval()
+    return torch.nn.Sequential(linear, _ACTIVATIONS[name]()).float().eval().to(device)
 
 
-def read_sentence_transformers(directory: Path) -> SentenceTransformersConfig | None:
+def read_sentence_transformers(
+    directory: Path, device: torch.device
+) -> SentenceTransformersConfig | None:
     """The sentence-transformers config of a checkpoint, None without modules.json."""
     if not (directory / MODULES_FILE).is_file():
         return None
-    pooling_mode: str | None = None
-    dense: list[torch.nn.Module] = []
-    normalize = False
+    paths: dict[str, list[Path]] = {}  # module kind -> folders, in modules.json order
     for module in _read_json(directory / MODULES_FILE):
         kind = str(module.get("type", "")).rsplit(".", 1)[-1]
-        path = directory / str(module.get("path", ""))
-        if kind == "Pooling":
-            pooling_mode = _pooling_mode(_read_json(path / "config.json"))
-        elif kind == "Dense":
-            dense.append(_dense(path))
-        elif kind == "Normalize":
-            normalize = True
-    chained = torch.nn.Sequential(*dense) if dense else None
-    return SentenceTransformersConfig(pooling_mode=pooling_mode, dense=chained, normalize=normalize)
+        paths.setdefault(kind, []).append(directory / str(module.get("path", "")))
+    pooling = paths.get("Pooling", [])
+    dense = [_dense(path, device) for path in paths.get("Dense", [])]
+    max_seq_length, do_lower_case = _input_config(paths.get("Transformer", [directory])[0])
+    return SentenceTransformersConfig(
+        pooling_mode=_pooling_mode(_read_json(pooling[-1] / "config.json")) if pooling else None,
+        dense=torch.nn.Sequential(*dense) if dense else None,
+        normalize="Normalize" in paths,
+        max_seq_length=max_seq_length,
+        do_lower_case=do_lower_case,
+    )

@@ -47,11 +47,14 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class SentenceTransformersConfig:
-    """The sentence-transformers modules after the transformer: pooling, Dense, Normalize."""
+    """The sentence-transformers modules: input limits, then pooling, Dense, Normalize."""
 
     pooling_mode: str | None
     dense: torch.nn.Module | None
     normalize: bool
+    # sentence_bert_config.json: sentence-transformers always truncates texts to max_seq_length
+    max_seq_length: int | None = None
+    do_lower_case: bool = False
 
 
 @dataclass(frozen=True)

@@ -200,7 +200,11 @@ def test_matryoshka_list_is_enforced_and_applied() -> None:
         ({"is_decoder": False, "st_pooling_mode": "cls"}, PoolingType.CLS),
         ({"is_decoder": False, "st_pooling_mode": "mean"}, PoolingType.MEAN),
         (
-            {"is_decoder": True, "st_pooling_mode": "mean", "default_pooling_type": PoolingType.CLS},
+            {
+                "is_decoder": True,
+                "st_pooling_mode": "mean",
+                "default_pooling_type": PoolingType.CLS,
+            },
             PoolingType.CLS,
         ),
     ],
