@@ -226,4 +226,5 @@ def _spec(
         labels=labels,
         supports_matryoshka=bool(getattr(config, "is_matryoshka", False)) or matryoshka is not None,
         matryoshka_dimensions=matryoshka,
+        classifier_pooling=None if decoder else getattr(config, "classifier_pooling", None),
     )

@@ -43,6 +43,9 @@ class ModelSpec:
     labels: tuple[str, ...]
     supports_matryoshka: bool
     matryoshka_dimensions: tuple[int, ...] | None
+    # How the checkpoint's sequence classifier pools, when its config says (ModernBERT's
+    # classifier_pooling: "cls" or "mean"); None = the backbone's default token.
+    classifier_pooling: str | None = None
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,8 @@ class PoolingModelInfo:
     matryoshka_dimensions: tuple[int, ...] | None = None
     # Overrides the embed pooling type derived from st_pooling_mode / is_decoder.
     default_pooling_type: PoolingType | None = None
+    # Overrides the sequence classifier's pooling when the checkpoint's config names one.
+    classifier_pooling_type: PoolingType | None = None
     # Step tag a process reward model uses when a request names none (e.g. the id of "<extra_0>").
     default_step_tag_id: int | None = None
 
@@ -122,6 +124,8 @@ class PoolingModelInfo:
     @property
     def sequence_pooling_type(self) -> PoolingType:
         """Pooling the checkpoint's sequence classifier was trained on."""
+        if self.classifier_pooling_type is not None:
+            return self.classifier_pooling_type
         return PoolingType.LAST if self.is_decoder else PoolingType.CLS
 
 

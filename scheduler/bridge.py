@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import torch
 
+from models.errors import ModelLoadError
 from models.registry import ARCHITECTURES, Backbone
 from models.spec import HeadKind, LoadedModel
 from pooling.model_info import PoolingModelInfo
 from pooling.params import PoolingType
+
+# A checkpoint config's classifier pooling name -> the pooling method that reproduces it.
+CLASSIFIER_POOLING = {"cls": PoolingType.CLS, "mean": PoolingType.MEAN}
 
 
 def pooling_info_from(
@@ -32,7 +36,18 @@ def pooling_info_from(
         supports_matryoshka=spec.supports_matryoshka,
         matryoshka_dimensions=spec.matryoshka_dimensions,
         default_pooling_type=embed_pooling,
+        classifier_pooling_type=_classifier_pooling(spec.classifier_pooling),
     )
+
+
+def _classifier_pooling(name: str | None) -> PoolingType | None:
+    """The pooling named by the config; an unknown name is refused rather than guessed."""
+    if name is None:
+        return None
+    if name not in CLASSIFIER_POOLING:
+        known = ", ".join(sorted(CLASSIFIER_POOLING))
+        raise ModelLoadError(f"classifier_pooling {name!r} is not supported (known: {known})")
+    return CLASSIFIER_POOLING[name]
 
 
 def _output_size(projection: torch.nn.Module | None, hidden_size: int) -> int:

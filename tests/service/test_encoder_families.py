@@ -59,3 +59,17 @@ def test_modernbert_embeddings_equal_hf_cls(serve: Callable[[str], Any]) -> None
             hidden = model(input_ids=torch.tensor([prompt])).last_hidden_state[0]
         # No sentence-transformers config: an encoder embeds its first token, normalised.
         assert_close(item["embedding"], F.normalize(hidden[0], dim=-1))
+
+
+def test_modernbert_mean_classifier_pools_as_its_config_says(serve: Callable[[str], Any]) -> None:
+    with serve("modernbert_mean") as client:
+        ids = [_ids(client, text) for text in TEXTS]
+        response = client.post(
+            "/v1/pooling", json={"input": TEXTS, "task": "classify", "use_activation": False}
+        )
+    assert response.status_code == 200, response.text
+    model = build_hf_encoder("modernbert_mean")
+    assert model.config.classifier_pooling == "mean"
+    for prompt, item in zip(ids, response.json()["data"], strict=True):
+        with torch.no_grad():
+            assert_close(item["data"], model(input_ids=torch.tensor([prompt])).logits[0])
