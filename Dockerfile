@@ -9,12 +9,15 @@ ARG CPU_IMAGE=ubuntu:24.04
 
 # One base per variant; both are Ubuntu 24.04 so the builder's virtualenv runs on the runtime's python.
 FROM ${CUDA_IMAGE} AS base-cuda
-# An unpinned torch from PyPI is a CUDA build (it brings its own CUDA libraries).
-ENV TORCH_SPEC_DEFAULT=torch
+# torch from PyPI: on Linux a CUDA build (it brings its own CUDA libraries).
+ENV TORCH_SPEC_DEFAULT=torch \
+    TORCH_INDEX_DEFAULT=""
 
 FROM ${CPU_IMAGE} AS base-cpu
-# The pinned torch on PyPI is the CPU build, as in the Makefile's default.
-ENV TORCH_SPEC_DEFAULT=torch==2.13.0
+# PyPI's Linux torch wheels are CUDA builds of several GB, pinned or not: the CPU build comes from
+# PyTorch's own index, as in the Makefile's default.
+ENV TORCH_SPEC_DEFAULT=torch==2.13.0 \
+    TORCH_INDEX_DEFAULT=https://download.pytorch.org/whl/cpu
 
 # base-${VARIANT} is one of the two stages above, whose images are tagged; hadolint cannot
 # resolve the variable.
@@ -37,11 +40,14 @@ RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 # torch first and in its own layer (as `make install` does): it is large and changes rarely.
-# TORCH_SPEC overrides the variant's default, e.g. --build-arg TORCH_SPEC=torch==2.13.0.
+# TORCH_SPEC and TORCH_INDEX override the variant's defaults, e.g.
+# --build-arg TORCH_SPEC=torch==2.13.0 --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128
 ARG TORCH_SPEC=""
+ARG TORCH_INDEX=""
 # The spec comes from a build argument, so hadolint cannot see its pin.
 # hadolint ignore=DL3013
-RUN pip install --no-cache-dir "${TORCH_SPEC:-$TORCH_SPEC_DEFAULT}"
+RUN index="${TORCH_INDEX:-$TORCH_INDEX_DEFAULT}" \
+    && pip install --no-cache-dir ${index:+--index-url "$index"} "${TORCH_SPEC:-$TORCH_SPEC_DEFAULT}"
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY service ./service
@@ -62,12 +68,15 @@ RUN groupadd --system --gid 10001 poolserve \
     && mkdir -p /data \
     && chown poolserve:poolserve /data
 COPY --from=builder /opt/venv /opt/venv
+# GLIBC_TUNABLES: a fixed 128 KiB mmap threshold, so that buffers freed under load go back to
+# the system instead of staying in malloc's arenas (docs/benchmarks.md, "Memory under load").
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     HF_HOME=/data \
     POOLSERVE_HOST=0.0.0.0 \
-    POOLSERVE_PORT=8000
+    POOLSERVE_PORT=8000 \
+    GLIBC_TUNABLES=glibc.malloc.mmap_threshold=131072
 # The model cache (Hub downloads) lives in a volume so it survives container replacement.
 VOLUME ["/data"]
 WORKDIR /data
@@ -76,5 +85,8 @@ EXPOSE 8000
 # Liveness only: /health answers while the model loads; readiness is /ready (see docs/deploy.md).
 HEALTHCHECK --interval=15s --timeout=5s --start-period=60s --retries=3 \
     CMD ["python3", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('POOLSERVE_PORT', '8000') + '/health', timeout=4)"]
+# SIGTERM starts the graceful drain; the server exits within --shutdown-timeout + about 2 s, which
+# `docker stop --time` / Compose's stop_grace_period must exceed.
+STOPSIGNAL SIGTERM
 # Exec form: poolserve is PID 1 and receives SIGTERM directly, which starts its graceful drain.
 ENTRYPOINT ["poolserve", "serve"]

@@ -1,20 +1,28 @@
 # One command each: `make test` (install everything, run the suite), `make serve` (install, start the server).
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# CPU build by default (development and CI). On a GPU host: make install TORCH_SPEC=torch
+# CPU build by default (development and CI). PyPI's Linux torch wheels are CUDA builds of several
+# GB, pinned or not, so torch alone comes from PyTorch's CPU index (its dependencies then come from
+# PyPI with the project's). On a GPU host: make install TORCH_SPEC=torch TORCH_INDEX=
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+# A fixed mmap threshold keeps the server's memory flat under load (docs/benchmarks.md, "Memory
+# under load"); the image sets the same. A GLIBC_TUNABLES of your own wins.
+SERVE_GLIBC_TUNABLES := glibc.malloc.mmap_threshold=131072
 
-.PHONY: install test lint serve gpu-check bench docker-smoke
+.PHONY: install test lint serve gpu-check bench soak docker-smoke
 
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q $(if $(TORCH_INDEX),--no-deps --index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
+# install-test-tools.sh installs promtool, prometheus and docker-compose from apt when it can
+# (root or passwordless sudo); otherwise it says what to install and the tests needing them skip.
 test: install
 	bash scripts/install-test-tools.sh
 	$(VENV)/bin/ruff check .
@@ -26,7 +34,8 @@ lint: install
 	$(VENV)/bin/mypy
 
 serve: install
-	HF_HUB_OFFLINE=1 $(VENV)/bin/poolserve serve
+	HF_HUB_OFFLINE=1 GLIBC_TUNABLES="$${GLIBC_TUNABLES-$(SERVE_GLIBC_TUNABLES)}" \
+		$(VENV)/bin/poolserve serve
 
 gpu-check:
 	bash scripts/gpu_check.sh
@@ -35,6 +44,11 @@ gpu-check:
 bench: install
 	$(PY) -m pip install -q -e ".[bench]"
 	$(PY) -m bench all --quick
+
+# Ten minutes at saturation: server memory, errors and latency drift (docs/benchmarks.md).
+soak: install
+	$(PY) -m pip install -q -e ".[bench]"
+	$(PY) -m bench soak
 
 # For maintainers with a Docker engine: build, compose up, one request, Prometheus target up.
 docker-smoke:

@@ -1,8 +1,9 @@
-"""One entry point: `python -m bench [offline|served|token|engine|planner|all] [--quick] [...]`.
+"""One entry point: `python -m bench [offline|served|token|engine|planner|soak|all] [--quick]`.
 
 Each part is imported only when it runs (the served part and the engine parts load heavy
-dependencies), and receives the remaining arguments. `all` runs every part in turn with the
-same flags (only `--quick` is passed on to all of them).
+dependencies), and receives the remaining arguments. `all` runs every peer benchmark in turn
+with the same flags (only `--quick` is passed on to all of them); the soak run is separate, since
+it needs a quiet machine for minutes.
 """
 
 from __future__ import annotations
@@ -43,16 +44,20 @@ PARTS: dict[str, Callable[[Sequence[str]], None]] = {
     "engine": lambda argv: _with_argv("engine_bench", argv),
     "planner": _planner,
 }
+# Not part of `all`: a stability run of many minutes, not a comparison with peers.
+SEPARATE: dict[str, Callable[[Sequence[str]], None]] = {
+    "soak": lambda argv: _with_list("soak", argv),
+}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Dispatch to one part, or every part in turn."""
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-    parser.add_argument("part", choices=[*PARTS, "all"])
+    parser.add_argument("part", choices=[*PARTS, *SEPARATE, "all"])
     argv = list(sys.argv[1:] if argv is None else argv)
     args, rest = parser.parse_args(argv[:1]), argv[1:]  # the part's own flags, --help too
     if args.part != "all":
-        PARTS[args.part](rest)
+        {**PARTS, **SEPARATE}[args.part](rest)
         return
     shared = ["--quick"] if "--quick" in rest else []
     failed = []

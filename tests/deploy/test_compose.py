@@ -19,6 +19,8 @@ pytestmark = pytest.mark.slow
 
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
 SERVER_DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+# After its drain budget the server needs up to this long to exit (engine stop, uvicorn shutdown).
+SERVER_EXIT_MARGIN_S = 2.0
 DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
 SECONDS_PER_UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 # Edits that a schema-checking implementation must refuse: each breaks a section the docs rely on.
@@ -99,7 +101,8 @@ def test_server_service_settings(name: str) -> None:
     assert any(v.endswith(":/data:rw") for v in service["volumes"]), service["volumes"]
     assert service["healthcheck"]["test"][0] == "CMD"
     shutdown_s = float(env.get("POOLSERVE_SHUTDOWN_TIMEOUT") or SERVER_DEFAULT_SHUTDOWN_TIMEOUT_S)
-    assert seconds(service["stop_grace_period"]) > shutdown_s
+    assert seconds(service["stop_grace_period"]) > shutdown_s + SERVER_EXIT_MARGIN_S
+    assert service["stop_signal"] == "SIGTERM"
     # Unset options must stay unset (an empty string would be an invalid model name or API key).
     for option in ("POOLSERVE_MODEL", "POOLSERVE_API_KEY"):
         assert env.get(option) is None

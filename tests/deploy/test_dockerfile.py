@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from service.memory import MMAP_THRESHOLD_BYTES
 from tests.deploy.tools import REPO_ROOT, StubServer, free_port, require_tool, run_tool
 
 pytestmark = pytest.mark.slow
@@ -75,6 +76,11 @@ def test_entrypoint_is_exec_form_poolserve_serve() -> None:
     assert not [ins for ins in final_stage() if ins.keyword == "CMD"]
 
 
+def test_stop_signal_is_sigterm() -> None:
+    # SIGTERM is what starts the drain; Docker sends STOPSIGNAL on `docker stop`.
+    assert only(final_stage(), "STOPSIGNAL") == "SIGTERM"
+
+
 def test_runtime_user_cache_and_port() -> None:
     stage = final_stage()
     user = only(stage, "USER").split(":")[0]
@@ -84,6 +90,8 @@ def test_runtime_user_cache_and_port() -> None:
     env = " ".join(ins.arguments for ins in stage if ins.keyword == "ENV").split()
     for setting in ("HF_HOME=/data", "POOLSERVE_HOST=0.0.0.0", "POOLSERVE_PORT=8000"):
         assert setting in env
+    # The allocator set-up of docs/benchmarks.md ("Memory under load"), as `make serve` sets it.
+    assert f"GLIBC_TUNABLES=glibc.malloc.mmap_threshold={MMAP_THRESHOLD_BYTES}" in env
 
 
 def test_cuda_and_cpu_variants() -> None:
@@ -96,11 +104,21 @@ def test_cuda_and_cpu_variants() -> None:
     assert "VARIANT=cuda" in args
 
 
+def test_cpu_variant_takes_torch_from_the_cpu_index() -> None:
+    # PyPI's Linux torch wheels are CUDA builds of several GB, pinned or not.
+    instructions = parse_instructions()
+    start = next(i for i, ins in enumerate(instructions) if ins.arguments.endswith("base-cpu"))
+    stage = instructions[start + 1 :]
+    stage = stage[: next(i for i, ins in enumerate(stage) if ins.keyword == "FROM")]
+    env = " ".join(ins.arguments for ins in stage if ins.keyword == "ENV")
+    assert "TORCH_INDEX_DEFAULT=https://download.pytorch.org/whl/cpu" in env
+
+
 def test_installs_like_the_makefile_without_dev_extras() -> None:
     pip_runs = [ins.arguments for ins in parse_instructions() if "pip install" in ins.arguments]
     assert len(pip_runs) == 2, pip_runs
     torch_run, project_run = pip_runs
-    assert "TORCH_SPEC" in torch_run
+    assert "TORCH_SPEC" in torch_run and "TORCH_INDEX" in torch_run
     assert project_run.endswith("pip install --no-cache-dir .")
     assert not any(" -e " in run or "[dev]" in run for run in pip_runs)
 

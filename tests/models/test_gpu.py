@@ -1,4 +1,8 @@
-"""CUDA checks (run by scripts/gpu_check.sh): bf16 forwards vs HF float32, CUDA attention vs CPU."""
+"""CUDA checks (run by scripts/gpu_check.sh): bf16 forwards vs HF float32, CUDA attention vs CPU.
+
+bf16 outputs are held to transformers' own bf16 error on the same tiny model and inputs: a fixed
+cosine bound fails for transformers itself on these deliberately sharp random weights.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from models import PagedKVCache, build_attention_metadata, load_model
 from models.attention_cpu import ReferenceAttention
 from models.attention_cuda import CudaAttention, find_varlen_attn
 from models.spec import HeadKind, ModelSpec
 from tests.models.driver import run_chunked, run_whole
+from tests.tiny_models import build_hf_model
 
 pytestmark = [
     pytest.mark.gpu,
@@ -23,13 +27,34 @@ pytestmark = [
 ]
 logger = logging.getLogger(__name__)
 CUDA = torch.device("cuda")
-MIN_COSINE = 0.999
+# poolserve's bf16 error may be this many times transformers' own bf16 error on the same inputs,
+BF16_ERROR_FACTOR = 2.0
+# plus two bfloat16 steps of relative precision (2**-7), below which differences are rounding.
+BF16_ERROR_FLOOR = 2.0**-7
 
 
-def _assert_cosine(ours: torch.Tensor, reference: torch.Tensor) -> None:
-    """Per-token cosine similarity of bf16 outputs against the float32 reference."""
-    cosine = F.cosine_similarity(ours.float(), reference.float(), dim=-1)  # [num_tokens]
-    assert cosine.min().item() >= MIN_COSINE, cosine.min().item()
+def relative_errors(ours: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """Per-row relative L2 error ||ours - reference|| / ||reference||, in float64."""
+    a, b = ours.double().cpu(), reference.double().cpu()  # [rows, hidden]
+    return (a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-30)  # [rows]
+
+
+def bf16_bound(hf_bf16: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    """Largest error poolserve's bf16 rows may show against the float32 reference rows."""
+    hf_error = max(
+        relative_errors(h, r).max().item() for h, r in zip(hf_bf16, reference, strict=True)
+    )
+    return BF16_ERROR_FACTOR * hf_error + BF16_ERROR_FLOOR
+
+
+def hf_bf16_hidden(name: str, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Last hidden states of the transformers model of a tiny spec, run in bfloat16 on CUDA."""
+    backbone = build_hf_model(name).to(CUDA, torch.bfloat16).base_model
+    with torch.no_grad():
+        return [
+            backbone(input_ids=torch.tensor([p], device=CUDA)).last_hidden_state[0].float().cpu()
+            for p in prompts
+        ]
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "qwen2_prm", "bert"])
@@ -41,14 +66,18 @@ def test_cuda_bf16_forward_matches_hf(
 ) -> None:
     loaded = load_model(str(tiny_model_dir(name)), device=CUDA)
     assert loaded.spec.dtype == torch.bfloat16
+    reference = hf_hidden(name)
+    bound = bf16_bound(hf_bf16_hidden(name, prompts), reference)
     runs = {"whole": run_whole(loaded, prompts, CUDA)}
     if loaded.spec.is_causal:
         for size in (7, 64):
             runs[f"chunk{size}"] = run_chunked(loaded, prompts, size, CUDA)
     for label, outputs in runs.items():
-        logger.info("%s %s", name, label)
-        for ours, reference in zip(outputs, hf_hidden(name), strict=True):
-            _assert_cosine(ours, reference)
+        error = max(
+            relative_errors(o, r).max().item() for o, r in zip(outputs, reference, strict=True)
+        )
+        logger.info("%s %s: relative error %.3g, bound %.3g", name, label, error, bound)
+        assert error <= bound, (name, label, error, bound)
 
 
 def _spec(num_kv_heads: int, head_dim: int) -> ModelSpec:

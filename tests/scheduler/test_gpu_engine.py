@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -16,11 +17,14 @@ from pooling.params import PoolingParams, PoolingTask
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
 from scheduler.request import PoolingOutput
+from tests.models.test_gpu import bf16_bound, hf_bf16_hidden, relative_errors
+from tests.tiny_models import build_hf_model
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
+logger = logging.getLogger(__name__)
 
 
 async def _run(engine: Engine, prompts: list[list[int]], task: PoolingTask) -> list[PoolingOutput]:
@@ -50,9 +54,24 @@ def test_cuda_engine_matches_cpu(
     cpu = Engine(load_model(path, device=torch.device("cpu")), config, torch.device("cpu"))
     got = asyncio.run(_run(cuda, prompts, task))
     want = asyncio.run(_run(cpu, prompts, task))
-    for g, w in zip(got, want, strict=True):
-        a = g.data.reshape(-1, g.data.shape[-1]).astype(np.float64)
-        b = w.data.reshape(-1, w.data.shape[-1]).astype(np.float64)
-        cosine = (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
-        assert cosine.min() >= 0.999
+    # Pooled rows (last token or mean) err no more than the worst token: one bound serves both.
+    bound = bf16_bound(hf_bf16_hidden("qwen3", prompts), _hf_float32_hidden(prompts))
+    error = max(
+        relative_errors(_rows(g.data), _rows(w.data)).max().item()
+        for g, w in zip(got, want, strict=True)
+    )
+    logger.info("%s async=%s: error %.3g, bound %.3g", task, async_scheduling, error, bound)
+    assert error <= bound, (error, bound)
     assert cuda.blocks.num_used == 0
+
+
+def _rows(data: np.ndarray) -> torch.Tensor:
+    """An output as rows of the hidden size: [hidden] -> [1, hidden]; [L, hidden] stays."""
+    return torch.from_numpy(data.reshape(-1, data.shape[-1]))
+
+
+def _hf_float32_hidden(prompts: list[list[int]]) -> list[torch.Tensor]:
+    """The transformers reference of the tiny qwen3 in float32 on the CPU."""
+    backbone = build_hf_model("qwen3").base_model
+    with torch.no_grad():
+        return [backbone(input_ids=torch.tensor([p])).last_hidden_state[0] for p in prompts]
