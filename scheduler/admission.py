@@ -138,4 +138,40 @@ class AdmissionControl:
         raise OverloadedError(reason, self.retry_after_s(), detail)
 
 
-__all__ = ["AdmissionControl", "AdmissionSnapshot", "OverloadReason"]
+class CharBudget:
+    """Bounds the characters being tokenized at once, so text work is admitted like prompt work."""
+
+    def __init__(self, max_chars: int) -> None:
+        if max_chars < 1:
+            raise ValueError("the character budget must be positive")
+        self.max_chars = max_chars
+        self._in_flight = 0
+
+    @property
+    def in_flight(self) -> int:
+        """Characters reserved by tokenizations that have not finished."""
+        return self._in_flight
+
+    def reserve(self, num_chars: int) -> None:
+        """Take num_chars before tokenizing them; refuse for good above the bound, else for now."""
+        if num_chars < 0:
+            raise ValueError(f"negative number of characters: {num_chars}")
+        if num_chars > self.max_chars:
+            raise RequestTooLargeError("characters to tokenize", num_chars, self.max_chars)
+        if self._in_flight + num_chars > self.max_chars:
+            # tokenization runs at about a million characters a second: the budget frees quickly
+            raise OverloadedError(
+                OverloadReason.TOKENS_FULL,
+                MIN_RETRY_AFTER_S,
+                f"{self._in_flight} characters are being tokenized (limit {self.max_chars})",
+            )
+        self._in_flight += num_chars
+
+    def release(self, num_chars: int) -> None:
+        """Give back what reserve() took once its tokenization has finished."""
+        if not 0 <= num_chars <= self._in_flight:
+            raise ValueError(f"release of {num_chars} characters; {self._in_flight} reserved")
+        self._in_flight -= num_chars
+
+
+__all__ = ["AdmissionControl", "AdmissionSnapshot", "CharBudget", "OverloadReason"]

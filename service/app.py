@@ -8,32 +8,45 @@ import logging
 import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
+from pathlib import Path
 
 import torch
 from fastapi import FastAPI
 
-from models.loader import load_model
+from models.errors import UnsupportedDtypeError
+from models.loader import load_model, resolve_dtype
 from models.spec import LoadedModel
 from pooling.params import PoolingParams
+from scheduler.admission import CharBudget
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
 from service import routes_admin, routes_inference
-from service.errors import install_error_handlers
+from service.errors import install_error_handlers, openapi_schema
+from service.inputs import encode_texts, truncation_for
 from service.metrics import ServiceMetrics
-from service.middleware import EdgeMiddleware
+from service.middleware import OPEN_PATHS, EdgeMiddleware, InFlight
 from service.pooler_config import PoolerDefaults, parse_pooler_config
-from service.settings import ServerSettings
-from service.state import ModelHandle, ServiceState
+from service.settings import DEFAULT_MODEL_ID, ServerSettings
+from service.state import ModelHandle, ServiceState, TextLimits, TruncationSide
+from service.windows import special_tokens
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# --dtype values; auto (None) lets the loader pick per device: float32 on CPU, bfloat16 on CUDA.
+DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
 WARMUP_TEXT = "poolserve warm-up"
 
 
 def create_app(settings: ServerSettings) -> FastAPI:
     """A server app; the model loads in the lifespan, /ready turns 200 after warm-up."""
     state = ServiceState(settings=settings, metrics=ServiceMetrics())
+    inflight = InFlight()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -43,21 +56,26 @@ def create_app(settings: ServerSettings) -> FastAPI:
         finally:
             state.draining = True
             if state.engine is not None:
-                await state.engine.drain(settings.shutdown_timeout)
+                # the HTTP side had the drain; work still queued now has nobody waiting for it
+                await state.engine.drain(0.0)
 
     app = FastAPI(title="poolserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.poolserve = state
+    app.state.inflight = inflight
     install_error_handlers(app)
     app.include_router(routes_inference.router)
     app.include_router(routes_admin.router)
-    app.add_middleware(EdgeMiddleware, state=state)
+    app.add_middleware(EdgeMiddleware, state=state, inflight=inflight)
+    app.openapi = partial(openapi_schema, app, OPEN_PATHS)  # type: ignore[method-assign]
     return app
 
 
 def resolve_device(name: str) -> torch.device:
-    """auto = cuda when available."""
+    """auto = cuda when available; cuda without a usable GPU is refused, naming the flag."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
+    elif name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available to torch")
     return torch.device(name)
 
 
@@ -65,7 +83,11 @@ async def _start(state: ServiceState) -> None:
     """Load the model off the loop, start the engine, warm up, then report ready."""
     settings = state.settings
     device = resolve_device(settings.device)
-    dtype = DTYPES.get(settings.dtype)
+    try:
+        # before the load: a dtype the device cannot run fails at once, not after a download
+        dtype = resolve_dtype(DTYPES[settings.dtype], device)
+    except UnsupportedDtypeError as exc:
+        raise ValueError(f"--dtype {settings.dtype}: {exc}; float32 runs everywhere") from exc
     defaults = parse_pooler_config(settings.pooler_config)
     loaded = await asyncio.to_thread(load_model, settings.model, device=device, dtype=dtype)
     handle = _model_handle(loaded, settings, defaults)
@@ -106,26 +128,36 @@ async def _start(state: ServiceState) -> None:
 def _model_handle(
     loaded: LoadedModel, settings: ServerSettings, defaults: PoolerDefaults
 ) -> ModelHandle:
-    """The served name, the effective max_model_len and one tokenizer per truncation side."""
+    """The served name, the effective max_model_len, the tokenizer and the text limits."""
     limit = loaded.spec.max_model_len
     max_model_len = min(settings.max_model_len or limit, limit)
-    tokenizers = {}
-    for side in ("left", "right"):
-        tokenizer = copy.deepcopy(loaded.tokenizer)
-        tokenizer.truncation_side = side
-        # the engine enforces max_model_len with a clear error; silence the tokenizer's warning
-        tokenizer.model_max_length = 1 << 30
-        tokenizers[side] = tokenizer
-    name = settings.served_model_name or (
-        settings.model or "sentence-transformers/all-MiniLM-L6-v2"
-    )
+    side: TruncationSide = "left" if loaded.tokenizer.truncation_side == "left" else "right"
+    tokenizer = copy.deepcopy(loaded.tokenizer)
+    # the service cuts prompts itself and refuses long ones clearly; silence the tokenizer's warning
+    tokenizer.model_max_length = 1 << 30
+    st = loaded.sentence_transformers
+    st_length = st.max_seq_length if st is not None else None
+    limits = TextLimits.derive(settings, max_model_len)
     return ModelHandle(
         loaded=loaded,
-        served_name=name,
+        served_name=settings.served_model_name or _default_name(settings.model),
         max_model_len=max_model_len,
-        tokenizers=tokenizers,
+        tokenizer=tokenizer,
         defaults=defaults,
+        specials=special_tokens(tokenizer),
+        truncation_side=side,
+        st_max_seq_length=None if st_length is None else min(st_length, max_model_len),
+        limits=limits,
+        tokenizing=CharBudget(limits.max_tokenizing_chars),
     )
+
+
+def _default_name(model: str | None) -> str:
+    """The name a model is served as without --served-model-name: never a filesystem path."""
+    if model is None:
+        return DEFAULT_MODEL_ID
+    local = Path(model).expanduser()
+    return local.resolve().name if local.is_dir() else model
 
 
 def _scheduler_config(
@@ -164,5 +196,7 @@ def _scheduler_config(
 async def _warm_up(state: ServiceState) -> None:
     """Run one request of the default task so the first user request pays no first-run costs."""
     assert state.model is not None and state.engine is not None
-    ids = state.model.tokenizer(WARMUP_TEXT)["input_ids"]
-    await state.engine.submit(list(ids), PoolingParams(task=state.default_task))
+    model = state.model
+    # the request path's own tokenization, so its first use is warm too
+    (ids,) = encode_texts(model, [WARMUP_TEXT], truncation_for(None, None, model))
+    await state.engine.submit(ids, PoolingParams(task=state.default_task))

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
 from pydantic import ValidationError
 
+from service.memory import fix_mmap_threshold
 from service.settings import ServerSettings
 
 # Flags whose presence flips a boolean setting off.
@@ -72,9 +74,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # Before torch loads and threads start: allocations after this follow the fixed threshold.
+    fix_mmap_threshold()
     from service.server import run_server  # imported late: loading torch is slow for --help
 
     run_server(settings)
+    # Drained and closed: skip the interpreter's teardown of torch and friends, which takes
+    # seconds on a busy machine and would push the exit past --shutdown-timeout.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,20 @@
-"""Response encoding straight from numpy buffers: orjson for floats, raw base64 bytes spliced in."""
+"""JSON in and out: strict request parsing; responses from numpy buffers (orjson, base64)."""
 
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterable, Iterator, Mapping
+import json
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import orjson
 import torch
+from fastapi import Request
+from fastapi.routing import APIRoute
+from starlette.responses import Response
+
+from service.errors import EdgeError, clip
 
 OPTIONS = orjson.OPT_SERIALIZE_NUMPY
 ROWS_PER_PIECE = 256  # rows of a token-level output encoded at once when streaming
@@ -72,3 +79,39 @@ def stream_item(
         rows = dumps(np.ascontiguousarray(data[start : start + ROWS_PER_PIECE]))[1:-1]
         yield (b"," if start else b"") + rows
     yield b"]}\n"
+
+
+def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """object_pairs_hook: a key given twice is an error, not last-wins."""
+    document = dict(pairs)
+    if len(document) != len(pairs):  # rare: only then look for the repeated key
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                message = f"duplicate key {clip(key)!r} in the JSON body"
+                raise EdgeError(400, message, "duplicate_key")
+            seen.add(key)
+    return document
+
+
+class StrictJSONRequest(Request):
+    """A request whose JSON body refuses duplicate object keys."""
+
+    async def json(self) -> Any:
+        """The parsed body; the hook costs one dict per JSON object, not a second parse."""
+        if not hasattr(self, "_json"):
+            self._json = json.loads(await self.body(), object_pairs_hook=_refuse_duplicate_keys)
+        return self._json
+
+
+class StrictJSONRoute(APIRoute):
+    """A route that parses its body with StrictJSONRequest."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        """FastAPI's handler, given the strict request."""
+        handler = super().get_route_handler()
+
+        async def strict(request: Request) -> Response:
+            return await handler(StrictJSONRequest(request.scope, request.receive))
+
+        return strict

@@ -5,17 +5,25 @@ from __future__ import annotations
 import asyncio
 import time
 from importlib.metadata import version
+from pathlib import Path
+from typing import Any
 
 from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 
-from service.encoding import dumps
+from service.encoding import StrictJSONRoute, dumps
 from service.errors import InvalidRequestError, error_response
+from service.inputs import tokenize_prompt
 from service.runs import check_serving, service_state
 from service.schemas import DetokenizeRequest, TokenizeRequest
+from service.settings import DEFAULT_MODEL_ID, ServerSettings
+from service.state import ModelHandle
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
+UNAVAILABLE: dict[int | str, dict[str, Any]] = {
+    503: {"description": "Not ready, draining, or the engine stopped."}
+}
 
 
 def _json(document: object, status: int = 200) -> Response:
@@ -24,12 +32,12 @@ def _json(document: object, status: int = 200) -> Response:
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> Response:
-    """Token ids of a prompt, as the engine would see them."""
-    _, model = check_serving(service_state(request), body.model)
-    encoded = await asyncio.to_thread(
-        model.tokenizer, body.prompt, add_special_tokens=body.add_special_tokens
+    """Token ids of a prompt, as the engine would see them before any truncation."""
+    state = service_state(request)
+    _, model = check_serving(state, body.model)
+    ids = await tokenize_prompt(
+        model, body.prompt, body.add_special_tokens, state.metrics.on_reject
     )
-    ids = list(encoded["input_ids"])
     return _json({"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids})
 
 
@@ -57,7 +65,7 @@ async def models(request: Request) -> Response:
         "object": "model",
         "created": int(time.time()),
         "owned_by": "poolserve",
-        "root": str(model.loaded.path),
+        "root": _source(state.settings, model),
         "max_model_len": model.max_model_len,
     }
     return _json({"object": "list", "data": [card]})
@@ -72,7 +80,7 @@ async def info(request: Request) -> Response:
     return _json(
         {
             "model": model.served_name,
-            "model_path": str(model.loaded.path),
+            "model_source": _source(s, model),
             "architecture": model.loaded.spec.architecture,
             "tasks": [t.value for t in state.supported_tasks],
             "dtype": state.dtype,
@@ -90,7 +98,16 @@ async def info(request: Request) -> Response:
     )
 
 
-@router.get("/health")
+def _source(settings: ServerSettings, model: ModelHandle) -> str:
+    """Where the weights came from, without the server's directories: a Hub id or a folder name."""
+    if settings.model is None:
+        return DEFAULT_MODEL_ID
+    if Path(settings.model).expanduser().is_dir():
+        return model.loaded.path.name
+    return settings.model
+
+
+@router.get("/health", responses=UNAVAILABLE)
 async def health(request: Request) -> Response:
     """Liveness: 200 while the process and the engine loop live."""
     engine = service_state(request).engine
@@ -101,7 +118,7 @@ async def health(request: Request) -> Response:
     return _json({"status": "ok"})
 
 
-@router.get("/ready")
+@router.get("/ready", responses=UNAVAILABLE)
 async def ready(request: Request) -> Response:
     """Readiness: 503 until warmed up, while draining, after an unrecoverable engine error."""
     state = service_state(request)
@@ -113,7 +130,7 @@ async def ready(request: Request) -> Response:
     return error_response(503, f"not ready: {reason}", "service_unavailable", None, reason)
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(request: Request) -> Response:
     """Prometheus text exposition."""
     return Response(service_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -6,19 +6,44 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from contextlib import aclosing
+from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, Request
 from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from pooling.params import PoolingParams, PoolingTask
 from scheduler.request import PoolingOutput
-from service.encoding import document, dumps, encode_item, stream_item
+from service.encoding import StrictJSONRoute, document, dumps, encode_item, stream_item
+from service.errors import error_line
 from service.pooler_config import PoolerDefaults
 from service.runs import Submitted, as_completed, gather, service_state, submit, timing_headers
 from service.schemas import ClassifyRequest, EmbeddingRequest, PoolingRequestBody
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
+# /v1/pooling answers NDJSON when asked to stream
+STREAMED: dict[int | str, dict[str, Any]] = {200: {"content": {"application/x-ndjson": {}}}}
+
+
+class NDJSONResponse(StreamingResponse):
+    """NDJSON lines whose iterator is closed however the response ends.
+
+    A stream cut short (client gone, drain deadline) thus cancels its engine work at once
+    rather than when the garbage collector finalizes the generator.
+    """
+
+    media_type = "application/x-ndjson"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Stream, then close the line iterator."""
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                await close()
 
 
 def _params(task: PoolingTask, defaults: PoolerDefaults, **given: object) -> PoolingParams:
@@ -62,8 +87,8 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     return await _respond(request, await asyncio.to_thread(encode), outputs)
 
 
-@router.post("/v1/pooling")
-@router.post("/pooling")
+@router.post("/v1/pooling", responses=STREAMED)
+@router.post("/pooling", responses=STREAMED)
 async def pooling(body: PoolingRequestBody, request: Request) -> Response:
     """vLLM-compatible pooling for every task, optionally streamed as NDJSON."""
     state = service_state(request)
@@ -79,7 +104,7 @@ async def pooling(body: PoolingRequestBody, request: Request) -> Response:
     )
     run = await submit(request, body, task, params)
     if body.stream:
-        return StreamingResponse(_stream(request, body, run), media_type="application/x-ndjson")
+        return NDJSONResponse(_stream(request, body, run))
     outputs = await gather(request, run)
     fields = {
         "id": f"pool-{uuid.uuid4().hex}",
@@ -110,17 +135,25 @@ async def _stream(
     """One line per input as it finishes (float token-level outputs in row pieces), then usage.
 
     Each piece is encoded in a worker thread just before it is sent, so at most one piece of
-    one output exists as JSON at a time.
+    one output exists as JSON at a time. An error mid-stream ends it with an error line.
     """
     metrics = service_state(request).metrics
-    async for index, output in as_completed(run):
-        if body.encoding_format == "base64":
-            pieces: Iterator[bytes] = iter([_pooling_item(index, output.data, body) + b"\n"])
-        else:
-            pieces = stream_item({"index": index, "object": "pooling"}, output.data)
-        while (piece := await asyncio.to_thread(next, pieces, None)) is not None:
-            metrics.output_bytes.inc(len(piece))
-            yield piece
+    at_line_end = True
+    try:
+        async with aclosing(as_completed(run)) as outputs:
+            async for index, output in outputs:
+                if body.encoding_format == "base64":
+                    line = _pooling_item(index, output.data, body) + b"\n"
+                    pieces: Iterator[bytes] = iter([line])
+                else:
+                    pieces = stream_item({"index": index, "object": "pooling"}, output.data)
+                while (piece := await asyncio.to_thread(next, pieces, None)) is not None:
+                    metrics.output_bytes.inc(len(piece))
+                    at_line_end = piece.endswith(b"\n")
+                    yield piece
+    except Exception as exc:  # the status line is sent: the error can only be the last line
+        yield (b"" if at_line_end else b"\n") + error_line(exc)
+        return
     yield dumps({"object": "usage", "usage": _usage(run)}) + b"\n"
 
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from fastapi import Request
 
@@ -14,8 +13,13 @@ from pooling.params import PoolingParams, PoolingTask
 from scheduler.engine import Engine
 from scheduler.errors import DrainingError
 from scheduler.request import PoolingOutput
-from service.errors import ModelNotFoundError, NotReadyError
-from service.inputs import split_input, tokenize, truncation_length
+from service.errors import (
+    ClientDisconnectedError,
+    ModelNotFoundError,
+    NotReadyError,
+    ShutdownError,
+)
+from service.inputs import split_input, tokenize, truncation_for
 from service.schemas import InputBody
 from service.state import ModelHandle, ServiceState
 
@@ -62,9 +66,9 @@ async def submit(
     raw = split_input(body.input, state.settings.max_client_batch_size)
     engine.check_params(params)
     engine.precheck(len(raw))  # 429 before any tokenization work
-    keep = truncation_length(body.truncate_prompt_tokens, model)
+    truncation = truncation_for(body.truncate_prompt_tokens, body.truncation_side, model)
     started = time.perf_counter()
-    prompts = await tokenize(raw, model, keep, body.truncation_side)
+    prompts = await tokenize(raw, model, truncation, state.metrics.on_reject)
     state.metrics.tokenization.observe(time.perf_counter() - started)
     futures = engine.submit_many(prompts, params, body.priority)
     num_tokens = sum(len(p) for p in prompts)
@@ -74,22 +78,43 @@ async def submit(
 
 async def gather(request: Request, run: Submitted) -> list[PoolingOutput]:
     """All outputs in input order; a client that goes away cancels the rest of its work."""
-    everything = asyncio.ensure_future(asyncio.gather(*(asyncio.shield(f) for f in run.futures)))
+    if not run.futures:
+        return []
+    finished = asyncio.get_running_loop().create_future()
+    left = len(run.futures)
+
+    def on_done(future: asyncio.Future[PoolingOutput]) -> None:
+        nonlocal left
+        left -= 1
+        # the first failure ends the wait: its error is the answer, the rest is cancelled
+        failed = future.cancelled() or future.exception() is not None
+        if (failed or left == 0) and not finished.done():
+            finished.set_result(None)
+
+    for future in run.futures:
+        future.add_done_callback(on_done)
     watcher = asyncio.ensure_future(_disconnected(request))
     try:
-        waiters: set[asyncio.Future[Any]] = {everything, watcher}
-        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-        if not everything.done():
-            raise asyncio.CancelledError("client disconnected")
-        return list(everything.result())
+        await asyncio.wait((finished, watcher), return_when=asyncio.FIRST_COMPLETED)
+        if not finished.done():
+            raise ClientDisconnectedError("the client closed the connection")
+        # every future is done unless one failed; then the first failure in input order raises
+        return [_output(f) for f in run.futures if f.done()]
     finally:
         watcher.cancel()
-        if not everything.done():
-            everything.cancel()
+        for future in run.futures:
+            future.remove_done_callback(on_done)
         _cancel_unfinished(run)
 
 
-async def as_completed(run: Submitted) -> AsyncIterator[tuple[int, PoolingOutput]]:
+def _output(future: asyncio.Future[PoolingOutput]) -> PoolingOutput:
+    """A done future's output; the engine cancels its futures only when it stops."""
+    if future.cancelled():
+        raise ShutdownError("the server stopped before this request finished")
+    return future.result()
+
+
+async def as_completed(run: Submitted) -> AsyncGenerator[tuple[int, PoolingOutput], None]:
     """(index, output) as each input finishes; closing the iterator cancels the rest."""
     index_of = {f: i for i, f in enumerate(run.futures)}
     pending: set[asyncio.Future[PoolingOutput]] = set(run.futures)
@@ -97,7 +122,7 @@ async def as_completed(run: Submitted) -> AsyncIterator[tuple[int, PoolingOutput
         while pending:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for future in sorted(done, key=index_of.__getitem__):
-                yield index_of[future], future.result()
+                yield index_of[future], _output(future)
     finally:
         _cancel_unfinished(run)
 

@@ -8,7 +8,10 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from pooling.params import PoolingTask
 
-TokenIds = list[Annotated[StrictInt, Field(ge=0)]]
+# No vocabulary has more ids than int32 holds; bounding here keeps huge ids out of int64 arrays.
+MAX_TOKEN_ID = 2**31 - 1
+TokenId = Annotated[StrictInt, Field(ge=0, le=MAX_TOKEN_ID)]
+TokenIds = list[TokenId]
 # string | list of strings | token ids | list of token-id lists
 Input = StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
 
@@ -28,7 +31,11 @@ class InputBody(_Body):
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = Field(
         None, description="Keep only this many tokens (-1: the model's limit)."
     )
-    truncation_side: Literal["left", "right"] = "left"
+    truncation_side: Literal["left", "right"] | None = Field(
+        None,
+        description="Which end truncation keeps: right keeps the start (default: the "
+        "tokenizer's own side, right for nearly every model).",
+    )
     priority: StrictInt = 0
 
 
@@ -49,8 +56,8 @@ class PoolingRequestBody(InputBody):
     dimensions: StrictInt | None = None
     normalize: bool | None = None
     use_activation: bool | None = None
-    step_tag_id: Annotated[StrictInt, Field(ge=0)] | None = None
-    returned_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
+    step_tag_id: TokenId | None = None
+    returned_token_ids: TokenIds | None = None
     stream: bool = False
 
 

@@ -1,26 +1,43 @@
-"""Runs the app under uvicorn; SIGTERM drains: 503 for new work, in-flight work finishes, exit 0."""
+"""Runs the app under uvicorn; SIGTERM drains, and the process exits within its timeout."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import socket
 import time
+from http import HTTPStatus
 from types import FrameType
+from typing import Any
 
+import orjson
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.server import ServerState as UvicornState
 
 from service.app import create_app
+from service.errors import error_document
+from service.middleware import SECURITY_HEADERS, InFlight
 from service.settings import ServerSettings
 from service.state import ServiceState
 
 logger = logging.getLogger(__name__)
 
+# After the drain deadline, a stream gets this long to reach a line end before it is cut.
+STREAM_GRACE_S = 0.5
+# uvicorn's own wait for connections, once every request has been answered or abandoned.
+CLOSE_GRACE_S = 1
+# Request line plus headers; uvicorn bounds them for h11 only, httptools takes any size.
+HEAD_LIMIT_BYTES = 32 * 1024
+
 
 class DrainingServer(uvicorn.Server):
     """A uvicorn server whose first exit signal starts a drain instead of closing sockets."""
 
-    def __init__(self, config: uvicorn.Config, state: ServiceState) -> None:
+    def __init__(self, config: uvicorn.Config, state: ServiceState, inflight: InFlight) -> None:
         super().__init__(config)
         self.state = state
+        self.inflight = inflight
         self.drain_deadline: float | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -43,18 +60,160 @@ class DrainingServer(uvicorn.Server):
                 self.should_exit = True
         return await super().on_tick(counter)
 
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """Answer what still runs (503, or a stream's error line), then let uvicorn close.
+
+        uvicorn's graceful shutdown alone would wait its own timeout again, after the drain,
+        for connections whose client stopped reading; those are aborted here instead.
+        """
+        self.state.draining = True
+        if self.inflight.exchanges:
+            logger.info("shutting down: ending %d request(s)", len(self.inflight.exchanges))
+        await self.inflight.end(STREAM_GRACE_S, lambda: _abort_stalled(self.server_state))
+        await super().shutdown(sockets)
+
+
+def _abort_stalled(server_state: UvicornState) -> None:
+    """Drop connections with unsent bytes: their readers stopped, every answer is out."""
+    for connection in list(server_state.connections):
+        transport = getattr(connection, "transport", None)
+        if transport is not None and transport.get_write_buffer_size() > 0:
+            transport.abort()
+
+
+class EdgeConfig(uvicorn.Config):
+    """uvicorn's config plus the request-head timeout that EdgeHttpProtocol enforces."""
+
+    def __init__(self, app: Any, *, head_timeout_s: float, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self.head_timeout_s = head_timeout_s
+
+
+class EdgeHttpProtocol(HttpToolsProtocol):
+    """httptools with the bounds uvicorn leaves open for it: request head size and time."""
+
+    def __init__(self, config: uvicorn.Config, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        self.head_timeout_s: float = getattr(config, "head_timeout_s", 30.0)
+        self.head_bytes = 0  # bytes received while a head is incomplete
+        self.head_size = 0  # parsed size of the current head
+        self.in_head = True  # the next bytes belong to a request line or headers
+        self.head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        """Start the clock: a connection that sends nothing is closed too."""
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """Stop the clock."""
+        self._disarm_head_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        """Count head bytes; refuse once they pass the limit without the head being complete."""
+        if self.in_head:
+            self.head_bytes += len(data)
+            self._arm_head_timer()
+        super().data_received(data)
+        if self.in_head and self.head_bytes > HEAD_LIMIT_BYTES and not self.transport.is_closing():
+            self._refuse_large_head()
+
+    def on_message_begin(self) -> None:
+        """A new head starts."""
+        super().on_message_begin()
+        self.head_size = 0
+
+    def on_url(self, url: bytes) -> None:
+        """Count the target toward the head limit."""
+        self._grow_head(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        """Count each header toward the head limit (a whole head can come in one read)."""
+        self._grow_head(len(name) + len(value) + 4)
+        super().on_header(name, value)
+
+    def _grow_head(self, size: int) -> None:
+        self.head_size += size
+        if self.head_size > HEAD_LIMIT_BYTES:
+            # stops the parser; uvicorn hands the error to send_400_response
+            raise ValueError("request head too large")
+
+    def on_headers_complete(self) -> None:
+        """The head is in: the body has its own clock (the edge middleware's)."""
+        self.in_head, self.head_bytes = False, 0
+        self._disarm_head_timer()
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        """Bytes after this message start the next head."""
+        super().on_message_complete()
+        self.in_head = True
+
+    def send_400_response(self, msg: str) -> None:
+        """A request httptools cannot parse: the JSON error body, not uvicorn's plain text."""
+        if self.head_size > HEAD_LIMIT_BYTES:
+            self._refuse_large_head()
+        else:
+            self._refuse(400, "the request is not valid HTTP/1.1", "invalid_http")
+
+    def _refuse_large_head(self) -> None:
+        message = f"request headers are larger than the limit of {HEAD_LIMIT_BYTES} bytes"
+        self._refuse(431, message, "headers_too_large")
+
+    def _arm_head_timer(self) -> None:
+        if self.head_timer is None:
+            self.head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+
+    def _disarm_head_timer(self) -> None:
+        if self.head_timer is not None:
+            self.head_timer.cancel()
+            self.head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self.head_timer = None
+        busy = self.cycle is not None and not self.cycle.response_complete
+        if not self.in_head or busy or self.transport.is_closing():
+            return  # a response is under way: uvicorn's keep-alive timer takes over after it
+        if self.head_bytes:
+            message = f"the request headers did not arrive within {self.head_timeout_s:g} s"
+            self._refuse(408, message, "head_timeout")
+        else:
+            self.transport.close()
+
+    def _refuse(self, status: int, message: str, code: str) -> None:
+        """Answer outside the app (no request to route yet) and close."""
+        body = orjson.dumps(error_document(message, "invalid_request_error", None, code))
+        headers = [
+            *self.server_state.default_headers,
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+            *SECURITY_HEADERS,
+        ]
+        status_line = f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n".encode()
+        head = b"".join(name + b": " + value + b"\r\n" for name, value in headers)
+        self.transport.write(status_line + head + b"\r\n" + body)
+        self.transport.close()
+
 
 def run_server(settings: ServerSettings) -> None:
     """Serve until drained."""
     app = create_app(settings)
     state: ServiceState = app.state.poolserve
-    config = uvicorn.Config(
+    config = EdgeConfig(
         app,
+        head_timeout_s=settings.body_timeout,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
-        timeout_graceful_shutdown=max(1, int(settings.shutdown_timeout)),
+        http=EdgeHttpProtocol,
+        ws="none",  # no WebSocket routes: upgrade requests are plain HTTP requests
+        timeout_graceful_shutdown=CLOSE_GRACE_S,
+        h11_max_incomplete_event_size=HEAD_LIMIT_BYTES,
+        server_header=False,
         access_log=False,
     )
-    server = DrainingServer(config, state)
-    server.run()  # uvicorn picks uvloop and httptools when installed
+    server = DrainingServer(config, state, app.state.inflight)
+    server.run()  # uvicorn picks uvloop when installed

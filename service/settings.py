@@ -7,6 +7,8 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+DEFAULT_MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"  # what --model none serves
+
 
 class ServerSettings(BaseSettings):
     """Validated server configuration (CLI flags override the environment)."""
@@ -25,7 +27,10 @@ class ServerSettings(BaseSettings):
         "auto", description="Where the model runs; auto = cuda when available."
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Model dtype; auto = float32 on CPU, bfloat16 on CUDA."
+        "auto",
+        description="Dtype the model runs in, whatever its checkpoint stores; auto = float32 on "
+        "CPU, bfloat16 on CUDA (float16 on GPUs without native bfloat16). A dtype the device "
+        "cannot run is refused at startup; heads and pooling always compute in float32.",
     )
     max_model_len: int | None = Field(
         None, gt=0, description="Longest prompt in tokens (default: the model's limit)."
@@ -51,6 +56,25 @@ class ServerSettings(BaseSettings):
     )
     block_size: int = Field(16, gt=0, description="Tokens per KV block.")
     max_client_batch_size: int = Field(2048, gt=0, description="Most inputs in one request.")
+    max_input_chars: int | None = Field(
+        None,
+        gt=0,
+        description="Most characters of one text input; a longer one is refused (400) unless it "
+        "is truncated, and then only this many from its kept side are tokenized (default: 64 per "
+        "token of max_model_len).",
+    )
+    max_request_chars: int | None = Field(
+        None,
+        gt=0,
+        description="Most characters one request may have tokenized, 413 above (default: the "
+        "larger of --max-input-chars and 1048576).",
+    )
+    max_tokenizing_chars: int | None = Field(
+        None,
+        gt=0,
+        description="Admission bound on characters being tokenized at once, 429 above "
+        "(default: twice --max-request-chars).",
+    )
     payload_limit: int = Field(
         16 * 1024 * 1024, gt=0, description="Largest request body in bytes (413 above)."
     )
@@ -64,7 +88,15 @@ class ServerSettings(BaseSettings):
         '{"pooling_type": "MEAN", "normalize": false}.',
     )
     shutdown_timeout: float = Field(
-        30.0, ge=0, description="Seconds in-flight requests get to finish on SIGTERM."
+        30.0,
+        ge=0,
+        description="Seconds in-flight requests get to finish on SIGTERM; then they get 503 and "
+        "the process exits (within about 2 s more).",
+    )
+    body_timeout: float = Field(
+        30.0,
+        gt=0,
+        description="Seconds a client has to send its request head, and then its body (408 after).",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Logging level."

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from transformers import PreTrainedTokenizerBase
 
 from models.spec import LoadedModel
 from pooling.params import PoolingTask
+from scheduler.admission import CharBudget
 from scheduler.engine import Engine
 from service.metrics import ServiceMetrics
 from service.pooler_config import PoolerDefaults
 from service.settings import ServerSettings
+
+TruncationSide = Literal["left", "right"]
 
 # The task /v1/pooling runs when a request names none: the first the model supports.
 DEFAULT_TASK_ORDER = (
@@ -24,6 +28,53 @@ DEFAULT_TASK_ORDER = (
 )
 
 
+# Default --max-input-chars per token of max_model_len: normal text takes 3-6 characters a token,
+# so even text of long words, URLs or indentation fits a max_model_len prompt.
+CHARS_PER_TOKEN_LIMIT = 64
+# Default --max-request-chars floor: a full batch of sentence-sized inputs fits.
+MIN_REQUEST_CHARS = 1 << 20
+# Default --max-tokenizing-chars per --max-request-chars: two large requests tokenize at once.
+TOKENIZING_REQUESTS = 2
+
+
+@dataclass(frozen=True)
+class TextLimits:
+    """Bounds on tokenization work, in characters, checked before any tokenizer runs."""
+
+    max_input_chars: int  # one input; a longer one is refused unless it is truncated
+    max_request_chars: int  # what one request may have tokenized (413 above)
+    max_tokenizing_chars: int  # what all requests may be tokenizing at once (429 above)
+
+    @classmethod
+    def derive(cls, settings: ServerSettings, max_model_len: int) -> TextLimits:
+        """The flags' values, defaults derived from max_model_len; inconsistent flags refused."""
+        # a derived default bends to a smaller explicit bound above it rather than contradict it
+        above_request = settings.max_tokenizing_chars
+        above_input = settings.max_request_chars or above_request
+        by_model = CHARS_PER_TOKEN_LIMIT * max_model_len
+        per_input = settings.max_input_chars or min(by_model, above_input or by_model)
+        by_input = max(per_input, MIN_REQUEST_CHARS)
+        per_request = settings.max_request_chars or min(by_input, above_request or by_input)
+        at_once = settings.max_tokenizing_chars or TOKENIZING_REQUESTS * per_request
+        if not per_input <= per_request <= at_once:
+            raise ValueError(
+                f"character limits must satisfy --max-input-chars ({per_input}) <= "
+                f"--max-request-chars ({per_request}) <= --max-tokenizing-chars ({at_once})"
+            )
+        return cls(per_input, per_request, at_once)
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """The special tokens the tokenizer puts around every text."""
+
+    prefix: tuple[int, ...]
+    suffix: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return len(self.prefix) + len(self.suffix)
+
+
 @dataclass(frozen=True)
 class ModelHandle:
     """A loaded model as the service sees it."""
@@ -31,13 +82,13 @@ class ModelHandle:
     loaded: LoadedModel
     served_name: str
     max_model_len: int
-    tokenizers: dict[str, PreTrainedTokenizerBase]  # truncation side -> tokenizer
+    tokenizer: PreTrainedTokenizerBase  # never truncates: the service cuts tokens itself
     defaults: PoolerDefaults
-
-    @property
-    def tokenizer(self) -> PreTrainedTokenizerBase:
-        """The tokenizer for untruncated work."""
-        return self.tokenizers["right"]
+    specials: SpecialTokens
+    truncation_side: TruncationSide  # the tokenizer's own; a request may override it
+    st_max_seq_length: int | None  # sentence-transformers truncates every prompt to this
+    limits: TextLimits
+    tokenizing: CharBudget  # characters being tokenized now; touched only from the event loop
 
 
 @dataclass(eq=False)

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -38,21 +39,30 @@ def free_port() -> int:
 
 
 def start_server(
-    port: int, *args: str, env: dict[str, str] | None = None
+    port: int, *args: str, env: dict[str, str] | None = None, log: Path | None = None
 ) -> subprocess.Popen[bytes]:
-    """Start `poolserve serve` and wait until /ready answers 200 (or fail clearly)."""
+    """Start `poolserve serve` and wait until /ready answers 200 (or fail clearly).
+
+    The server's log goes to a file (never a pipe nobody reads, which would block the server
+    once full); pass `log` to read it afterwards.
+    """
+    if log is None:
+        handle, name = tempfile.mkstemp(prefix="poolserve-", suffix=".log")
+        os.close(handle)
+        log = Path(name)
     command = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), *args]
-    process = subprocess.Popen(
-        command,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        cwd=Path(__file__).resolve().parents[2],
-    )
+    with log.open("wb") as sink:
+        process = subprocess.Popen(
+            command,
+            env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
+            stdout=subprocess.DEVNULL,
+            stderr=sink,
+            cwd=Path(__file__).resolve().parents[2],
+        )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise AssertionError(f"server exited early: {process.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
+            raise AssertionError(f"server exited early: {log.read_text()[-2000:]}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
                 return process
