@@ -161,7 +161,7 @@ class CharBudget:
         if self._in_flight + num_chars > self.max_chars:
             # tokenization runs at about a million characters a second: the budget frees quickly
             raise OverloadedError(
-                OverloadReason.TOKENS_FULL,
+                OverloadReason.TOKENIZING_FULL,
                 MIN_RETRY_AFTER_S,
                 f"{self._in_flight} characters are being tokenized (limit {self.max_chars})",
             )

@@ -10,6 +10,7 @@ class OverloadReason(enum.Enum):
 
     QUEUE_FULL = "queue_full"
     TOKENS_FULL = "tokens_full"
+    TOKENIZING_FULL = "tokenizing_full"  # the characters being tokenized at once
 
 
 class SchedulerError(Exception):

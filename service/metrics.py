@@ -28,7 +28,7 @@ LATENCY_BUCKETS = (
     60.0,
 )
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
-REJECT_REASONS = ("queue_full", "tokens_full", "draining", "not_ready")
+REJECT_REASONS = ("queue_full", "tokens_full", "tokenizing_full", "draining", "not_ready")
 
 
 class ServiceMetrics:
