@@ -242,6 +242,7 @@ class DecoderModel(PackedModel):
         attn: AttentionMetadata,
         kv_cache: PagedKVCache | None,
         out: torch.Tensor | None = None,  # [>= num_tokens, hidden]
+        token_type_ids: torch.Tensor | None = None,  # [num_tokens]; ignored: no type table
     ) -> torch.Tensor:  # [num_tokens, hidden]
         """Embeds, runs every layer with chunk-aware attention, applies the final norm."""
         self.check_inputs(input_ids)

@@ -35,3 +35,16 @@ class InvalidTokenIdError(ModelError):
         self.token_id = token_id
         self.vocab_size = vocab_size
         super().__init__(f"token id {token_id} is out of range [0, {vocab_size})")
+
+
+class InvalidTokenTypeError(ModelError):
+    """Token type ids that do not fit their prompt or the model's token type table."""
+
+
+class UnsupportedDtypeError(ModelError):
+    """The requested dtype cannot run on the device."""
+
+    def __init__(self, dtype: str, device: str, reason: str) -> None:
+        self.dtype = dtype
+        self.device = device
+        super().__init__(f"dtype {dtype} cannot run on {device}: {reason}")

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+import torch.nn.functional as F
 from tokenizers.normalizers import Lowercase, Normalizer
 from tokenizers.normalizers import Sequence as NormalizerSequence
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
@@ -18,7 +19,12 @@ from models.decoder import DecoderModel
 from models.decoder_config import decoder_head_dim, decoder_is_causal
 from models.encoder import EncoderModel
 from models.encoder_config import adopt_remote_nomic_fields, encoder_max_len
-from models.errors import ModelLoadError, UnsafeCheckpointError, UnsupportedArchitectureError
+from models.errors import (
+    ModelLoadError,
+    UnsafeCheckpointError,
+    UnsupportedArchitectureError,
+    UnsupportedDtypeError,
+)
 from models.heads import build_heads, head_out_features
 from models.packed import PackedModel
 from models.registry import (
@@ -36,7 +42,11 @@ from models.weights import load_state_dict, strip_prefix
 
 logger = logging.getLogger(__name__)
 
+# What `dtype=None` (--dtype auto) runs in, whatever the checkpoint stores: float32 unless named.
 DEFAULT_DTYPES = {"cuda": torch.bfloat16}
+# A CUDA device without native bfloat16 (before Ampere) runs auto in float16 instead.
+CUDA_FALLBACK_DTYPE = torch.float16
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CLASSIFIER_KINDS = frozenset({HeadKind.SEQUENCE_CLASSIFIER, HeadKind.TOKEN_CLASSIFIER})
 
 
@@ -44,11 +54,11 @@ def load_model(
     model: str | None, *, device: torch.device, dtype: torch.dtype | None = None
 ) -> LoadedModel:
     """Loads a checkpoint (local dir, Hub id, or None = all-MiniLM-L6-v2) for packed forwards."""
+    dtype = resolve_dtype(dtype, device)  # first: a refused dtype should not wait for a download
     path = resolve_model_path(model)
     architecture = _check_architecture(_read_raw_config(path))
     entry = ARCHITECTURES[architecture]
     config = _load_config(path)
-    dtype = dtype or DEFAULT_DTYPES.get(device.type, torch.float32)
     state = load_state_dict(path)
     backbone_state = strip_prefix(state, _backbone_prefix(entry, state))
     placement = (device, dtype)
@@ -61,7 +71,13 @@ def load_model(
     if st_config is not None and st_config.do_lower_case:
         _lower_case_first(tokenizer)
     logger.info(
-        "loaded %s (%s) from %s on %s as %s", architecture, config.model_type, path, device, dtype
+        "loaded %s (%s) from %s on %s: stored as %s, runs as %s",
+        architecture,
+        config.model_type,
+        path,
+        device,
+        _stored_dtype(state),
+        dtype,
     )
     return LoadedModel(
         path=path,
@@ -71,6 +87,53 @@ def load_model(
         tokenizer=tokenizer,
         sentence_transformers=st_config,
     )
+
+
+def resolve_dtype(dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
+    """The dtype the backbone runs in (None: the device's default); one it cannot run is refused."""
+    if dtype is None:
+        dtype = DEFAULT_DTYPES.get(device.type, torch.float32)
+        if dtype == torch.bfloat16 and not _native_bf16(device):
+            logger.warning("%s has no native bfloat16: running in float16", device)
+            dtype = CUDA_FALLBACK_DTYPE
+    name = str(dtype).removeprefix("torch.")
+    if dtype not in SUPPORTED_DTYPES:
+        raise UnsupportedDtypeError(name, str(device), "only float32, bfloat16 and float16 run")
+    if dtype == torch.bfloat16 and not _native_bf16(device):
+        reason = "the GPU has no native bfloat16 support (torch.cuda.is_bf16_supported() is False)"
+        raise UnsupportedDtypeError(name, str(device), reason)
+    # CUDA runs every kernel in float16 and, where native, bfloat16; CPU coverage of half types
+    # depends on the torch build, so a half dtype on the CPU is tried before it is promised.
+    if device.type == "cpu" and dtype != torch.float32:
+        try:
+            _try_cpu_kernels(dtype)
+        except (RuntimeError, NotImplementedError) as exc:
+            raise UnsupportedDtypeError(name, str(device), str(exc)) from exc
+    return dtype
+
+
+def _native_bf16(device: torch.device) -> bool:
+    """True off CUDA (CPU kernels take bfloat16) and on GPUs with bfloat16 in hardware."""
+    if device.type != "cuda":
+        return True
+    # the current device: the service runs on "cuda"; emulated bfloat16 is slow and lacks flash
+    return torch.cuda.is_bf16_supported(including_emulation=False)
+
+
+def _try_cpu_kernels(dtype: torch.dtype) -> None:
+    """Runs the CPU kernels the forwards use on a few values; raises where one lacks the dtype."""
+    x = torch.ones(1, 2, 4, 8, dtype=dtype)  # [batch, heads, tokens, head_dim]
+    F.scaled_dot_product_attention(x, x, x, is_causal=True)
+    h = x.reshape(8, 8)  # [tokens, hidden]
+    h = F.gelu(F.linear(h, h, h[0]), approximate="tanh") + F.silu(h).softmax(-1)
+    F.layer_norm(h, (8,), h[0], h[1])
+    F.embedding(torch.zeros(2, dtype=torch.long), h)
+
+
+def _stored_dtype(state: dict[str, torch.Tensor]) -> str:
+    """The dtype of the checkpoint's first floating-point tensor, for the log."""
+    dtype = next((t.dtype for t in state.values() if t.is_floating_point()), None)
+    return str(dtype).removeprefix("torch.")
 
 
 def _read_raw_config(path: Path) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The packed-model interface and host-side token id validation."""
+"""The packed-model interface and host-side token id and token type validation."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from models.attention import AttentionMetadata
-from models.errors import InvalidTokenIdError
+from models.errors import InvalidTokenIdError, InvalidTokenTypeError
 from models.kv_cache import PagedKVCache
 
 
@@ -30,10 +30,29 @@ def validate_token_ids(token_ids: Sequence[int] | torch.Tensor, vocab_size: int)
         raise InvalidTokenIdError(high, vocab_size)
 
 
+def validate_token_type_ids(
+    token_type_ids: torch.Tensor, num_tokens: int, num_token_types: int
+) -> None:
+    """Raises InvalidTokenTypeError unless each token has one id inside the type table."""
+    if token_type_ids.shape != (num_tokens,):
+        raise InvalidTokenTypeError(
+            f"{token_type_ids.numel()} token type ids given for a prompt of {num_tokens} tokens"
+        )
+    if num_token_types == 0 or num_tokens == 0:
+        return  # a model without a table ignores the values, as transformers does
+    low, high = int(token_type_ids.min()), int(token_type_ids.max())
+    if low < 0 or high >= num_token_types:
+        bad = low if low < 0 else high
+        raise InvalidTokenTypeError(
+            f"token type id {bad} is out of range [0, {num_token_types}) of this model"
+        )
+
+
 class PackedModel(torch.nn.Module, abc.ABC):
     """A backbone over a flat token stream: returns hidden states [num_tokens, hidden]."""
 
     vocab_size: int
+    num_token_types: int = 0  # rows of the token type table; 0: the model ignores type ids
 
     @abc.abstractmethod
     def forward(
@@ -43,6 +62,7 @@ class PackedModel(torch.nn.Module, abc.ABC):
         attn: AttentionMetadata,
         kv_cache: PagedKVCache | None,
         out: torch.Tensor | None = None,  # [>= num_tokens, hidden]
+        token_type_ids: torch.Tensor | None = None,  # [num_tokens] int64; None: every type is 0
     ) -> torch.Tensor:  # [num_tokens, hidden]
         """Runs the backbone; writes into `out` and returns a view of it when given."""
 

@@ -26,7 +26,13 @@ from scheduler.kv_blocks import BlockAllocator
 from scheduler.observer import EngineObserver, NullObserver
 from scheduler.planner import max_prompt_tokens, plan_step
 from scheduler.queues import RequestQueues
-from scheduler.request import PoolingOutput, PoolingRequest, RequestStatus, checked_prompt
+from scheduler.request import (
+    PoolingOutput,
+    PoolingRequest,
+    RequestStatus,
+    checked_prompt,
+    checked_token_types,
+)
 from scheduler.runner import PreparedStep, Runner, StepResult
 from scheduler.stats import EngineSnapshot
 
@@ -124,12 +130,17 @@ class Engine:
         validate_params(self.pooling_info, params)
 
     def submit_many(
-        self, prompts: Sequence[Sequence[int]], params: PoolingParams, priority: int = 0
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: PoolingParams,
+        priority: int = 0,
+        token_type_ids: Sequence[Sequence[int] | None] | None = None,
     ) -> list[asyncio.Future[PoolingOutput]]:
-        """Admit all prompts or none; each gets a future resolved with its output."""
+        """Admit all prompts (each with optional type ids) or none; each gets a future."""
         self.precheck(len(prompts))
         vocab_size = self.loaded.spec.vocab_size
         token_ids = [checked_prompt(p, self.max_model_len, vocab_size) for p in prompts]
+        types = checked_token_types(token_type_ids, token_ids, self.loaded.model.num_token_types)
         self.check_params(params)
         try:
             self.admission.reserve(len(token_ids), sum(len(ids) for ids in token_ids))
@@ -138,18 +149,22 @@ class Engine:
             raise
         loop = asyncio.get_running_loop()
         futures = []
-        for ids in token_ids:
-            request = self._new_request(ids, params, priority, loop)
+        for ids, type_ids in zip(token_ids, types, strict=True):
+            request = self._new_request(ids, type_ids, params, priority, loop)
             self.queues.add(request)
             futures.append(request.future)
         self._wake.set()
         return futures
 
     async def submit(
-        self, prompt: Sequence[int], params: PoolingParams, priority: int = 0
+        self,
+        prompt: Sequence[int],
+        params: PoolingParams,
+        priority: int = 0,
+        token_type_ids: Sequence[int] | None = None,
     ) -> PoolingOutput:
         """Submit one prompt and await its output (cancelling the await cancels the request)."""
-        (future,) = self.submit_many([prompt], params, priority)
+        (future,) = self.submit_many([prompt], params, priority, [token_type_ids])
         return await self.wait(future)
 
     async def wait(self, future: asyncio.Future[PoolingOutput]) -> PoolingOutput:
@@ -169,6 +184,7 @@ class Engine:
     def _new_request(
         self,
         token_ids: np.ndarray,
+        token_type_ids: np.ndarray | None,
         params: PoolingParams,
         priority: int,
         loop: asyncio.AbstractEventLoop,
@@ -183,6 +199,7 @@ class Engine:
         return PoolingRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,
+            token_type_ids=token_type_ids,
             pooler=pooler,
             future=loop.create_future(),
             arrival_time=time.monotonic(),

@@ -79,15 +79,17 @@ class RequestQueues:
                     num_computed_tokens=request.num_computed_tokens,
                     num_blocks_held=len(request.block_ids),
                 )
-            tokens = request.prompt_token_ids[start : start + chunk.num_tokens]
+            span = slice(start, start + chunk.num_tokens)
+            types = request.token_type_ids
             work.append(
                 ChunkWork(
                     request.request_id,
-                    tokens,
+                    request.prompt_token_ids[span],
                     start,
                     chunk.is_last,
                     tuple(request.block_ids),
                     request.pooler,
+                    None if types is None else types[span],
                 )
             )
         return work

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from models.packed import validate_token_ids
+from models.errors import InvalidTokenTypeError
+from models.packed import validate_token_ids, validate_token_type_ids
 from pooling.tasks import RequestPooler
 from scheduler.errors import EmptyPromptError, PromptTooLongError
 
@@ -47,6 +48,8 @@ class PoolingRequest:
     arrival_time: float
     arrival_index: int
     priority: int = 0
+    # [num_prompt_tokens] int64 segment ids (BERT pairs); None: every token is type 0
+    token_type_ids: np.ndarray | None = None
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens already handed to a step (scheduled), not necessarily run
     block_ids: list[int] = field(default_factory=list)
@@ -98,3 +101,35 @@ def checked_prompt(prompt: Sequence[int], max_model_len: int, vocab_size: int) -
         raise
     validate_token_ids(torch.from_numpy(ids), vocab_size)
     return ids
+
+
+def checked_token_types(
+    token_type_ids: Sequence[Sequence[int] | None] | None,
+    token_ids: Sequence[np.ndarray],
+    num_token_types: int,
+) -> list[np.ndarray | None]:
+    """Each prompt's type ids as the int64 array its request keeps, or None for all type 0."""
+    if token_type_ids is None:
+        return [None] * len(token_ids)
+    if len(token_type_ids) != len(token_ids):
+        raise ValueError(f"{len(token_type_ids)} token type lists for {len(token_ids)} prompts")
+    return [
+        None if types is None else _checked_types(types, len(ids), num_token_types)
+        for ids, types in zip(token_ids, token_type_ids, strict=True)
+    ]
+
+
+def _checked_types(
+    token_type_ids: Sequence[int], num_tokens: int, num_token_types: int
+) -> np.ndarray | None:
+    """One prompt's checked type ids; None when the forward would not tell them from none."""
+    try:
+        types = np.asarray(token_type_ids, dtype=np.int64)  # [num_tokens]
+    except (OverflowError, TypeError, ValueError) as exc:
+        raise InvalidTokenTypeError(f"token type ids must be integers: {exc}") from exc
+    validate_token_type_ids(torch.from_numpy(types), num_tokens, num_token_types)
+    # All type 0 is what no types mean, so the step skips its type buffer: a tokenizer's ids for
+    # a single text cost nothing. A model without a type table ignores them, as transformers does.
+    if num_token_types == 0 or not types.any():
+        return None
+    return types

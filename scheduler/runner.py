@@ -26,6 +26,7 @@ class ChunkWork:
     is_last: bool
     block_ids: tuple[int, ...]
     pooler: RequestPooler
+    token_type_ids: np.ndarray | None = None  # [num_tokens] int64, a view; None: all type 0
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class PreparedStep:
     chunks: tuple[ChunkWork, ...]
     num_tokens: int
     slot: int
+    has_token_types: bool  # the slot's type buffer holds this step's types
 
 
 @dataclass(frozen=True)
@@ -86,8 +88,15 @@ class Runner:
         self.host_pos = torch.zeros(
             self.NUM_SLOTS, max_num_tokens, dtype=torch.long, pin_memory=pin
         )
+        # Token type ids, filled only for steps where some request has them (BERT pairs).
+        self.host_types = torch.zeros(
+            self.NUM_SLOTS, max_num_tokens, dtype=torch.long, pin_memory=pin
+        )
         self.dev_ids = torch.zeros(self.NUM_SLOTS, max_num_tokens, dtype=torch.long, device=device)
         self.dev_pos = torch.zeros(self.NUM_SLOTS, max_num_tokens, dtype=torch.long, device=device)
+        self.dev_types = torch.zeros(
+            self.NUM_SLOTS, max_num_tokens, dtype=torch.long, device=device
+        )
         # The next step overwrites this buffer: outputs viewing it must own their storage first.
         self.hidden = torch.empty(max_num_tokens, spec.hidden_size, dtype=spec.dtype, device=device)
         self.kv_cache = (
@@ -98,7 +107,7 @@ class Runner:
         self.copy_stream = torch.cuda.Stream(device) if self.is_cuda else None
 
     def prepare(self, step_index: int, chunks: Sequence[ChunkWork]) -> PreparedStep:
-        """Fill the host slot of this step with token ids and positions (loop thread)."""
+        """Fill the host slot of this step with token ids, positions and types (loop thread)."""
         slot = step_index % self.NUM_SLOTS
         ids = np.concatenate([c.token_ids for c in chunks])  # [num_tokens]
         positions = np.concatenate(
@@ -107,7 +116,11 @@ class Runner:
         num_tokens = len(ids)
         self.host_ids[slot, :num_tokens].copy_(torch.from_numpy(ids))
         self.host_pos[slot, :num_tokens].copy_(torch.from_numpy(positions))
-        return PreparedStep(step_index, tuple(chunks), num_tokens, slot)
+        has_types = any(c.token_type_ids is not None for c in chunks)
+        if has_types:
+            types = np.concatenate([_types_or_zeros(c) for c in chunks])  # [num_tokens]
+            self.host_types[slot, :num_tokens].copy_(torch.from_numpy(types))
+        return PreparedStep(step_index, tuple(chunks), num_tokens, slot, has_types)
 
     def execute(self, step: PreparedStep) -> StepResult:
         """Forward, pool and start the D2H copy of finished outputs (worker thread)."""
@@ -149,6 +162,10 @@ class Runner:
         pos = self.dev_pos[slot, :n]
         ids.copy_(self.host_ids[slot, :n], non_blocking=True)
         pos.copy_(self.host_pos[slot, :n], non_blocking=True)
+        types = None
+        if step.has_token_types:
+            types = self.dev_types[slot, :n]
+            types.copy_(self.host_types[slot, :n], non_blocking=True)
         attn = build_attention_metadata(
             seq_lens_q=[len(c.token_ids) for c in step.chunks],
             context_lens=[c.context_len for c in step.chunks],
@@ -158,7 +175,9 @@ class Runner:
             device=self.device,
             causal=self.loaded.spec.is_causal,
         )
-        return self.loaded.model(ids, pos, attn, self.kv_cache, out=self.hidden)
+        return self.loaded.model(
+            ids, pos, attn, self.kv_cache, out=self.hidden, token_type_ids=types
+        )
 
     def _to_host(
         self, finished: list[tuple[int, torch.Tensor]]
@@ -192,3 +211,10 @@ def _chunk_inputs(step: PreparedStep) -> list[ChunkInput]:
         ChunkInput(len(c.token_ids), cast("Sequence[int]", c.token_ids), c.is_last)
         for c in step.chunks
     ]
+
+
+def _types_or_zeros(chunk: ChunkWork) -> np.ndarray:
+    """The chunk's token type ids, or type 0 for each of its tokens."""
+    if chunk.token_type_ids is not None:
+        return chunk.token_type_ids
+    return np.zeros(len(chunk.token_ids), dtype=np.int64)  # [num_tokens]

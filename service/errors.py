@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from models.errors import InvalidTokenIdError, ModelError
+from models.errors import InvalidTokenIdError, InvalidTokenTypeError, ModelError
 from pooling.errors import InvalidPoolingParamsError, PoolingError, UnsupportedTaskError
 from scheduler.errors import (
     DrainingError,
@@ -133,6 +133,9 @@ ERROR_TABLE: dict[type[Exception], ErrorShape] = {
     PromptTooLongError: ErrorShape(400, "invalid_request_error", "context_length_exceeded", _input),
     RequestTooLargeError: ErrorShape(400, "invalid_request_error", "request_too_large", _input),
     EmptyPromptError: ErrorShape(400, "invalid_request_error", "empty_prompt", _input),
+    InvalidTokenTypeError: ErrorShape(
+        400, "invalid_request_error", "invalid_token_type", _input
+    ),
     InvalidTokenIdError: ErrorShape(400, "invalid_request_error", "invalid_token_id", _input),
     ModelError: ErrorShape(400, "invalid_request_error", "invalid_request", _none),
     OverloadedError: ErrorShape(429, "rate_limit_error", "overloaded", _none),

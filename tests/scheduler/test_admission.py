@@ -36,7 +36,11 @@ def test_burst_hits_the_request_limit_first() -> None:
     admission = AdmissionControl(max_num_queued_requests=3, max_num_queued_tokens=100)
     outcomes = [_submit(admission, 1, 10) for _ in range(5)]
     assert outcomes == [None, None, None, Q, Q]
-    assert admission.rejected_by_reason() == {"queue_full": 2, "tokens_full": 0, "tokenizing_full": 0}
+    assert admission.rejected_by_reason() == {
+        "queue_full": 2,
+        "tokens_full": 0,
+        "tokenizing_full": 0,
+    }
 
 
 def test_mixed_sequence_and_release_restores_capacity() -> None:
