@@ -1,9 +1,10 @@
-"""One entry point: `python -m bench [offline|served|token|engine|planner|soak|all] [--quick]`.
+"""One entry point: `python -m bench PART [--quick]`.
 
-Each part is imported only when it runs (the served part and the engine parts load heavy
-dependencies), and receives the remaining arguments. `all` runs every peer benchmark in turn
-with the same flags (only `--quick` is passed on to all of them); the soak run is separate, since
-it needs a quiet machine for minutes.
+PART is offline, served, token, rerank, engine, planner, prefix, soak or all. Each part is
+imported only when it runs (the served part and the engine parts load heavy dependencies), and
+receives the remaining arguments. `all` runs every peer benchmark in turn with the same flags
+(only `--quick` is passed on to all of them); the soak run is separate, since it needs a quiet
+machine for minutes.
 """
 
 from __future__ import annotations
@@ -41,8 +42,10 @@ PARTS: dict[str, Callable[[Sequence[str]], None]] = {
     "offline": lambda argv: _with_list("offline", argv),
     "served": lambda argv: _with_list("served", argv),
     "token": lambda argv: _with_list("token_level", argv),
+    "rerank": lambda argv: _with_list("rerank", argv),
     "engine": lambda argv: _with_argv("engine_bench", argv),
     "planner": _planner,
+    "prefix": lambda argv: _with_argv("prefix_bench", argv),
 }
 # Not part of `all`: a stability run of many minutes, not a comparison with peers.
 SEPARATE: dict[str, Callable[[Sequence[str]], None]] = {

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
+from models.attention_buckets import BucketLayout, build_bucket_layout
+
 if TYPE_CHECKING:
     from models.kv_cache import PagedKVCache
 
@@ -34,6 +36,8 @@ class AttentionMetadata:
     write_token_index: torch.Tensor | None  # [num_write] int64 stream index of each written token
     context_slots: torch.Tensor | None  # [num_context_tokens] int64 cache slots of cached keys
     kv_gather_index: torch.Tensor | None  # [total_k] int64 into cat(cached keys, new keys)
+    # CPU only: length buckets for padded batched SDPA calls (CUDA's varlen kernel needs none)
+    buckets: BucketLayout | None = None
 
     @property
     def has_context(self) -> bool:
@@ -115,9 +119,20 @@ def build_attention_metadata(
     block_size: int,
     device: torch.device,
     causal: bool,
+    num_write_tokens: Sequence[int] | None = None,
 ) -> AttentionMetadata:
-    """Builds the metadata; sequence i's new tokens sit at prompt positions ctx_i..ctx_i+n_i-1."""
+    """Builds the metadata; sequence i's new tokens sit at prompt positions ctx_i..ctx_i+n_i-1.
+
+    A writing sequence stores the K/V of its first `num_write_tokens[i]` new tokens (all of them
+    when None): a prompt's last chunk stores only the full blocks the prefix cache keeps.
+    """
     _check_lengths(seq_lens_q, context_lens, write_kv, block_tables, causal)
+    if num_write_tokens is None:
+        num_write_tokens = seq_lens_q
+    elif len(num_write_tokens) != len(seq_lens_q) or any(
+        not 0 <= w <= n for w, n in zip(num_write_tokens, seq_lens_q, strict=True)
+    ):
+        raise ValueError("num_write_tokens must give 0..seq_len_q tokens per sequence")
     lens_q = np.asarray(seq_lens_q, dtype=np.int64)
     lens_ctx = np.asarray(context_lens, dtype=np.int64)
     cu_q = np.concatenate([[0], np.cumsum(lens_q)])
@@ -125,9 +140,10 @@ def build_attention_metadata(
     cu_k = np.concatenate([[0], np.cumsum(lens_q + lens_ctx)])
     write_slots, write_index, context_slots, gather = [], [], [], []
     for i, (n, ctx) in enumerate(zip(seq_lens_q, context_lens, strict=True)):
-        if write_kv[i]:
-            write_slots.append(_slots(block_tables[i], ctx, ctx + n, block_size))
-            write_index.append(np.arange(cu_q[i], cu_q[i] + n, dtype=np.int64))
+        num_write = num_write_tokens[i]
+        if write_kv[i] and num_write:
+            write_slots.append(_slots(block_tables[i], ctx, ctx + num_write, block_size))
+            write_index.append(np.arange(cu_q[i], cu_q[i] + num_write, dtype=np.int64))
         if ctx:
             context_slots.append(_slots(block_tables[i], 0, ctx, block_size))
         gather.append(np.arange(cu_ctx[i], cu_ctx[i] + ctx, dtype=np.int64))
@@ -150,6 +166,11 @@ def build_attention_metadata(
         write_token_index=_index_tensor(write_index, device),
         context_slots=_index_tensor(context_slots, device),
         kv_gather_index=_index_tensor(gather, device) if context_slots else None,
+        buckets=(
+            build_bucket_layout(seq_lens_q, context_lens, cu_q[:-1].tolist(), device)
+            if device.type == "cpu"
+            else None
+        ),
     )
 
 
@@ -173,9 +194,9 @@ def write_new_kv(
 
 
 def select_attention_backend(device: torch.device) -> AttentionBackend:
-    """The attention backend for a device type (CUDA kernels on CUDA, the reference elsewhere)."""
-    from models.attention_cpu import ReferenceAttention
+    """The attention backend for a device type (CUDA kernels on CUDA, length buckets elsewhere)."""
+    from models.attention_cpu import BucketedAttention
     from models.attention_cuda import CudaAttention
 
     factories: dict[str, Callable[[], AttentionBackend]] = {"cuda": CudaAttention}
-    return factories.get(device.type, ReferenceAttention)()
+    return factories.get(device.type, BucketedAttention)()

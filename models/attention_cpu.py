@@ -1,11 +1,14 @@
-"""Reference attention backend: SDPA per sequence over cached + new keys (any device)."""
+"""CPU attention: the per-sequence SDPA reference, and padded length buckets of a step."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 
 from models.attention import AttentionBias, AttentionMetadata, write_new_kv
+from models.attention_buckets import SequenceBucket
 from models.kv_cache import PagedKVCache
 from models.layers import softcap as apply_softcap
 
@@ -123,7 +126,35 @@ class ReferenceAttention:
         """Writes continuing sequences' K/V, then attends sequence by sequence."""
         write_new_kv(key, value, layer=layer, meta=meta, kv_cache=kv_cache)
         out = torch.empty_like(query)
-        for i in range(meta.num_seqs):
+        self._attend_each(
+            range(meta.num_seqs),
+            (query, key, value, out),
+            layer=layer,
+            meta=meta,
+            kv_cache=kv_cache,
+            sliding_window=sliding_window,
+            scale=scale,
+            softcap=softcap,
+            bias=bias,
+        )
+        return out
+
+    def _attend_each(
+        self,
+        seqs: Iterable[int],
+        tensors: tuple[torch.Tensor, ...],  # query, key, value, out: [num_tokens, heads, head_dim]
+        *,
+        layer: int,
+        meta: AttentionMetadata,
+        kv_cache: PagedKVCache | None,
+        sliding_window: int | None,
+        scale: float,
+        softcap: float | None,
+        bias: AttentionBias | None,
+    ) -> None:
+        """One SDPA call per sequence in seqs over its own views; writes its rows of out."""
+        query, key, value, out = tensors
+        for i in seqs:
             start, num_new = meta.query_starts[i], meta.seq_lens_q[i]
             stop = start + num_new
             keys, values = self._keys(key[start:stop], value[start:stop], i, layer, meta, kv_cache)
@@ -140,7 +171,6 @@ class ReferenceAttention:
                 softcap,
             )  # [1, num_heads, num_new, head_dim]
             out[start:stop] = attended[0].transpose(0, 1)
-        return out
 
     @staticmethod
     def _keys(
@@ -166,3 +196,102 @@ class ReferenceAttention:
             [kv_cache.flat_values(layer)[slots], new_values.to(kv_cache.value_caches[0].dtype)]
         )
         return keys.to(new_keys.dtype), values.to(new_values.dtype)
+
+
+def _bucket_mask(
+    bucket: SequenceBucket, causal: bool, sliding_window: int | None, device: torch.device
+) -> torch.Tensor | None:  # [B, 1, 1, L] or [L, L] or [B, 1, L, L] bool; None: is_causal or all
+    """Keys a bucket's queries may see: real keys only, within the window, causal if asked."""
+    length = bucket.padded_len
+    window_bites = sliding_window is not None and length > sliding_window
+    # Right padding leaves every real query's causal keys real: is_causal alone is enough there.
+    if not window_bites:
+        return None if causal else bucket.key_mask
+    band = allowed_keys(0, length, sliding_window, device, causal)  # [L, L]
+    if causal or bucket.key_mask is None:
+        return band
+    return bucket.key_mask & band  # [B, 1, L, L]
+
+
+def _attend_bucket(
+    tensors: tuple[torch.Tensor, ...],  # query, key, value, out: [num_tokens, heads, head_dim]
+    bucket: SequenceBucket,
+    causal: bool,
+    sliding_window: int | None,
+    scale: float,
+) -> None:
+    """One SDPA call over a bucket's members padded to its longest; writes their rows of out."""
+    query, key, value, out = tensors
+    num_seqs, length = bucket.num_seqs, bucket.padded_len
+
+    def padded(x: torch.Tensor) -> torch.Tensor:  # [B, heads, L, head_dim], [B, L] in memory
+        rows = x.index_select(0, bucket.gather_index)  # [B * L, heads, head_dim]
+        return rows.view(num_seqs, length, *x.shape[1:]).transpose(1, 2)
+
+    mask = _bucket_mask(bucket, causal, sliding_window, query.device)
+    attended = F.scaled_dot_product_attention(
+        padded(query),
+        padded(key),
+        padded(value),
+        attn_mask=mask,
+        is_causal=causal and mask is None,
+        scale=scale,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )  # [B, num_heads, L, head_dim], laid out like the query: [B, L] rows in memory
+    rows = attended.transpose(1, 2).reshape(num_seqs * length, *query.shape[1:])  # a view
+    out.index_copy_(0, bucket.stream_index, rows.index_select(0, bucket.keep_index))
+
+
+class BucketedAttention(ReferenceAttention):
+    """SDPA over length buckets of sequences without cached keys; the reference for the rest.
+
+    One padded call per bucket replaces one call per sequence: on CPU each call costs about as
+    much as 3,000 padded scores, and short sequences split poorly over the threads.
+    """
+
+    def attend(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        *,
+        layer: int,
+        meta: AttentionMetadata,
+        kv_cache: PagedKVCache | None,
+        sliding_window: int | None,
+        scale: float,
+        softcap: float | None = None,
+        bias: AttentionBias | None = None,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Writes continuing sequences' K/V, then attends bucket by bucket, then the rest."""
+        layout = meta.buckets
+        # Score biases (MPNet, DeBERTa) and soft-capped logits (Gemma2) are per-sequence forms.
+        if layout is None or not layout.buckets or bias is not None or softcap is not None:
+            return super().attend(
+                query,
+                key,
+                value,
+                layer=layer,
+                meta=meta,
+                kv_cache=kv_cache,
+                sliding_window=sliding_window,
+                scale=scale,
+                softcap=softcap,
+                bias=bias,
+            )
+        write_new_kv(key, value, layer=layer, meta=meta, kv_cache=kv_cache)
+        out = torch.empty_like(query)
+        for bucket in layout.buckets:
+            _attend_bucket((query, key, value, out), bucket, meta.causal, sliding_window, scale)
+        self._attend_each(
+            layout.single,
+            (query, key, value, out),
+            layer=layer,
+            meta=meta,
+            kv_cache=kv_cache,
+            sliding_window=sliding_window,
+            scale=scale,
+            softcap=None,
+            bias=None,
+        )
+        return out

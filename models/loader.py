@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -25,7 +25,8 @@ from models.errors import (
     UnsupportedArchitectureError,
     UnsupportedDtypeError,
 )
-from models.heads import build_heads, head_out_features
+from models.heads import LMHeadRows, build_heads, head_out_features, lm_head_method
+from models.late_interaction import check_plain_prompts
 from models.packed import PackedModel
 from models.registry import (
     ARCHITECTURES,
@@ -51,23 +52,35 @@ _CLASSIFIER_KINDS = frozenset({HeadKind.SEQUENCE_CLASSIFIER, HeadKind.TOKEN_CLAS
 
 
 def load_model(
-    model: str | None, *, device: torch.device, dtype: torch.dtype | None = None
+    model: str | None,
+    *,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+    hf_overrides: Mapping[str, Any] | None = None,
 ) -> LoadedModel:
-    """Loads a checkpoint (local dir, Hub id, or None = all-MiniLM-L6-v2) for packed forwards."""
+    """Loads a checkpoint (local dir, Hub id, or None = all-MiniLM-L6-v2) for packed forwards.
+
+    `hf_overrides` are config.json fields that win over the checkpoint's (vLLM's --hf-overrides).
+    """
     dtype = resolve_dtype(dtype, device)  # first: a refused dtype should not wait for a download
     path = resolve_model_path(model)
-    architecture = _check_architecture(_read_raw_config(path))
+    overrides = dict(hf_overrides or {})
+    architecture = _check_architecture({**_read_raw_config(path), **overrides})
     entry = ARCHITECTURES[architecture]
     config = _load_config(path)
+    for key, value in overrides.items():
+        setattr(config, key, value)
     state = load_state_dict(path)
     backbone_state = strip_prefix(state, _backbone_prefix(entry, state))
     placement = (device, dtype)
     packed = _BACKBONES[entry.backbone](
         config, backbone_state, select_attention_backend(device), placement
     )
-    heads = build_heads(entry, state, device, config)
-    st_config = read_sentence_transformers(path, device)
     tokenizer = _load_tokenizer(path)
+    heads = build_heads(entry, state, device, config, _lm_head_rows(entry, config, tokenizer))
+    if entry.head_kind is HeadKind.LATE_INTERACTION:
+        check_plain_prompts(path)
+    st_config = read_sentence_transformers(path, device)
     if st_config is not None and st_config.do_lower_case:
         _lower_case_first(tokenizer)
     logger.info(
@@ -185,6 +198,31 @@ def _load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
         return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot load tokenizer: {exc}") from exc
+
+
+def _lm_head_rows(
+    entry: ArchitectureEntry, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase
+) -> LMHeadRows | None:
+    """The LM-head rows a causal LM is scored through (`classifier_from_token`), if configured."""
+    method = lm_head_method(config)
+    if method is None:
+        return None
+    if (
+        entry.backbone is not Backbone.DECODER
+        or entry.head_kind is not HeadKind.SEQUENCE_CLASSIFIER
+    ):
+        raise ModelLoadError(
+            f"method {method} reads a causal LM's head: it needs a decoder "
+            "*ForSequenceClassification architecture (set `architectures` too)"
+        )
+    token_ids = []
+    for token in config.classifier_from_token:
+        # a vocabulary lookup, as vLLM does: the token as it is, never re-tokenized
+        token_id = tokenizer.convert_tokens_to_ids(str(token))
+        if not isinstance(token_id, int) or token_id == tokenizer.unk_token_id:
+            raise ModelLoadError(f"classifier_from_token {token!r} is not in the vocabulary")
+        token_ids.append(token_id)
+    return LMHeadRows(method, tuple(token_ids))
 
 
 def _lower_case_first(tokenizer: PreTrainedTokenizerBase) -> None:

@@ -51,6 +51,7 @@ class HeadTransform:
     activation_key: str | None = None  # a config field naming the activation overrides it
     norm_prefix: str | None = None  # ModernBERT's LayerNorm after the activation
     eps_key: str = "layer_norm_eps"  # the config field holding that norm's eps
+    eps: float | None = None  # a fixed eps instead (DistilBERT's MLM head: 1e-12)
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,8 @@ _DECODER_SUFFIXES: dict[str, ArchitectureEntry] = {
     "Model": ArchitectureEntry(Backbone.DECODER, HeadKind.NONE, ("", "model.")),
 }
 _EXTRA: dict[str, ArchitectureEntry] = {
+    # Stanford ColBERT's class: a BERT backbone under `bert.`, its projection `linear` beside it.
+    "HF_ColBERT": ArchitectureEntry(Backbone.ENCODER, HeadKind.LATE_INTERACTION, ("bert.", "")),
     # Remote-code classes on the Hub; their backbone is plain Qwen2, the head is native here.
     "Qwen2ForProcessRewardModel": ArchitectureEntry(
         Backbone.DECODER, HeadKind.PROCESS_REWARD, ("model.",), "score."
@@ -185,8 +188,8 @@ _MODERNBERT_HEAD = HeadTransform(
     eps_key="norm_eps",
 )
 
-# One row per config model_type. *ForMaskedLM checkpoints load as their base model (embed and
-# token_embed) until a sparse head kind exists; their MLM head weights are left unread.
+# One row per config model_type. *ForMaskedLM checkpoints carry their MLM head (sparse
+# embeddings) on the base model; models/masked_lm.py holds each family's MLM head layout.
 ENCODER_FAMILIES: dict[str, EncoderFamily] = {
     "bert": EncoderFamily(
         _classes("Bert", _ENCODER_HEADS), EncoderLayout.BERT, "bert.", _BERT_POOLER
@@ -245,7 +248,7 @@ ENCODER_FAMILIES: dict[str, EncoderFamily] = {
 
 
 def _encoder_entry(family: EncoderFamily, class_name: str) -> ArchitectureEntry:
-    """The entry of an encoder class: base and MLM classes carry no head, the others one."""
+    """The entry of an encoder class: the base class carries no head, the others one."""
     backbone = (family.prefix,)
     if class_name.endswith("ForSequenceClassification"):
         return ArchitectureEntry(
@@ -264,7 +267,8 @@ def _encoder_entry(family: EncoderFamily, class_name: str) -> ArchitectureEntry:
             family.token_transform,
         )
     if class_name.endswith("ForMaskedLM"):
-        return ArchitectureEntry(Backbone.ENCODER, HeadKind.NONE, backbone)
+        # a backbone saved alone (sentence-transformers) holds its tensors without the prefix
+        return ArchitectureEntry(Backbone.ENCODER, HeadKind.MASKED_LM, (*backbone, ""))
     return ArchitectureEntry(Backbone.ENCODER, HeadKind.NONE, ("", *backbone))
 
 

@@ -22,6 +22,8 @@ class HeadKind(enum.Enum):
     TOKEN_CLASSIFIER = "token_classifier"
     PROCESS_REWARD = "process_reward"
     TOKEN_REWARD = "token_reward"
+    MASKED_LM = "masked_lm"  # *ForMaskedLM: transform + vocabulary decoder (sparse embeddings)
+    LATE_INTERACTION = "late_interaction"  # ColBERT: a projection of every token (MaxSim)
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,8 @@ class ModelHeads:
     token_classifier: torch.nn.Module | None = None
     process_reward: torch.nn.Module | None = None
     token_reward: torch.nn.Module | None = None
+    masked_lm: torch.nn.Module | None = None  # [..., hidden] -> [..., vocab_size] logits
+    token_projection: torch.nn.Module | None = None  # ColBERT: [..., hidden] -> [..., dim]
 
 
 @dataclass(frozen=True)

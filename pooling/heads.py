@@ -74,15 +74,18 @@ class ClassifierHead(Head):
 
 
 class TokenEmbeddingHead(Head):
-    """Per-token embeddings `[T, hidden]`, L2-normalized per token unless told not to."""
+    """Per-token embeddings `[T, D]`: optionally projected (ColBERT), L2-normalized per token."""
 
-    def __init__(self, normalize: bool) -> None:
+    def __init__(self, normalize: bool, projection: nn.Module | None = None) -> None:
         self.normalize = normalize
-        self.may_alias_input = not normalize
+        self.projection = projection
+        self.may_alias_input = not normalize and projection is None
 
     def __call__(self, pooled: torch.Tensor) -> torch.Tensor:
-        """`[T, hidden]` -> `[T, hidden]`."""
+        """`[T, hidden]` -> `[T, D]` (D = hidden without a projection)."""
         x = pooled.float()  # [T, hidden]
+        if self.projection is not None:
+            x = run_fp32(self.projection, x)  # [T, D]
         return F.normalize(x, p=2.0, dim=-1) if self.normalize else x
 
 

@@ -19,6 +19,16 @@ class HeadKind(Enum):
     TOKEN_CLASSIFIER = "token_classifier"
     PROCESS_REWARD = "process_reward"
     TOKEN_REWARD = "token_reward"
+    MASKED_LM = "masked_lm"
+    LATE_INTERACTION = "late_interaction"  # ColBERT: a projection of every token, MaxSim scores
+
+
+class ScoreActivation(Enum):
+    """What a cross-encoder applies to its one logit by default (sentence-transformers' choice)."""
+
+    SIGMOID = "sigmoid"
+    IDENTITY = "identity"
+    TANH = "tanh"
 
 
 # sentence-transformers pooling mode -> pooling type (modes we can reproduce exactly).
@@ -28,8 +38,8 @@ ST_POOLING_MODES: dict[str, PoolingType] = {
     "lasttoken": PoolingType.LAST,
 }
 
-# Tasks a model can serve, by the head it carries; reward on a sequence classifier is added
-# separately because it needs num_labels == 1.
+# Tasks a model can serve, by the head it carries; reward and score on a sequence classifier are
+# added separately because they need num_labels == 1.
 HEAD_TASKS: dict[HeadKind, frozenset[PoolingTask]] = {
     HeadKind.NONE: frozenset({PoolingTask.EMBED, PoolingTask.TOKEN_EMBED}),
     HeadKind.SEQ_CLASSIFIER: frozenset({PoolingTask.CLASSIFY}),
@@ -38,6 +48,11 @@ HEAD_TASKS: dict[HeadKind, frozenset[PoolingTask]] = {
     ),
     HeadKind.PROCESS_REWARD: frozenset({PoolingTask.REWARD}),
     HeadKind.TOKEN_REWARD: frozenset({PoolingTask.REWARD}),
+    HeadKind.MASKED_LM: frozenset(
+        {PoolingTask.EMBED, PoolingTask.TOKEN_EMBED, PoolingTask.EMBED_SPARSE}
+    ),
+    # the projection is trained per token, so a pooled vector would be meaningless (as in vLLM)
+    HeadKind.LATE_INTERACTION: frozenset({PoolingTask.TOKEN_EMBED}),
 }
 
 
@@ -71,6 +86,15 @@ class PoolingModelInfo:
     classifier_pooling_type: PoolingType | None = None
     # Step tag a process reward model uses when a request names none (e.g. the id of "<extra_0>").
     default_step_tag_id: int | None = None
+    # The one-label classifier's default activation when it scores pairs (its saved CrossEncoder
+    # config); a request's use_activation false gives the raw logit instead.
+    score_activation: ScoreActivation = ScoreActivation.SIGMOID
+    # A *ForMaskedLM head `[..., hidden] -> [..., vocab]` (sparse embeddings), and the token ids
+    # (the tokenizer's CLS, SEP, PAD...) whose positions sparse pooling skips.
+    mlm_head: nn.Module | None = None
+    sparse_excluded_ids: frozenset[int] = frozenset()
+    # A ColBERT projection `[..., hidden] -> [..., dim]` applied to every token (late interaction).
+    token_projection: nn.Module | None = None
 
     def __post_init__(self) -> None:
         heads = [
@@ -83,7 +107,8 @@ class PoolingModelInfo:
             )
             if h is not None
         ]
-        if len(heads) > 1:
+        extra = (self.mlm_head is not None) + (self.token_projection is not None)
+        if len(heads) + extra > 1:
             raise PoolingConfigError("a model carries at most one task head")
         if self.hidden_size <= 0:
             raise PoolingConfigError(f"hidden_size must be positive, got {self.hidden_size}")
@@ -104,6 +129,8 @@ class PoolingModelInfo:
             HeadKind.TOKEN_CLASSIFIER: self.token_classifier,
             HeadKind.PROCESS_REWARD: self.process_reward_head,
             HeadKind.TOKEN_REWARD: self.token_reward_head,
+            HeadKind.MASKED_LM: self.mlm_head,
+            HeadKind.LATE_INTERACTION: self.token_projection,
         }
         return next((kind for kind, head in by_field.items() if head is not None), HeadKind.NONE)
 
@@ -133,5 +160,5 @@ def get_supported_tasks(info: PoolingModelInfo) -> frozenset[PoolingTask]:
     """Tasks this model serves: the tasks its heads allow, intersected with SUPPORTED."""
     tasks = set(HEAD_TASKS[info.head_kind])
     if info.head_kind is HeadKind.SEQ_CLASSIFIER and info.num_labels == 1:
-        tasks.add(PoolingTask.REWARD)
+        tasks.update({PoolingTask.REWARD, PoolingTask.SCORE})
     return frozenset(tasks) & SUPPORTED_TASKS

@@ -15,6 +15,8 @@ class PoolingTask(StrEnum):
     TOKEN_CLASSIFY = "token_classify"
     EMBED_TOKEN_CLASSIFY = "embed&token_classify"
     REWARD = "reward"
+    SCORE = "score"  # one relevance score per (query, document) prompt
+    EMBED_SPARSE = "embed_sparse"  # SPLADE over the MLM head: vocabulary ids and weights
 
 
 class PoolingType(Enum):
@@ -25,6 +27,7 @@ class PoolingType(Enum):
     MEAN = "mean"
     ALL = "all"
     STEP = "step"
+    SPARSE = "sparse"  # running max of MLM-head logits over non-special tokens (SPLADE)
 
 
 SUPPORTED_TASKS: frozenset[PoolingTask] = frozenset(PoolingTask)

@@ -17,10 +17,12 @@ from pooling.heads import (
     TokenEmbeddingHead,
     TokenRewardHead,
 )
-from pooling.methods import build_method
+from pooling.methods import PoolingMethod, build_method
 from pooling.model_info import HeadKind, PoolingModelInfo, get_supported_tasks
 from pooling.params import PoolingParams, PoolingTask, PoolingType
 from pooling.pooler import ChunkInput, RequestPooler, pool_step
+from pooling.scorers import CrossEncoderHead
+from pooling.sparse import sparse_head, sparse_method
 from pooling.stats import CloneStats
 from pooling.validation import validate_params
 
@@ -51,6 +53,11 @@ def _token_embed_head(info: PoolingModelInfo, params: PoolingParams) -> Head:
     return TokenEmbeddingHead(True if params.normalize is None else params.normalize)
 
 
+def _late_interaction_head(info: PoolingModelInfo, params: PoolingParams) -> Head:
+    normalize = True if params.normalize is None else params.normalize
+    return TokenEmbeddingHead(normalize, _required(info.token_projection, "token_projection"))
+
+
 def _classifier_head(info: PoolingModelInfo, params: PoolingParams) -> ClassifierHead:
     use_activation = True if params.use_activation is None else params.use_activation
     return ClassifierHead(_required(info.seq_classifier, "seq_classifier"), use_activation)
@@ -59,6 +66,12 @@ def _classifier_head(info: PoolingModelInfo, params: PoolingParams) -> Classifie
 def _sequence_reward_head(info: PoolingModelInfo, params: PoolingParams) -> Head:
     # A sequence reward is the raw score of a one-label classifier.
     return ClassifierHead(_required(info.seq_classifier, "seq_classifier"), use_activation=False)
+
+
+def _score_head(info: PoolingModelInfo, params: PoolingParams) -> Head:
+    # use_activation false asks for the raw logit, as vLLM and TEI's raw_scores do
+    activation = None if params.use_activation is False else info.score_activation
+    return CrossEncoderHead(_required(info.seq_classifier, "seq_classifier"), activation)
 
 
 def _token_classifier_head(info: PoolingModelInfo, params: PoolingParams) -> ClassifierHead:
@@ -97,12 +110,18 @@ def _sequence_pooling(info: PoolingModelInfo) -> PoolingType:
     return info.sequence_pooling_type
 
 
+def _sparse(info: PoolingModelInfo) -> PoolingType:
+    return PoolingType.SPARSE
+
+
 @dataclass(frozen=True)
 class TaskPlan:
     """How one task runs on one kind of model: which method pools, which head finishes."""
 
     pooling_type: Callable[[PoolingModelInfo], PoolingType]
     build_head: Callable[[PoolingModelInfo, PoolingParams], Head]
+    # A method that needs a model's module (SPARSE runs the MLM head) is built by the plan.
+    build_method: Callable[..., PoolingMethod] | None = None
 
 
 TASK_PLANS: dict[tuple[HeadKind, PoolingTask], TaskPlan] = {
@@ -112,12 +131,17 @@ TASK_PLANS: dict[tuple[HeadKind, PoolingTask], TaskPlan] = {
     (HeadKind.SEQ_CLASSIFIER, PoolingTask.REWARD): TaskPlan(
         _sequence_pooling, _sequence_reward_head
     ),
+    (HeadKind.SEQ_CLASSIFIER, PoolingTask.SCORE): TaskPlan(_sequence_pooling, _score_head),
     (HeadKind.TOKEN_CLASSIFIER, PoolingTask.TOKEN_CLASSIFY): TaskPlan(_all, _token_classifier_head),
     (HeadKind.TOKEN_CLASSIFIER, PoolingTask.EMBED_TOKEN_CLASSIFY): TaskPlan(
         _all, _embed_token_classify_head
     ),
     (HeadKind.PROCESS_REWARD, PoolingTask.REWARD): TaskPlan(_step, _process_reward_head),
     (HeadKind.TOKEN_REWARD, PoolingTask.REWARD): TaskPlan(_all, _token_reward_head),
+    (HeadKind.MASKED_LM, PoolingTask.EMBED): TaskPlan(_embed_pooling, _embed_head),
+    (HeadKind.MASKED_LM, PoolingTask.TOKEN_EMBED): TaskPlan(_all, _token_embed_head),
+    (HeadKind.MASKED_LM, PoolingTask.EMBED_SPARSE): TaskPlan(_sparse, sparse_head, sparse_method),
+    (HeadKind.LATE_INTERACTION, PoolingTask.TOKEN_EMBED): TaskPlan(_all, _late_interaction_head),
 }
 
 
@@ -129,6 +153,9 @@ def build_pooler(
     plan = TASK_PLANS[(info.head_kind, params.task)]
     head = plan.build_head(info, params)
     step_tag_id = params.step_tag_id if params.step_tag_id is not None else info.default_step_tag_id
+    if plan.build_method is not None:
+        method = plan.build_method(info, async_scheduling=async_scheduling, stats=stats)
+        return RequestPooler(method, head, stats)
     # A head that computes returns new storage, so only a head that may pass its input through
     # needs the method to make a finished view own its storage under async scheduling.
     method = build_method(

@@ -15,7 +15,12 @@ FIELD_TASKS: dict[str, frozenset[PoolingTask]] = {
         {PoolingTask.EMBED, PoolingTask.TOKEN_EMBED, PoolingTask.EMBED_TOKEN_CLASSIFY}
     ),
     "use_activation": frozenset(
-        {PoolingTask.CLASSIFY, PoolingTask.TOKEN_CLASSIFY, PoolingTask.EMBED_TOKEN_CLASSIFY}
+        {
+            PoolingTask.CLASSIFY,
+            PoolingTask.TOKEN_CLASSIFY,
+            PoolingTask.EMBED_TOKEN_CLASSIFY,
+            PoolingTask.SCORE,
+        }
     ),
     "step_tag_id": frozenset({PoolingTask.REWARD}),
     "returned_token_ids": frozenset({PoolingTask.REWARD}),

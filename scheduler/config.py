@@ -1,4 +1,4 @@
-"""Scheduler budgets, admission limits, KV geometry and the async switch."""
+"""Scheduler budgets, admission limits, KV geometry, the async and prefix caching switches."""
 
 from __future__ import annotations
 
@@ -18,6 +18,9 @@ class SchedulerConfig:
     num_kv_blocks: int = 4096
     enable_chunked_prefill: bool = True  # False for encoders: prompts scheduled whole
     async_scheduling: bool = True
+    # Reuse cached prefix KV blocks for last-token pooling; the engine ignores it for models
+    # without causal attention.
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         """Refuse non-positive sizes and a chunk cap larger than the step budget."""

@@ -22,9 +22,9 @@ from scheduler.admission import AdmissionControl
 from scheduler.bridge import pooling_info_from
 from scheduler.config import SchedulerConfig
 from scheduler.errors import DrainingError, EngineDeadError, OverloadedError, StepFailedError
-from scheduler.kv_blocks import BlockAllocator
 from scheduler.observer import EngineObserver, NullObserver
 from scheduler.planner import max_prompt_tokens, plan_step
+from scheduler.prefix_cache import CacheUse, PrefixCache
 from scheduler.queues import RequestQueues
 from scheduler.request import (
     PoolingOutput,
@@ -68,9 +68,11 @@ class Engine:
             device=device,
             async_scheduling=config.async_scheduling,
         )
-        self.blocks = BlockAllocator(config.num_kv_blocks)
+        self.blocks = PrefixCache(config.num_kv_blocks, config.block_size)
+        # Only causal attention makes a position's KV a function of the tokens up to it.
+        self.prefix_caching = config.enable_prefix_caching and loaded.spec.is_causal
         self.admission = AdmissionControl.from_config(config)
-        self.queues = RequestQueues(self.blocks, self.admission)
+        self.queues = RequestQueues(self.blocks, self.admission, config)
         self._ids = itertools.count()
         self._steps = itertools.count()
         self._wake = asyncio.Event()
@@ -205,7 +207,14 @@ class Engine:
             arrival_time=time.monotonic(),
             arrival_index=request_id,
             priority=priority,
+            cache_use=self._cache_use(pooler.pooling_type, token_type_ids),
         )
+
+    def _cache_use(self, pooling_type: PoolingType, token_type_ids: np.ndarray | None) -> CacheUse:
+        """Share cached prefixes only when pooling reads nothing but the last position."""
+        if not self.prefix_caching or token_type_ids is not None:
+            return CacheUse.NONE  # with token types a block's KV is not a function of its ids
+        return CacheUse.SHARE if pooling_type is PoolingType.LAST else CacheUse.DONATE
 
     # ---- the loop ----------------------------------------------------------------------------
     async def _run(self) -> None:
@@ -263,7 +272,9 @@ class Engine:
                 continue  # failed or cancelled meanwhile: what the step computed for it is dropped
             if chunk.request_id in failures:
                 self._fail_pooling(request, failures[chunk.request_id])
-            elif chunk.request_id in outputs:
+                continue
+            self.queues.offer_written(request, chunk)
+            if chunk.request_id in outputs:
                 self._resolve(request, outputs[chunk.request_id], now)
             elif chunk.is_last:
                 # Never leave a caller waiting: a last chunk always ends its request.
@@ -323,6 +334,10 @@ class Engine:
             num_clones=self.clone_stats.num_clones,
             num_open_poolers=self.clone_stats.num_open_poolers,
             rejected=self.admission.rejected_by_reason(),
+            num_kv_blocks_cached=self.blocks.num_cached_free,
+            prefix_cache_hit_tokens=self.blocks.num_hit_tokens,
+            prefix_cache_miss_tokens=self.blocks.num_miss_tokens,
+            prefix_cache_evictions=self.blocks.num_evictions,
         )
 
 

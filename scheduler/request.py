@@ -14,6 +14,7 @@ from models.errors import InvalidTokenTypeError
 from models.packed import validate_token_ids, validate_token_type_ids
 from pooling.tasks import RequestPooler
 from scheduler.errors import EmptyPromptError, PromptTooLongError
+from scheduler.prefix_cache import CacheUse
 
 
 class RequestStatus(enum.Enum):
@@ -55,6 +56,9 @@ class PoolingRequest:
     block_ids: list[int] = field(default_factory=list)
     num_inflight_steps: int = 0  # steps holding this request that have not been delivered yet
     first_scheduled_time: float | None = None
+    cache_use: CacheUse = CacheUse.NONE
+    block_hashes: list[bytes] = field(default_factory=list)  # of leading full blocks, as needed
+    num_offered_blocks: int = 0  # leading blocks found in or offered to the prefix cache
 
     @property
     def num_prompt_tokens(self) -> int:

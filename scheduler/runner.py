@@ -26,6 +26,7 @@ class ChunkWork:
     is_last: bool
     block_ids: tuple[int, ...]
     pooler: RequestPooler
+    num_kv_tokens: int  # leading tokens whose keys and values the chunk stores in its blocks
     token_type_ids: np.ndarray | None = None  # [num_tokens] int64, a view; None: all type 0
 
 
@@ -169,8 +170,9 @@ class Runner:
         attn = build_attention_metadata(
             seq_lens_q=[len(c.token_ids) for c in step.chunks],
             context_lens=[c.context_len for c in step.chunks],
-            write_kv=[not c.is_last for c in step.chunks],
+            write_kv=[c.num_kv_tokens > 0 for c in step.chunks],
             block_tables=[c.block_ids for c in step.chunks],
+            num_write_tokens=[c.num_kv_tokens for c in step.chunks],
             block_size=self.block_size,
             device=self.device,
             causal=self.loaded.spec.is_causal,

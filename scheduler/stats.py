@@ -21,3 +21,7 @@ class EngineSnapshot:
     num_clones: int
     num_open_poolers: int  # pooling states of requests not yet finished or released
     rejected: Mapping[str, int]
+    num_kv_blocks_cached: int  # free blocks still holding a cached prefix
+    prefix_cache_hit_tokens: int  # prompt tokens sharing requests found cached
+    prefix_cache_miss_tokens: int  # prompt tokens sharing requests computed
+    prefix_cache_evictions: int  # cached blocks reused for other work

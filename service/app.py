@@ -21,7 +21,8 @@ from pooling.params import PoolingParams
 from scheduler.admission import CharBudget
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
-from service import routes_admin, routes_inference
+from service import routes_admin, routes_inference, routes_retrieval
+from service.compat import tei_sparse
 from service.errors import install_error_handlers, openapi_schema
 from service.inputs import encode_texts, truncation_for
 from service.metrics import ServiceMetrics
@@ -65,6 +66,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
     install_error_handlers(app)
     app.include_router(routes_inference.router)
     app.include_router(routes_admin.router)
+    app.include_router(routes_retrieval.router)
+    app.include_router(tei_sparse.router)
     app.add_middleware(EdgeMiddleware, state=state, inflight=inflight)
     app.openapi = partial(openapi_schema, app, OPEN_PATHS)  # type: ignore[method-assign]
     return app
@@ -89,7 +92,13 @@ async def _start(state: ServiceState) -> None:
     except UnsupportedDtypeError as exc:
         raise ValueError(f"--dtype {settings.dtype}: {exc}; float32 runs everywhere") from exc
     defaults = parse_pooler_config(settings.pooler_config)
-    loaded = await asyncio.to_thread(load_model, settings.model, device=device, dtype=dtype)
+    loaded = await asyncio.to_thread(
+        load_model,
+        settings.model,
+        device=device,
+        dtype=dtype,
+        hf_overrides=settings.hf_overrides_dict,
+    )
     handle = _model_handle(loaded, settings, defaults)
     config = _scheduler_config(settings, loaded, handle.max_model_len)
     engine = Engine(
@@ -110,7 +119,7 @@ async def _start(state: ServiceState) -> None:
     logger.info(
         "ready: model=%s served_as=%s tasks=%s device=%s dtype=%s max_model_len=%d "
         "max_num_batched_tokens=%d max_num_seqs=%d max_num_queued_tokens=%d num_kv_blocks=%d "
-        "async_scheduling=%s",
+        "async_scheduling=%s prefix_caching=%s",
         loaded.path,
         handle.served_name,
         ",".join(t.value for t in state.supported_tasks),
@@ -122,6 +131,7 @@ async def _start(state: ServiceState) -> None:
         config.max_num_queued_tokens,
         config.num_kv_blocks,
         config.async_scheduling,
+        config.enable_prefix_caching,
     )
 
 
@@ -190,6 +200,8 @@ def _scheduler_config(
         num_kv_blocks=num_kv_blocks,
         enable_chunked_prefill=loaded.spec.is_causal,
         async_scheduling=settings.async_scheduling,
+        # bidirectional attention: a position's KV depends on later tokens, so nothing is shared
+        enable_prefix_caching=settings.enable_prefix_caching and loaded.spec.is_causal,
     )
 
 

@@ -9,12 +9,15 @@ import sys
 from collections.abc import Sequence
 
 from pydantic import ValidationError
+from pydantic.fields import FieldInfo
 
 from service.memory import fix_mmap_threshold
 from service.settings import ServerSettings
 
 # Flags whose presence flips a boolean setting off.
 NEGATED_FLAGS = {"async_scheduling": "--no-async-scheduling"}
+# Boolean settings with a flag for each value: --NAME and --no-NAME.
+PAIRED_FLAGS = frozenset({"enable_prefix_caching"})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,25 +33,31 @@ def build_parser() -> argparse.ArgumentParser:
         "(upper case, dashes as underscores); flags win over the environment.",
     )
     for name, field in ServerSettings.model_fields.items():
-        env = f"POOLSERVE_{name.upper()}"
-        if name in NEGATED_FLAGS:
-            serve.add_argument(
-                NEGATED_FLAGS[name],
-                dest=name,
-                action="store_const",
-                const=False,
-                default=None,
-                help=f"Turn off: {field.description} (env {env}=false)",
-            )
-            continue
-        serve.add_argument(
-            "--" + name.replace("_", "-"),
-            dest=name,
-            default=None,
-            metavar=name.upper(),
-            help=f"{field.description} (env {env}; default {field.default!r})",
-        )
+        _add_flag(serve, name, field)
     return parser
+
+
+def _add_flag(serve: argparse.ArgumentParser, name: str, field: FieldInfo) -> None:
+    """One setting's flag: `--name VALUE`, a `--no-...` switch, or a `--name`/`--no-name` pair."""
+    env = f"POOLSERVE_{name.upper()}"
+    if name in NEGATED_FLAGS:
+        serve.add_argument(
+            NEGATED_FLAGS[name],
+            dest=name,
+            action="store_const",
+            const=False,
+            default=None,
+            help=f"Turn off: {field.description} (env {env}=false)",
+        )
+        return
+    flag = "--" + name.replace("_", "-")
+    help_text = f"{field.description} (env {env}; default {field.default!r})"
+    if name in PAIRED_FLAGS:
+        serve.add_argument(
+            flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text
+        )
+        return
+    serve.add_argument(flag, dest=name, default=None, metavar=name.upper(), help=help_text)
 
 
 def parse_settings(argv: Sequence[str] | None = None) -> ServerSettings:

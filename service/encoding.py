@@ -62,6 +62,12 @@ def encode_item(
     return b"".join((_open(fields), _key(key), floats, b"}"))
 
 
+def sparse_parts(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A sparse output `[2, nnz]` as its int64 vocabulary ids and float32 weights."""
+    # the ids travel as float32 next to the weights: exact, vocabularies stay below 2**24
+    return data[0].astype(np.int64), np.ascontiguousarray(data[1], dtype=np.float32)
+
+
 def document(fields: Mapping[str, object], key: str, items: Iterable[bytes]) -> bytes:
     """A response document: its fields plus `key` holding the already-encoded items."""
     return b"".join((_open(fields), _key(key), b"[", b",".join(items), b"]}"))

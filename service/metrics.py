@@ -132,10 +132,14 @@ class _EngineCollector(Collector):
                 s.num_queued_tokens,
             ),
             "poolserve_kv_blocks_used": (
-                "KV cache blocks held by chunked prompts.",
+                "KV cache blocks held by running prompts (chunked, or storing prefix blocks).",
                 s.num_kv_blocks_used,
             ),
             "poolserve_kv_blocks_capacity": ("KV cache blocks in all.", s.num_kv_blocks_total),
+            "poolserve_kv_blocks_cached": (
+                "Free KV cache blocks still holding a cached prefix (reused on a hit).",
+                s.num_kv_blocks_cached,
+            ),
             "poolserve_open_poolers": (
                 "Pooling states of requests not yet finished or released; zero at idle.",
                 s.num_open_poolers,
@@ -149,6 +153,18 @@ class _EngineCollector(Collector):
             "poolserve_cloned_bytes": (
                 "Bytes cloned to own pooled outputs under async scheduling.",
                 s.cloned_bytes_total,
+            ),
+            "poolserve_prefix_cache_hit_tokens": (
+                "Prompt tokens of last-token requests found in the prefix cache (not computed).",
+                s.prefix_cache_hit_tokens,
+            ),
+            "poolserve_prefix_cache_miss_tokens": (
+                "Prompt tokens of last-token requests not found in the prefix cache (computed).",
+                s.prefix_cache_miss_tokens,
+            ),
+            "poolserve_prefix_cache_evictions": (
+                "Cached KV blocks reused for other prompts, least recently freed first.",
+                s.prefix_cache_evictions,
             ),
         }
         for name, (doc, value) in counters.items():

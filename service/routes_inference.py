@@ -16,8 +16,15 @@ from starlette.types import Receive, Scope, Send
 
 from pooling.params import PoolingParams, PoolingTask
 from scheduler.request import PoolingOutput
-from service.encoding import StrictJSONRoute, document, dumps, encode_item, stream_item
-from service.errors import error_line
+from service.encoding import (
+    StrictJSONRoute,
+    document,
+    dumps,
+    encode_item,
+    sparse_parts,
+    stream_item,
+)
+from service.errors import InvalidRequestError, error_line
 from service.pooler_config import PoolerDefaults
 from service.runs import Submitted, as_completed, gather, service_state, submit, timing_headers
 from service.schemas import ClassifyRequest, EmbeddingRequest, PoolingRequestBody
@@ -93,6 +100,9 @@ async def pooling(body: PoolingRequestBody, request: Request) -> Response:
     """vLLM-compatible pooling for every task, optionally streamed as NDJSON."""
     state = service_state(request)
     task = body.task or state.default_task
+    if task is PoolingTask.EMBED_SPARSE and body.encoding_format == "base64":
+        message = "encoding_format base64 does not apply to task 'embed_sparse'"
+        raise InvalidRequestError(message, "encoding_format")
     params = _params(
         task,
         _defaults(request),
@@ -124,6 +134,9 @@ async def pooling(body: PoolingRequestBody, request: Request) -> Response:
 
 def _pooling_item(index: int, data: np.ndarray, body: PoolingRequestBody) -> bytes:
     fields: dict[str, object] = {"index": index, "object": "pooling"}
+    if body.task is PoolingTask.EMBED_SPARSE:
+        ids, weights = sparse_parts(data)
+        return dumps({**fields, "data": {"indices": ids, "values": weights}})
     if body.encoding_format == "base64":
         fields["shape"] = list(data.shape)
     return encode_item(fields, "data", data, body.encoding_format, body.embed_dtype)
@@ -142,7 +155,7 @@ async def _stream(
     try:
         async with aclosing(as_completed(run)) as outputs:
             async for index, output in outputs:
-                if body.encoding_format == "base64":
+                if body.encoding_format == "base64" or body.task is PoolingTask.EMBED_SPARSE:
                     line = _pooling_item(index, output.data, body) + b"\n"
                     pieces: Iterator[bytes] = iter([line])
                 else:

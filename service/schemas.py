@@ -80,3 +80,63 @@ class DetokenizeRequest(_Body):
 
     tokens: TokenIds
     model: str | None = None
+
+
+# ---- retrieval: /score, /rerank (their shapes are read from the peers' protocol code) ----------
+Texts = StrictStr | list[StrictStr]
+
+
+class _ScoringBody(_Body):
+    """Fields shared by the vLLM-style scoring routes."""
+
+    model: str | None = None
+    user: str | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = Field(
+        None,
+        description="Keep only this many tokens of each prompt (-1: the model's limit), cutting "
+        "the document before the query.",
+    )
+    truncation_side: Literal["left", "right"] | None = Field(
+        None, description="Which end of a text truncation cuts (default: the tokenizer's)."
+    )
+    use_activation: bool | None = Field(
+        None,
+        description="false: the raw logit instead of the model's activation (cross-encoders).",
+    )
+    priority: StrictInt = 0
+
+
+class ScoreRequestBody(_ScoringBody):
+    """vLLM `POST /score`: each text_1 with its text_2 (1:1, 1:N or N:N)."""
+
+    text_1: Texts
+    text_2: Texts
+
+
+class RerankRequestBody(_ScoringBody):
+    """`POST /rerank`, `/v1/rerank`, `/v2/rerank`: vLLM's, Jina's and Cohere's rerank body."""
+
+    query: StrictStr
+    documents: list[StrictStr]
+    top_n: Annotated[StrictInt, Field(ge=1)] | None = Field(
+        None, description="Return only the best top_n results (default: all)."
+    )
+    return_documents: bool = Field(True, description="Include each document's text.")
+    max_tokens_per_doc: Annotated[StrictInt, Field(ge=1)] | None = Field(
+        None, description="Cohere: cut each document to this many tokens."
+    )
+    relevant_spans: dict[str, object] | None = Field(
+        None, description="Cohere: accepted and ignored (no spans are returned)."
+    )
+
+
+class TEIRerankRequest(_Body):
+    """text-embeddings-inference `POST /rerank` (told apart from the others by `texts`)."""
+
+    query: StrictStr
+    texts: list[StrictStr]
+    truncate: bool | None = Field(None, description="Cut long pairs to the model's limit.")
+    # TEI's enum deserializes its variant names, Left and Right; its docs write them lower case
+    truncation_direction: Literal["Left", "Right", "left", "right"] = "Right"
+    raw_scores: bool = Field(False, description="The raw logit instead of the sigmoid.")
+    return_text: bool = Field(False, description="Include each text.")

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"  # what --model none serves
@@ -82,10 +83,25 @@ class ServerSettings(BaseSettings):
         None, description="Require `Authorization: Bearer KEY` on inference routes."
     )
     async_scheduling: bool = Field(True, description="Plan step N+1 while step N runs.")
+    enable_prefix_caching: bool = Field(
+        True,
+        description="Reuse the KV blocks of prompt prefixes seen before (a rerank's query, an "
+        "embedding instruction) for requests that pool only the last token (LAST, yes/no "
+        "scoring); causal decoders only: ignored for encoders and bidirectional models. Cached "
+        "blocks stay resident until the pool needs them, so on CPU the KV cache grows to "
+        "--num-kv-blocks.",
+    )
     pooler_config: str | None = Field(
         None,
         description="JSON overrides of pooling defaults, e.g. "
         '{"pooling_type": "MEAN", "normalize": false}.',
+    )
+    hf_overrides: str | None = Field(
+        None,
+        description="JSON object of config.json fields that win over the checkpoint's, as vLLM's "
+        'flag: a causal LM reranker is scored through two LM-head rows with {"architectures": '
+        '["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], '
+        '"is_original_qwen3_reranker": true}.',
     )
     shutdown_timeout: float = Field(
         30.0,
@@ -101,3 +117,16 @@ class ServerSettings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Logging level."
     )
+
+    @field_validator("hf_overrides")
+    @classmethod
+    def _json_object(cls, value: str | None) -> str | None:
+        """A JSON object, refused at startup otherwise."""
+        if value and not isinstance(json.loads(value), dict):
+            raise ValueError("must be a JSON object")
+        return value
+
+    @property
+    def hf_overrides_dict(self) -> dict[str, Any] | None:
+        """--hf-overrides parsed (checked to be a JSON object when the settings were made)."""
+        return json.loads(self.hf_overrides) if self.hf_overrides else None

@@ -108,7 +108,7 @@ def _family(
 
 ALL_HEADS = ("cls", "tokcls", "mlm")
 TINY_ENCODERS: dict[str, TinySpec] = {
-    **_family("Bert", "BertConfig", _encoder(), ("cls",)),
+    **_family("Bert", "BertConfig", _encoder(), ("cls", "mlm")),
     **_family("DistilBert", "DistilBertConfig", _DISTILBERT, ALL_HEADS),
     **_family("Roberta", "RobertaConfig", _ROBERTA, ALL_HEADS),
     **_family("XLMRoberta", "XLMRobertaConfig", _ROBERTA, ("cls",)),

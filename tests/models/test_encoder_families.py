@@ -148,9 +148,19 @@ def test_token_classifier_heads_equal_hf(
 
 
 @pytest.mark.parametrize("name", MASKED_LMS)
-def test_masked_lm_loads_as_its_base_model(name: str, loaded: Callable[[str], LoadedModel]) -> None:
+def test_masked_lm_heads_equal_hf(
+    name: str,
+    loaded: Callable[[str], LoadedModel],
+    hf: Callable[[str], Any],
+    prompts: list[list[int]],
+) -> None:
     model = loaded(name)
-    assert model.spec.head_kind is HeadKind.NONE and model.spec.num_labels is None
+    head = model.heads.masked_lm
+    assert head is not None and model.spec.head_kind is HeadKind.MASKED_LM
+    assert model.spec.num_labels is None
+    for prompt, hidden in zip(prompts, run_packed(model, prompts), strict=True):
+        with torch.no_grad():
+            assert_close(head(hidden), _logits(hf(name), prompt))
 
 
 @pytest.mark.parametrize("name", sorted(TYPED))

@@ -76,3 +76,31 @@ def test_bf16_hidden_states_pool_in_float32(no_sync: None) -> None:
     torch.cuda.set_sync_debug_mode("default")
     expected = torch.nn.functional.normalize(hidden[3].float(), dim=-1)
     torch.testing.assert_close(embed, expected, rtol=0, atol=1e-6)
+
+
+def test_sparse_pooling_on_cuda_equals_the_cpu() -> None:
+    # SPLADE's nonzero waits on the device once per finished request: no no_sync fixture here
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    torch.manual_seed(0)
+    vocab = 3000  # several row blocks: BLOCK_ELEMENTS // vocab rows at a time
+    mlm = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.GELU(), nn.LayerNorm(HIDDEN))
+    head = nn.Sequential(*mlm, nn.Linear(HIDDEN, vocab)).eval()
+    hidden = torch.randn(2000, HIDDEN).bfloat16()  # [T, hidden], the bf16 states a forward writes
+    ids = torch.randint(0, 50, (2000,)).tolist()
+    outputs = []
+    for device in ("cpu", "cuda"):
+        info = PoolingModelInfo(
+            is_decoder=False,
+            hidden_size=HIDDEN,
+            mlm_head=head.to(device),
+            sparse_excluded_ids=frozenset({0, 1}),
+        )
+        params = PoolingParams(PoolingTask.EMBED_SPARSE)
+        pooler = build_pooler(info, params, async_scheduling=True, stats=CloneStats())
+        out = pooler.add_chunk(hidden.to(device), ids, is_last=True)
+        assert out is not None and out.dtype == torch.float32 and out.device.type == device
+        outputs.append(out.cpu())
+    cpu, cuda = outputs
+    assert torch.equal(cpu[0], cuda[0])  # the same non-zero ids
+    torch.testing.assert_close(cuda[1], cpu[1], rtol=1e-4, atol=1e-5)

@@ -37,6 +37,8 @@ def test_task_values_are_the_wire_names() -> None:
         "token_classify",
         "embed&token_classify",
         "reward",
+        "score",
+        "embed_sparse",
     }
     assert frozenset(PoolingTask) == SUPPORTED_TASKS
     assert PoolingParams(task=T.EMBED_TOKEN_CLASSIFY).is_token_level
@@ -110,7 +112,7 @@ def test_encoder_models_are_gated_by_heads_only() -> None:
 
 def test_head_table() -> None:
     assert get_supported_tasks(_seq_classifier(3)) == {T.CLASSIFY}
-    assert get_supported_tasks(_seq_classifier(1)) == {T.CLASSIFY, T.REWARD}
+    assert get_supported_tasks(_seq_classifier(1)) == {T.CLASSIFY, T.REWARD, T.SCORE}
     assert get_supported_tasks(_prm()) == {T.REWARD}
     rm = PoolingModelInfo(
         is_decoder=True, hidden_size=HIDDEN, token_reward_head=nn.Linear(HIDDEN, 1), num_labels=1

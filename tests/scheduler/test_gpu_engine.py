@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 from collections.abc import Callable
@@ -63,6 +64,50 @@ def test_cuda_engine_matches_cpu(
     logger.info("%s async=%s: error %.3g, bound %.3g", task, async_scheduling, error, bound)
     assert error <= bound, (error, bound)
     assert cuda.blocks.num_used == 0
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_cuda_prefix_caching_matches_cpu(
+    tiny_model_dir: Callable[[str], Path], async_scheduling: bool
+) -> None:
+    """Prompts sharing prefixes read cached KV pages on CUDA; the CPU runs them without a cache."""
+    rng = random.Random(1)
+    prefix = [rng.randrange(1, 30000) for _ in range(100)]
+    prompts = [
+        prefix[: rng.randint(1, 100)] + [rng.randrange(1, 30000) for _ in range(rng.randint(1, 60))]
+        for _ in range(40)
+    ]
+    path = str(tiny_model_dir("qwen3"))
+    config = SchedulerConfig(
+        max_num_batched_tokens=128, block_size=16, num_kv_blocks=512,
+        async_scheduling=async_scheduling,
+    )
+    cuda = Engine(load_model(path, device=torch.device("cuda")), config, torch.device("cuda"))
+    cpu = Engine(
+        load_model(path, device=torch.device("cpu")),
+        dataclasses.replace(config, enable_prefix_caching=False),
+        torch.device("cpu"),
+    )
+
+    async def waves() -> list[PoolingOutput]:
+        params = PoolingParams(task=PoolingTask.EMBED, normalize=False)
+        cuda.start()
+        try:
+            first = await asyncio.gather(*cuda.submit_many(prompts[:1], params))
+            return [*first, *await asyncio.gather(*cuda.submit_many(prompts[1:], params))]
+        finally:
+            await cuda.stop()
+
+    got = asyncio.run(waves())
+    want = asyncio.run(_run(cpu, prompts, PoolingTask.EMBED))
+    bound = bf16_bound(hf_bf16_hidden("qwen3", prompts), _hf_float32_hidden(prompts))
+    error = max(
+        relative_errors(_rows(g.data), _rows(w.data)).max().item()
+        for g, w in zip(got, want, strict=True)
+    )
+    logger.info("prefix caching async=%s: error %.3g, bound %.3g", async_scheduling, error, bound)
+    assert error <= bound, (error, bound)
+    assert cuda.blocks.num_hit_tokens > 0 and cuda.blocks.num_used == 0
 
 
 def _rows(data: np.ndarray) -> torch.Tensor:

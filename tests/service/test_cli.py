@@ -41,6 +41,12 @@ def test_no_async_scheduling_flag() -> None:
     assert parse_settings(["serve", "--no-async-scheduling"]).async_scheduling is False
 
 
+def test_prefix_caching_flags() -> None:
+    assert parse_settings(["serve"]).enable_prefix_caching is True
+    assert parse_settings(["serve", "--no-enable-prefix-caching"]).enable_prefix_caching is False
+    assert parse_settings(["serve", "--enable-prefix-caching"]).enable_prefix_caching is True
+
+
 @pytest.mark.parametrize(
     "argv", [["serve", "--port", "-5"], ["serve", "--device", "tpu"], ["serve", "--bogus"]]
 )
