@@ -22,6 +22,11 @@ ADMITTED = "poolserve_prompt_tokens_total"
 PROMPT = list(range(1000, 1500))  # 500 token ids of the tiny llama's vocabulary
 
 
+def _distinct(count: int) -> list[list[int]]:
+    """count prompts of PROMPT's length with distinct first tokens: nothing for the prefix cache."""
+    return [[1000 + i, *PROMPT[1:]] for i in range(count)]
+
+
 def _serve(model_dir: Path, timeout_s: float, *args: str) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
     process = start_server(
@@ -107,11 +112,11 @@ def test_the_deadline_answers_in_flight_requests(tiny_model_dir: Callable[[str],
     outcome: dict[str, object] = {}
 
     def unary() -> None:
-        body = {"input": [PROMPT] * 150}
+        body = {"input": _distinct(150)}
         outcome["unary"] = httpx.post(f"{url}/v1/embeddings", json=body, timeout=60)
 
     def stream() -> None:
-        body = {"input": [PROMPT] * 150, "task": "token_embed", "stream": True}
+        body = {"input": _distinct(150), "task": "token_embed", "stream": True}
         with httpx.stream("POST", f"{url}/v1/pooling", json=body, timeout=60) as response:
             outcome["stream_status"] = response.status_code
             outcome["lines"] = list(response.iter_lines())
@@ -149,7 +154,7 @@ def test_a_second_signal_exits_at_once(tiny_model_dir: Callable[[str], Path]) ->
     outcome: dict[str, object] = {}
 
     def unary() -> None:
-        body = {"input": [PROMPT] * 150}
+        body = {"input": _distinct(150)}
         outcome["unary"] = httpx.post(f"{url}/v1/embeddings", json=body, timeout=60)
 
     thread = threading.Thread(target=unary)
