@@ -198,21 +198,6 @@ class ReferenceAttention:
         return keys.to(new_keys.dtype), values.to(new_values.dtype)
 
 
-def _bucket_mask(
-    bucket: SequenceBucket, causal: bool, sliding_window: int | None, device: torch.device
-) -> torch.Tensor | None:  # [B, 1, 1, L] or [L, L] or [B, 1, L, L] bool; None: is_causal or all
-    """Keys a bucket's queries may see: real keys only, within the window, causal if asked."""
-    length = bucket.padded_len
-    window_bites = sliding_window is not None and length > sliding_window
-    # Right padding leaves every real query's causal keys real: is_causal alone is enough there.
-    if not window_bites:
-        return None if causal else bucket.key_mask
-    band = allowed_keys(0, length, sliding_window, device, causal)  # [L, L]
-    if causal or bucket.key_mask is None:
-        return band
-    return bucket.key_mask & band  # [B, 1, L, L]
-
-
 def _attend_bucket(
     tensors: tuple[torch.Tensor, ...],  # query, key, value, out: [num_tokens, heads, head_dim]
     bucket: SequenceBucket,
@@ -220,33 +205,34 @@ def _attend_bucket(
     sliding_window: int | None,
     scale: float,
 ) -> None:
-    """One SDPA call over a bucket's members padded to its longest; writes their rows of out."""
+    """One SDPA call over a bucket's members as a batch; writes their rows of out."""
     query, key, value, out = tensors
-    num_seqs, length = bucket.num_seqs, bucket.padded_len
+    num_seqs, length = bucket.num_seqs, bucket.seq_len
 
-    def padded(x: torch.Tensor) -> torch.Tensor:  # [B, heads, L, head_dim], [B, L] in memory
-        rows = x.index_select(0, bucket.gather_index)  # [B * L, heads, head_dim]
+    def batched(x: torch.Tensor) -> torch.Tensor:  # [B, heads, seq_len, head_dim]
+        rows = x.index_select(0, bucket.token_index)  # [B * seq_len, heads, head_dim]
         return rows.view(num_seqs, length, *x.shape[1:]).transpose(1, 2)
 
-    mask = _bucket_mask(bucket, causal, sliding_window, query.device)
+    window_bites = sliding_window is not None and length > sliding_window
+    mask = allowed_keys(0, length, sliding_window, query.device, causal) if window_bites else None
     attended = F.scaled_dot_product_attention(
-        padded(query),
-        padded(key),
-        padded(value),
-        attn_mask=mask,
+        batched(query),
+        batched(key),
+        batched(value),
+        attn_mask=mask,  # [seq_len, seq_len] bool, the same for every member
         is_causal=causal and mask is None,
         scale=scale,
         enable_gqa=query.shape[1] != key.shape[1],
-    )  # [B, num_heads, L, head_dim], laid out like the query: [B, L] rows in memory
+    )  # [B, num_heads, seq_len, head_dim], laid out like the query: [B, seq_len] rows in memory
     rows = attended.transpose(1, 2).reshape(num_seqs * length, *query.shape[1:])  # a view
-    out.index_copy_(0, bucket.stream_index, rows.index_select(0, bucket.keep_index))
+    out.index_copy_(0, bucket.token_index, rows)
 
 
 class BucketedAttention(ReferenceAttention):
-    """SDPA over length buckets of sequences without cached keys; the reference for the rest.
+    """One SDPA call per bucket of equal-length sequences; the reference for the rest.
 
-    One padded call per bucket replaces one call per sequence: on CPU each call costs about as
-    much as 3,000 padded scores, and short sequences split poorly over the threads.
+    Each call has a fixed cost (dispatch, the kernel's buffers, a fork and join of the threads)
+    that dominates on short prompts; a bucket pays it once for all its members.
     """
 
     def attend(

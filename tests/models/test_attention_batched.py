@@ -10,7 +10,7 @@ import torch
 
 from models import AttentionMetadata, PagedKVCache, build_attention_metadata
 from models.attention import select_attention_backend
-from models.attention_buckets import MAX_PADDED_SCORES
+from models.attention_buckets import MAX_BUCKET_LEN
 from models.attention_cpu import BucketedAttention, ReferenceAttention
 from models.spec import HeadKind, ModelSpec
 from tests.models.driver import assert_close
@@ -45,11 +45,9 @@ def _qkv(num_tokens: int, heads: int, kv_heads: int, seed: int) -> list[torch.Te
 
 
 def _lengths(rng: random.Random) -> list[int]:
-    """A mix like a step's: mostly short prompts, a few long ones, some of equal length."""
-    lens = [
-        rng.choice([rng.randint(1, 24), rng.randint(1, 512)]) for _ in range(rng.randint(1, 14))
-    ]
-    return lens + lens[: rng.randint(0, 2)]
+    """A step's mix: short and long prompts, 1..512 tokens, with repeated lengths (buckets)."""
+    pool = [rng.choice([rng.randint(1, 24), rng.randint(1, 512)]) for _ in range(rng.randint(1, 8))]
+    return [rng.choice(pool) for _ in range(rng.randint(1, 16))]
 
 
 def _both(
@@ -77,39 +75,40 @@ def test_buckets_match_reference_on_random_length_mixes(seed: int) -> None:
     assert_close(bucketed, reference, rel=1e-5)
 
 
-def test_layout_covers_every_sequence_once_within_the_padding_budget() -> None:
+def test_layout_covers_every_sequence_once_in_equal_length_buckets() -> None:
     rng = random.Random(7)
     for _ in range(50):
         lens = _lengths(rng)
         context = [rng.choice([0, 0, 5]) for _ in lens]
-        meta = _meta(
-            lens, True, context, [list(range(i * 80, (i + 1) * 80)) for i in range(len(lens))]
-        )
+        tables = [list(range(i * 80, (i + 1) * 80)) for i in range(len(lens))]
+        meta = _meta(lens, True, context, tables)
         layout = meta.buckets
         assert layout is not None
         members = [i for b in layout.buckets for i in b.seq_ids]
         assert sorted(members + list(layout.single)) == list(range(len(lens)))
         for bucket in layout.buckets:
-            longest = bucket.padded_len
-            assert bucket.num_seqs > 1 and longest == max(lens[i] for i in bucket.seq_ids)
-            assert all(context[i] == 0 for i in bucket.seq_ids)
-            assert all(longest**2 - lens[i] ** 2 <= MAX_PADDED_SCORES for i in bucket.seq_ids)
+            assert bucket.num_seqs > 1
+            assert all(lens[i] == bucket.seq_len and context[i] == 0 for i in bucket.seq_ids)
             tokens = [meta.query_starts[i] + t for i in bucket.seq_ids for t in range(lens[i])]
-            assert bucket.stream_index.tolist() == tokens
-            assert bucket.gather_index[bucket.keep_index].tolist() == tokens
-            same = all(lens[i] == longest for i in bucket.seq_ids)
-            assert (bucket.key_mask is None) == same
+            assert bucket.token_index.tolist() == tokens
+            assert bucket.seq_len <= MAX_BUCKET_LEN
+        # alone: cached context, too long to gain, or no other context-free prompt of its length
+        free = [lens[i] for i in range(len(lens)) if context[i] == 0]
+        assert all(
+            context[i] or lens[i] > MAX_BUCKET_LEN or free.count(lens[i]) == 1
+            for i in layout.single
+        )
 
 
-def test_short_sequences_share_one_call_and_long_ones_stay_alone() -> None:
-    layout = _meta([3, 64, 17, 500, 1, 300, 500], causal=False).buckets
+def test_short_equal_lengths_share_one_call_and_the_rest_stay_alone() -> None:
+    layout = _meta([3, 64, 3, 500, 1, 300, 500, 3, 20, 20], causal=False).buckets
     assert layout is not None
-    assert [b.seq_ids for b in layout.buckets] == [(3, 6), (1, 2, 0, 4)]
-    assert layout.single == (5,)
+    assert [(b.seq_ids, b.seq_len) for b in layout.buckets] == [((0, 2, 7), 3), ((8, 9), 20)]
+    assert layout.single == (1, 3, 4, 5, 6)
 
 
 def _calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts padded bucket calls."""
+    """Counts batched bucket calls."""
     import models.attention_cpu as cpu
 
     calls: list[int] = []
