@@ -1,4 +1,4 @@
-"""CPU attention: the per-sequence SDPA reference, and padded length buckets of a step."""
+"""CPU attention: the per-sequence SDPA reference, and one batched call per equal-length bucket."""
 
 from __future__ import annotations
 
