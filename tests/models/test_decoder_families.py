@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -43,27 +44,13 @@ TOKEN_CLASSIFIERS = ("gemma_tokcls", "gemma2_tokcls", "phi3_tokcls")
 def loaded(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], LoadedModel]:
     """name -> the tiny checkpoint loaded by load_model() on the CPU (cached)."""
     directory = decoder_dirs(tmp_path_factory)
-    cache: dict[str, LoadedModel] = {}
-
-    def get(name: str) -> LoadedModel:
-        if name not in cache:
-            cache[name] = load_model(str(directory(name)), device=CPU)
-        return cache[name]
-
-    return get
+    return functools.cache(lambda name: load_model(str(directory(name)), device=CPU))
 
 
 @pytest.fixture(scope="module")
 def hf() -> Callable[[str], Any]:
     """name -> the transformers reference model (cached)."""
-    cache: dict[str, Any] = {}
-
-    def get(name: str) -> Any:
-        if name not in cache:
-            cache[name] = build_hf_decoder(name)
-        return cache[name]
-
-    return get
+    return functools.cache(build_hf_decoder)
 
 
 @pytest.fixture(scope="module")

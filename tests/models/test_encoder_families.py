@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from collections.abc import Callable
@@ -43,14 +44,7 @@ TYPED = {"bert": True, "debertav2": True, "nomicbert": True, "debertav3_reward":
 @pytest.fixture(scope="module")
 def hf() -> Callable[[str], Any]:
     """name -> the transformers reference model (cached)."""
-    cache: dict[str, Any] = {}
-
-    def get(name: str) -> Any:
-        if name not in cache:
-            cache[name] = build_hf_encoder(name)
-        return cache[name]
-
-    return get
+    return functools.cache(build_hf_encoder)
 
 
 @pytest.fixture(scope="module")
@@ -64,14 +58,7 @@ def directory(
 @pytest.fixture(scope="module")
 def loaded(directory: Callable[[str], Path]) -> Callable[[str], LoadedModel]:
     """name -> the tiny checkpoint loaded by load_model() on the CPU (cached)."""
-    cache: dict[str, LoadedModel] = {}
-
-    def get(name: str) -> LoadedModel:
-        if name not in cache:
-            cache[name] = load_model(str(directory(name)), device=CPU)
-        return cache[name]
-
-    return get
+    return functools.cache(lambda name: load_model(str(directory(name)), device=CPU))
 
 
 def run_packed(
