@@ -11,6 +11,7 @@ declare -A PACKAGE_FOR_COMMAND=(
     [promtool]=prometheus
     [prometheus]=prometheus
     [docker-compose]=docker-compose
+    [kubectl]=kubernetes-client
 )
 
 missing=()
