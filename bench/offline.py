@@ -49,6 +49,7 @@ class Mode:
     num_minilm_prompts: int
     st_batch_sizes: tuple[int, ...]  # the HF peer uses the fastest of these
     repeats: int = 1  # runs of each peer, interleaved round by round; a row keeps the fastest
+    warm_passes: int = 0  # untimed whole passes before each timed one (bench/peers.py)
 
 
 MODES = {
@@ -121,7 +122,8 @@ def run_model(name: str, model_dir: Path, texts: Texts, mode: Mode, shape: Shape
         logger.info("%s: %s batch %s", name, peer, batch)
         if shape is not None:
             peaks.append(measure_matmul_peak(shape))
-        return run_in_child(PeerJob(peer, str(model_dir), file, max_length, batch))
+        return run_in_child(PeerJob(peer, str(model_dir), file, max_length, batch,
+                                    warm_passes=mode.warm_passes))
 
     # On shared cores one slow stretch can hit any peer: with repeats every peer runs once per
     # round, so the peers of a round share the machine's state, and each keeps its fastest run.
@@ -222,7 +224,9 @@ def run_minilm(mode: Mode, minilm_dir: Path, emit: Callable[[str], None]) -> lis
     """The MiniLM encoder rows alone: poolserve's engine against sentence-transformers and HF."""
     with tempfile.TemporaryDirectory() as tmp_name:
         texts = build_texts(minilm_dir, mode.num_minilm_prompts, 2, 512)
-        emit(f"MiniLM texts: {_describe(texts)}; fastest of {mode.repeats} interleaved runs\n")
+        warm = ", after one untimed pass each" if mode.warm_passes else ""
+        emit(f"MiniLM texts: {_describe(texts)}; fastest of {mode.repeats} interleaved runs"
+             f"{warm}\n")
         rows = run_model("all-MiniLM-L6-v2", minilm_dir, texts, mode, None, Path(tmp_name), 512,
                          [])
     emit(table(rows, None) + "\n")
@@ -247,10 +251,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="only the MiniLM encoder rows (no decoder, no plot)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs per peer, interleaved; each row keeps the fastest")
+    parser.add_argument("--warm-pass", action="store_true",
+                        help="every peer runs one untimed pass over all texts before the timed "
+                        "one (steady state, as a running server)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     mode = MODES["smoke" if args.smoke else "quick" if args.quick else "full"]
-    mode = dataclasses.replace(mode, repeats=max(1, args.repeats))
+    mode = dataclasses.replace(mode, repeats=max(1, args.repeats), warm_passes=int(args.warm_pass))
     logger.info("mode %s, torch threads %d", mode, torch.get_num_threads())
     run(mode, print, Path(args.plot) if args.plot and not args.minilm_only else None,
         args.minilm_only)

@@ -45,6 +45,10 @@ class PeerJob:
     device: str = "cpu"
     dtype: str = "float32"
     async_scheduling: bool = True
+    # Untimed passes over every text before the timed one: steady state, as a running server is
+    # (first-touch costs of each batch shape and allocation size land in these passes, not in
+    # the timed one). 0: warm up on WARMUP_TEXTS texts only.
+    warm_passes: int = 0
 
 
 @dataclass(frozen=True)
@@ -160,11 +164,13 @@ PEERS: dict[str, Callable[[PeerJob], Runner]] = {
 
 
 def run_job(job: PeerJob) -> PeerResult:
-    """Load, warm up on a few texts, then time every text once."""
+    """Load, warm up (a few texts, or warm_passes whole passes), then time every text once."""
     texts: list[str] = json.loads(Path(job.texts_file).read_text())
     device = torch.device(job.device)
     run = PEERS[job.peer](job)
     run(texts[:WARMUP_TEXTS])
+    for _ in range(job.warm_passes):
+        run(texts)
     _sync(device)
     load_rss = _rss_mib("VmRSS")
     start = time.perf_counter()
