@@ -182,11 +182,12 @@ async def pooling(body: PoolingRequestBody, request: Request) -> Response:
         returned_token_ids=body.returned_token_ids,
     )
     run = await submit(request, body, task, params)
+    response_id = _response_id("pool", request, body)  # also sets x-request-id for a stream
     if body.stream:
         return NDJSONResponse(_stream(request, body, run))
     outputs = await gather(request, run)
     fields: dict[str, object] = {
-        "id": _response_id("pool", request, body),
+        "id": response_id,
         "object": "list",
         "created": int(time.time()),
         "model": run.model.served_name,

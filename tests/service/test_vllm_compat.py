@@ -165,6 +165,12 @@ def test_unknown_fields_are_accepted_with_a_warning(
     assert_close(got, _vec(client, input=TEXT))
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("not_a_field" in m and "another" in m for m in warned), warned
+    tokens = _post(client, "/tokenize", prompt=TEXT, not_a_field=1).json()["tokens"]
+    assert tokens == _post(client, "/tokenize", prompt=TEXT).json()["tokens"]
+    streamed = client.post(
+        "/v1/pooling", json={"input": TEXT, "stream": True, "request_id": "s-1", "x": 1}
+    )
+    assert streamed.status_code == 200 and streamed.headers["x-request-id"] == "s-1"
 
 
 def test_ignored_vllm_fields_are_logged_and_change_nothing(
