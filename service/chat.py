@@ -33,7 +33,7 @@ class ChatRender:
     """Everything apply_chat_template gets for one conversation."""
 
     messages: tuple[Mapping[str, Any], ...]
-    template: str
+    template: str | None  # None: the tokenizer's own (transformers picks among named ones)
     add_generation_prompt: bool
     continue_final_message: bool
     template_kwargs: Mapping[str, Any]
@@ -70,8 +70,7 @@ def prepare(body: InputBody, model: ModelHandle, trusted: bool) -> ChatRender:
         )
     if given is not None and not isinstance(given, str):
         raise InvalidRequestError("chat_template must be a string", "chat_template_kwargs")
-    template = given or model.tokenizer.chat_template
-    if not template:
+    if given is None and not model.tokenizer.chat_template:
         raise InvalidRequestError(
             "this model has no chat template, so messages cannot be rendered; send input instead",
             "messages",
@@ -92,7 +91,7 @@ def prepare(body: InputBody, model: ModelHandle, trusted: bool) -> ChatRender:
         )
     return ChatRender(
         messages=messages,
-        template=template,
+        template=given,
         add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message,
         template_kwargs={k: v for k, v in kwargs.items() if k not in RESERVED_KWARGS},
