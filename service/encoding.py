@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import base64
 import json
+import sys
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import orjson
@@ -20,12 +21,53 @@ OPTIONS = orjson.OPT_SERIALIZE_NUMPY
 ROWS_PER_PIECE = 256  # rows of a token-level output encoded at once when streaming
 
 
-def to_dtype_bytes(data: np.ndarray, embed_dtype: str) -> bytes:
-    """Little-endian bytes of data in the requested dtype."""
-    if embed_dtype == "bfloat16":
-        as_bf16 = torch.from_numpy(np.ascontiguousarray(data)).to(torch.bfloat16)
-        return as_bf16.view(torch.int16).numpy().astype("<i2").tobytes()
-    return np.ascontiguousarray(data, dtype=np.dtype(embed_dtype).newbyteorder("<")).tobytes()
+# embed_dtype -> (torch dtype, integer view numpy can reorder); numpy has no bfloat16 or fp8
+TORCH_DTYPES: dict[str, tuple[torch.dtype, torch.dtype]] = {
+    "bfloat16": (torch.bfloat16, torch.int16),
+    "fp8_e4m3": (torch.float8_e4m3fn, torch.uint8),
+    "fp8_e5m2": (torch.float8_e5m2, torch.uint8),
+}
+# endianness -> numpy byte order; native is this host's, as vLLM's
+BYTE_ORDERS: dict[str, Literal["<", ">"]] = {
+    "little": "<",
+    "big": ">",
+    "native": "<" if sys.byteorder == "little" else ">",
+}
+
+
+def to_dtype_bytes(data: np.ndarray, embed_dtype: str, endianness: str = "little") -> bytes:
+    """Bytes of data in the requested dtype and byte order (one-byte dtypes have none)."""
+    order = BYTE_ORDERS[endianness]
+    if embed_dtype in TORCH_DTYPES:
+        dtype, view = TORCH_DTYPES[embed_dtype]
+        as_dtype = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).to(dtype)
+        raw = as_dtype.view(view).numpy()
+        return raw.astype(raw.dtype.newbyteorder(order)).tobytes()
+    return np.ascontiguousarray(data, dtype=np.dtype(embed_dtype).newbyteorder(order)).tobytes()
+
+
+def binary_parts(
+    outputs: Iterable[np.ndarray], embed_dtype: str, endianness: str
+) -> tuple[list[bytes], list[dict[str, object]]]:
+    """vLLM's `bytes` format: each output's raw bytes and its metadata item (offsets, shape)."""
+    parts: list[bytes] = []
+    items: list[dict[str, object]] = []
+    offset = 0
+    for index, data in enumerate(outputs):
+        raw = to_dtype_bytes(data, embed_dtype, endianness)
+        items.append(
+            {
+                "index": index,
+                "embed_dtype": embed_dtype,
+                "endianness": endianness,
+                "start": offset,
+                "end": offset + len(raw),
+                "shape": list(data.shape),
+            }
+        )
+        parts.append(raw)
+        offset += len(raw)
+    return parts, items
 
 
 def dumps(document: object) -> bytes:
@@ -49,6 +91,7 @@ def encode_item(
     data: np.ndarray,
     encoding_format: str,
     embed_dtype: str = "float32",
+    endianness: str = "little",
 ) -> bytes:
     """One output object: its fields plus `key` holding the nested floats or the base64 text.
 
@@ -56,7 +99,7 @@ def encode_item(
     round trip and no second pass over a payload that can be tens of megabytes.
     """
     if encoding_format == "base64":
-        raw = base64.b64encode(to_dtype_bytes(data, embed_dtype))
+        raw = base64.b64encode(to_dtype_bytes(data, embed_dtype, endianness))
         return b"".join((_open(fields), _key(key), b'"', raw, b'"}'))  # one copy of the payload
     floats = dumps(np.ascontiguousarray(data, dtype=np.float32))
     return b"".join((_open(fields), _key(key), floats, b"}"))

@@ -14,6 +14,7 @@ from service.windows import Window, content_windows
 
 T = TypeVar("T")
 
+NO_SPECIALS = SpecialTokens((), ())
 # Encodability is checked in slices so a huge text never needs a second full-size copy.
 ENCODE_CHECK_CHARS = 1 << 20
 
@@ -82,10 +83,17 @@ def truncation_for(
     return Truncation(keep, side or model.truncation_side)
 
 
-def text_cost(texts: Sequence[str], model: ModelHandle, truncation: Truncation) -> int:
+def specials_for(model: ModelHandle, add_special_tokens: bool) -> SpecialTokens:
+    """The special tokens put around every text: the tokenizer's, or none when not wanted."""
+    return model.specials if add_special_tokens else NO_SPECIALS
+
+
+def text_cost(
+    texts: Sequence[str], model: ModelHandle, truncation: Truncation, specials: SpecialTokens
+) -> int:
     """Characters the texts may have tokenized; 400 or 413 before any tokenizer runs."""
     limits = model.limits
-    num_specials = len(model.specials)
+    num_specials = len(specials)
     if truncation.keep is not None and truncation.keep <= num_specials:
         raise InvalidRequestError(
             f"truncate_prompt_tokens must be more than the {num_specials} special tokens the "
@@ -116,13 +124,17 @@ async def tokenize(
     model: ModelHandle,
     truncation: Truncation,
     on_reject: Callable[[str], None],
+    add_special_tokens: bool = True,
 ) -> list[list[int]]:
     """Token ids of every input; texts within the character bounds, in a worker thread."""
-    if inputs.token_ids is not None:
+    if inputs.token_ids is not None:  # token ids are taken as sent: no special tokens added
         return [cut_ids(list(ids), truncation) for ids in inputs.token_ids]
     texts = inputs.texts or ()
-    num_chars = text_cost(texts, model, truncation)
-    return await run_budgeted(model, num_chars, on_reject, encode_texts, model, texts, truncation)
+    specials = specials_for(model, add_special_tokens)
+    num_chars = text_cost(texts, model, truncation, specials)
+    return await run_budgeted(
+        model, num_chars, on_reject, encode_texts, model, texts, truncation, specials
+    )
 
 
 async def tokenize_prompt(
@@ -187,11 +199,14 @@ def check_encodable(texts: Sequence[str], param: str) -> None:
 
 
 def encode_texts(
-    model: ModelHandle, texts: Sequence[str], truncation: Truncation
+    model: ModelHandle,
+    texts: Sequence[str],
+    truncation: Truncation,
+    specials: SpecialTokens | None = None,
 ) -> list[list[int]]:
     """Token ids of every text as the tokenizer would give them, tokenizing bounded windows."""
     check_encodable(texts, "input")
-    specials = model.specials
+    specials = model.specials if specials is None else specials
     if truncation.keep is not None:
         want = truncation.keep - len(specials)  # text_cost made sure it is positive
         windows = content_windows(

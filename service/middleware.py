@@ -127,7 +127,12 @@ class EdgeMiddleware:
         assert task is not None
         exchange = Exchange(task)
         headers, repeated = _first_values(scope["headers"])
-        send_edge = self._sender(exchange, send, _request_id(headers.get("x-request-id")))
+        given = headers.get("x-request-id")
+        # kept in the request's state, so a route may adopt a body's request_id (vLLM's field)
+        state = scope.setdefault("state", {})
+        state["request_id"] = _request_id(given)
+        state["request_id_given"] = state["request_id"] == given
+        send_edge = self._sender(exchange, send, state)
         counted = scope["path"] not in OPEN_PATHS
         self.state.active_requests += counted
         self.inflight.exchanges.add(exchange)
@@ -225,13 +230,13 @@ class EdgeMiddleware:
 
         return receive_edge
 
-    def _sender(self, exchange: Exchange, send: Send, request_id: str) -> Send:
+    def _sender(self, exchange: Exchange, send: Send, state: dict[str, Any]) -> Send:
         """Add the edge's headers and keep track of what has been sent."""
 
         async def send_edge(message: Message) -> None:
             if message["type"] == "http.response.start":
                 headers = [*message.get("headers", []), *SECURITY_HEADERS]
-                headers.append((b"x-request-id", request_id.encode()))
+                headers.append((b"x-request-id", str(state["request_id"]).encode()))
                 closes = any(k == b"connection" for k, _ in headers)
                 if self.state.draining and not closes:  # keep-alive clients go elsewhere
                     headers.append((b"connection", b"close"))

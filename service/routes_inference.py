@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import aclosing
 from typing import Any
 
@@ -18,6 +18,7 @@ from pooling.params import PoolingParams, PoolingTask
 from scheduler.request import PoolingOutput
 from service.encoding import (
     StrictJSONRoute,
+    binary_parts,
     document,
     dumps,
     encode_item,
@@ -27,7 +28,7 @@ from service.encoding import (
 from service.errors import InvalidRequestError, error_line
 from service.pooler_config import PoolerDefaults
 from service.runs import Submitted, as_completed, gather, service_state, submit, timing_headers
-from service.schemas import ClassifyRequest, EmbeddingRequest, PoolingRequestBody
+from service.schemas import ClassifyRequest, EmbeddingRequest, InputBody, PoolingRequestBody
 
 router = APIRouter(route_class=StrictJSONRoute)
 # /v1/pooling answers NDJSON when asked to stream
@@ -61,6 +62,33 @@ def _params(task: PoolingTask, defaults: PoolerDefaults, **given: object) -> Poo
     return PoolingParams(task=task, **merged)  # type: ignore[arg-type]
 
 
+# Tasks whose head's activation is L2 normalisation: vLLM's use_activation means normalize there.
+NORMALIZING_TASKS = frozenset({PoolingTask.EMBED, PoolingTask.TOKEN_EMBED})
+BINARY_FORMATS = frozenset({"bytes", "bytes_only"})
+
+
+def _normalize(
+    task: PoolingTask, normalize: bool | None, use_activation: bool | None
+) -> bool | None:
+    """An embedding's normalize under either name (vLLM calls it use_activation)."""
+    if task not in NORMALIZING_TASKS or use_activation is None:
+        return normalize
+    if normalize is not None and normalize != use_activation:
+        raise InvalidRequestError(
+            "normalize and use_activation mean the same for embeddings and must agree",
+            "use_activation",
+        )
+    return use_activation
+
+
+def _response_id(prefix: str, request: Request, body: InputBody) -> str:
+    """vLLM's response id: prefix-, then the x-request-id header, else the body's request_id."""
+    state = request.state
+    if body.request_id is not None and not getattr(state, "request_id_given", False):
+        state.request_id = body.request_id  # the edge echoes it in x-request-id
+    return f"{prefix}-{getattr(state, 'request_id', None) or uuid.uuid4().hex}"
+
+
 def _usage(run: Submitted) -> dict[str, int]:
     return {"prompt_tokens": run.num_prompt_tokens, "total_tokens": run.num_prompt_tokens}
 
@@ -71,27 +99,65 @@ async def _respond(request: Request, body: bytes, outputs: list[PoolingOutput]) 
     return Response(body, media_type="application/json", headers=timing_headers(outputs))
 
 
+def _binary(
+    fields: dict[str, object],
+    outputs: list[PoolingOutput],
+    body: EmbeddingRequest | PoolingRequestBody,
+) -> Response:
+    """vLLM's bytes formats: the raw outputs back to back; `bytes` adds a metadata header."""
+    parts, items = binary_parts((o.data for o in outputs), body.embed_dtype, body.endianness)
+    headers = timing_headers(outputs)
+    if body.encoding_format == "bytes":
+        headers["metadata"] = dumps({**fields, "data": items}).decode()
+    return Response(b"".join(parts), media_type="application/octet-stream", headers=headers)
+
+
+async def _answer(
+    request: Request,
+    fields: dict[str, object],
+    outputs: list[PoolingOutput],
+    body: EmbeddingRequest | PoolingRequestBody,
+    encode: Callable[[], bytes],
+) -> Response:
+    """The JSON document, or the binary body vLLM's bytes formats ask for."""
+    if body.encoding_format in BINARY_FORMATS:
+        response = await asyncio.to_thread(_binary, fields, outputs, body)
+        service_state(request).metrics.output_bytes.inc(len(response.body))
+        return response
+    return await _respond(request, await asyncio.to_thread(encode), outputs)
+
+
 @router.post("/v1/embeddings")
 async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
-    """OpenAI embeddings."""
-    defaults = _defaults(request)
-    params = _params(
-        PoolingTask.EMBED, defaults, dimensions=body.dimensions, normalize=body.normalize
-    )
-    run = await submit(request, body, PoolingTask.EMBED, params)
+    """OpenAI embeddings, with vLLM's fields (messages, request_id, embed_dtype, ...)."""
+    task = PoolingTask.EMBED
+    normalize = _normalize(task, body.normalize, body.use_activation)
+    params = _params(task, _defaults(request), dimensions=body.dimensions, normalize=normalize)
+    run = await submit(request, body, task, params)
     outputs = await gather(request, run)
-    fields = {"object": "list", "model": run.model.served_name, "usage": _usage(run)}
+    fields: dict[str, object] = {
+        "id": _response_id("embd", request, body),
+        "object": "list",
+        "created": int(time.time()),
+        "model": run.model.served_name,
+        "usage": _usage(run),
+    }
 
     def encode() -> bytes:
         items = (
             encode_item(
-                {"object": "embedding", "index": i}, "embedding", o.data, body.encoding_format
+                {"object": "embedding", "index": i},
+                "embedding",
+                o.data,
+                body.encoding_format,
+                body.embed_dtype,
+                body.endianness,
             )
             for i, o in enumerate(outputs)
         )
         return document(fields, "data", items)
 
-    return await _respond(request, await asyncio.to_thread(encode), outputs)
+    return await _answer(request, fields, outputs, body, encode)
 
 
 @router.post("/v1/pooling", responses=STREAMED)
@@ -100,24 +166,28 @@ async def pooling(body: PoolingRequestBody, request: Request) -> Response:
     """vLLM-compatible pooling for every task, optionally streamed as NDJSON."""
     state = service_state(request)
     task = body.task or state.default_task
-    if task is PoolingTask.EMBED_SPARSE and body.encoding_format == "base64":
-        message = "encoding_format base64 does not apply to task 'embed_sparse'"
+    if task is PoolingTask.EMBED_SPARSE and body.encoding_format != "float":
+        message = f"encoding_format {body.encoding_format} does not apply to task 'embed_sparse'"
+        raise InvalidRequestError(message, "encoding_format")
+    if body.stream and body.encoding_format in BINARY_FORMATS:
+        message = f"encoding_format {body.encoding_format} cannot be streamed"
         raise InvalidRequestError(message, "encoding_format")
     params = _params(
         task,
         _defaults(request),
         dimensions=body.dimensions,
-        normalize=body.normalize,
-        use_activation=body.use_activation,
+        normalize=_normalize(task, body.normalize, body.use_activation),
+        use_activation=None if task in NORMALIZING_TASKS else body.use_activation,
         step_tag_id=body.step_tag_id,
         returned_token_ids=body.returned_token_ids,
     )
     run = await submit(request, body, task, params)
+    response_id = _response_id("pool", request, body)  # also sets x-request-id for a stream
     if body.stream:
         return NDJSONResponse(_stream(request, body, run))
     outputs = await gather(request, run)
-    fields = {
-        "id": f"pool-{uuid.uuid4().hex}",
+    fields: dict[str, object] = {
+        "id": response_id,
         "object": "list",
         "created": int(time.time()),
         "model": run.model.served_name,
@@ -129,7 +199,7 @@ async def pooling(body: PoolingRequestBody, request: Request) -> Response:
             fields, "data", (_pooling_item(i, o.data, body) for i, o in enumerate(outputs))
         )
 
-    return await _respond(request, await asyncio.to_thread(encode), outputs)
+    return await _answer(request, fields, outputs, body, encode)
 
 
 def _pooling_item(index: int, data: np.ndarray, body: PoolingRequestBody) -> bytes:
@@ -139,7 +209,9 @@ def _pooling_item(index: int, data: np.ndarray, body: PoolingRequestBody) -> byt
         return dumps({**fields, "data": {"indices": ids, "values": weights}})
     if body.encoding_format == "base64":
         fields["shape"] = list(data.shape)
-    return encode_item(fields, "data", data, body.encoding_format, body.embed_dtype)
+    return encode_item(
+        fields, "data", data, body.encoding_format, body.embed_dtype, body.endianness
+    )
 
 
 async def _stream(
@@ -174,7 +246,10 @@ async def _stream(
 @router.post("/classify")
 async def classify(body: ClassifyRequest, request: Request) -> Response:
     """Sequence classification with labels."""
-    params = _params(PoolingTask.CLASSIFY, _defaults(request), use_activation=body.use_activation)
+    use_activation = next(
+        (v for v in (body.use_activation, body.softmax, body.activation) if v is not None), None
+    )
+    params = _params(PoolingTask.CLASSIFY, _defaults(request), use_activation=use_activation)
     run = await submit(request, body, PoolingTask.CLASSIFY, params)
     outputs = await gather(request, run)
     labels = run.model.loaded.spec.labels
@@ -186,7 +261,7 @@ async def classify(body: ClassifyRequest, request: Request) -> Response:
             {"index": i, "label": label, "probs": o.data, "num_classes": int(o.data.shape[-1])}
         )
     answer = {
-        "id": f"classify-{uuid.uuid4().hex}",
+        "id": _response_id("classify", request, body),
         "object": "list",
         "created": int(time.time()),
         "model": run.model.served_name,

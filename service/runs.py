@@ -13,13 +13,14 @@ from pooling.params import PoolingParams, PoolingTask
 from scheduler.engine import Engine
 from scheduler.errors import DrainingError
 from scheduler.request import PoolingOutput
+from service.chat import render_messages
 from service.errors import (
     ClientDisconnectedError,
     ModelNotFoundError,
     NotReadyError,
     ShutdownError,
 )
-from service.inputs import split_input, tokenize, truncation_for
+from service.inputs import RawInputs, split_input, tokenize, truncation_for
 from service.schemas import InputBody
 from service.state import ModelHandle, ServiceState
 
@@ -63,12 +64,21 @@ async def submit(
     state = service_state(request)
     request.state.task = task.value
     engine, model = check_serving(state, body.model)
-    raw = split_input(body.input, state.settings.max_client_batch_size)
+    chat = body.messages is not None
+    raw = None if chat else split_input(body.input, state.settings.max_client_batch_size)
     engine.check_params(params)
-    engine.precheck(len(raw))  # 429 before any tokenization work
+    engine.precheck(1 if raw is None else len(raw))  # 429 before any tokenization work
     truncation = truncation_for(body.truncate_prompt_tokens, body.truncation_side, model)
     started = time.perf_counter()
-    prompts = await tokenize(raw, model, truncation, state.metrics.on_reject)
+    if raw is None:  # vLLM's chat form: one conversation, its template adds the specials
+        trusted = state.settings.trust_request_chat_template
+        text = await render_messages(body, model, trusted, state.metrics.on_reject)
+        raw = RawInputs((text,), None)
+    # vLLM's defaults: special tokens added to input, not on top of a chat template's
+    add_special_tokens = (
+        body.add_special_tokens if body.add_special_tokens is not None else not chat
+    )
+    prompts = await tokenize(raw, model, truncation, state.metrics.on_reject, add_special_tokens)
     state.metrics.tokenization.observe(time.perf_counter() - started)
     futures = engine.submit_many(prompts, params, body.priority)
     num_tokens = sum(len(p) for p in prompts)

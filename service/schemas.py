@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import logging
+from typing import Annotated, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 
 from pooling.params import PoolingTask
+from service.errors import clip
+
+logger = logging.getLogger(__name__)
 
 # No vocabulary has more ids than int32 holds; bounding here keeps huge ids out of int64 arrays.
 MAX_TOKEN_ID = 2**31 - 1
@@ -16,16 +20,78 @@ TokenIds = list[TokenId]
 Input = StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
 
 
-class _Body(BaseModel):
-    """Unknown fields are refused, so a typo is a 400 rather than a silent default."""
+# Unknown fields named in one warning line at most; a body may carry thousands.
+MAX_LOGGED_FIELDS = 8
+# Fields vLLM's pooling requests define that have no meaning here: accepted, logged, not used.
+IGNORED_FIELDS: dict[str, str] = {
+    "padding": "prompts are packed without padding; no model here was trained on fixed lengths",
+    "cache_salt": "the prefix cache serves last-token pooling only and is not salted per tenant",
+    "mm_processor_kwargs": "no multimodal processor: text and token ids only",
+    "media_io_kwargs": "no multimodal inputs",
+}
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+
+class _Body(BaseModel):
+    """Fields nobody defines are accepted and named in a warning, as vLLM does."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    @model_validator(mode="after")
+    def _log_unused(self) -> Self:
+        """One warning naming unknown fields; one info line naming vLLM's ignored ones."""
+        extra = self.model_extra or {}
+        if extra:
+            names = ", ".join(clip(name, 64) for name in list(extra)[:MAX_LOGGED_FIELDS])
+            more = len(extra) - MAX_LOGGED_FIELDS
+            logger.warning(
+                "%s: ignored unknown fields %s%s",
+                type(self).__name__,
+                names,
+                f" (and {more} more)" if more > 0 else "",
+            )
+        ignored = [n for n in IGNORED_FIELDS if getattr(self, n, None) is not None]
+        if ignored:
+            logger.info(
+                "%s: accepted and ignored %s",
+                type(self).__name__,
+                "; ".join(f"{n} ({IGNORED_FIELDS[n]})" for n in ignored),
+            )
+        return self
+
+
+# vLLM's wire vocabulary for binary outputs (its serial_utils)
+EncodingFormat = Literal["float", "base64", "bytes", "bytes_only"]
+EmbedDType = Literal["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"]
+Endianness = Literal["native", "big", "little"]
+# What the x-request-id header may carry; a body's request_id is held to the same rule.
+REQUEST_ID_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"
+
+
+class TextPart(BaseModel):
+    """One text part of a chat message's content (OpenAI's content-part list)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    """One chat message; other keys (name, ...) are handed to the chat template as sent."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    role: StrictStr
+    content: StrictStr | list[TextPart] | None = None
 
 
 class InputBody(_Body):
-    """Fields shared by every route that takes `input`."""
+    """Fields shared by every route that takes `input` (or, vLLM's chat form, `messages`)."""
 
-    input: Input
+    input: Input | None = None
+    messages: list[ChatMessage] | None = Field(
+        default=None, description="A chat conversation rendered with the model's chat template."
+    )
     model: str | None = None
     user: str | None = None
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = Field(
@@ -37,22 +103,53 @@ class InputBody(_Body):
         "tokenizer's own side, right for nearly every model).",
     )
     priority: StrictInt = 0
+    add_special_tokens: bool | None = Field(
+        default=None,
+        description="Add the tokenizer's special tokens (default: true for input, false for "
+        "messages, whose chat template adds its own).",
+    )
+    request_id: Annotated[str, Field(pattern=REQUEST_ID_PATTERN)] | None = Field(
+        default=None, description="Echoed in the response id and x-request-id (header's wins)."
+    )
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template: StrictStr | None = Field(
+        default=None, description="A Jinja chat template (needs --trust-request-chat-template)."
+    )
+    chat_template_kwargs: dict[str, object] | None = None
+    padding: Literal["max_length", "do_not_pad"] | None = None
+    cache_salt: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
+    mm_processor_kwargs: dict[str, object] | None = None
+    media_io_kwargs: dict[str, object] | None = None
+
+    @model_validator(mode="after")
+    def _one_prompt_form(self) -> Self:
+        """Exactly one of input and messages; vLLM's chat-option conflict refused."""
+        if (self.input is None) == (self.messages is None):
+            raise ValueError("send exactly one of input and messages")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
+        return self
 
 
 class EmbeddingRequest(InputBody):
-    """OpenAI `POST /v1/embeddings`."""
+    """OpenAI `POST /v1/embeddings` with vLLM's extra fields."""
 
-    encoding_format: Literal["float", "base64"] = "float"
+    encoding_format: EncodingFormat = "float"
+    embed_dtype: EmbedDType = "float32"
+    endianness: Endianness = "native"
     dimensions: StrictInt | None = None
     normalize: bool | None = None
+    use_activation: bool | None = Field(None, description="For embed: normalize (vLLM).")
 
 
 class PoolingRequestBody(InputBody):
     """vLLM-compatible `POST /v1/pooling`."""
 
     task: PoolingTask | None = None
-    encoding_format: Literal["float", "base64"] = "float"
-    embed_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    encoding_format: EncodingFormat = "float"
+    embed_dtype: EmbedDType = "float32"
+    endianness: Endianness = "native"
     dimensions: StrictInt | None = None
     normalize: bool | None = None
     use_activation: bool | None = None
@@ -65,6 +162,9 @@ class ClassifyRequest(InputBody):
     """`POST /v1/classify`."""
 
     use_activation: bool | None = None
+    # vLLM's older names for use_activation, still sent by its clients
+    softmax: bool | None = None
+    activation: bool | None = None
 
 
 class TokenizeRequest(_Body):

@@ -76,6 +76,11 @@ class ServerSettings(BaseSettings):
         description="Admission bound on characters being tokenized at once, 429 above "
         "(default: twice --max-request-chars).",
     )
+    trust_request_chat_template: bool = Field(
+        False,
+        description="Render `messages` with a client's own `chat_template` (vLLM's flag); off, "
+        "such requests get 400, since a template is a program run on the server.",
+    )
     payload_limit: int = Field(
         16 * 1024 * 1024, gt=0, description="Largest request body in bytes (413 above)."
     )

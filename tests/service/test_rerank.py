@@ -163,7 +163,6 @@ def test_max_tokens_per_doc_cuts_each_document(directory: Path, client: TestClie
             {"query": QUERY, "documents": ["a"], "max_tokens_per_doc": 0},
             "max_tokens_per_doc",
         ),
-        ("/rerank", {"query": QUERY, "documents": ["a"], "texts": ["a"]}, "texts"),
         (
             "/rerank",
             {"query": QUERY, "texts": ["a"], "truncation_direction": "up"},

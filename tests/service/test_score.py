@@ -321,7 +321,6 @@ def test_truncation_cuts_the_document_first(cross_encoders: Callable[[str], Path
         ({"text_1": [], "text_2": "b"}, "text_1"),
         ({"text_1": "a", "text_2": ["b", ""]}, "text_2"),
         ({"text_1": "a", "text_2": "b", "truncate_prompt_tokens": 3}, "truncate_prompt_tokens"),
-        ({"text_1": "a", "text_2": "b", "normalize": True}, "normalize"),
         ({"text_1": "a", "text_2": ["b"] * 9}, "text_2"),
     ],
 )
