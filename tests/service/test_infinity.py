@@ -8,8 +8,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
+from sentence_transformers import CrossEncoder
+from starlette.testclient import TestClient
 
+from service.app import create_app
 from service.compat.infinity import UNNAMED_MODEL
+from service.settings import ServerSettings
+from tests.tiny_rerankers import save_cross_encoder
 
 TEXTS = ["hello world", "the cat sat on the mat", "poolserve serves pooled outputs"]
 QUERY = "where does the cat sit"
@@ -115,3 +121,22 @@ def test_rerank_refuses_a_bad_infinity_body(client: Any) -> None:
     response = client.post("/rerank", json=body)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "top_n"
+
+
+def test_rerank_raw_scores_on_a_cross_encoder(tmp_path_factory: pytest.TempPathFactory) -> None:
+    directory = save_cross_encoder("bert_cls", tmp_path_factory.mktemp("bert_ce"))
+    logits = CrossEncoder(str(directory), device="cpu").predict(
+        [(QUERY, d) for d in TEXTS], activation_fn=torch.nn.Identity()
+    )
+    settings = ServerSettings(model=str(directory), served_model_name="ce")
+    body = {"query": QUERY, "documents": TEXTS, "model": "ce"}
+    with TestClient(create_app(settings)) as ce:
+        raw = _post(ce, "/rerank", {**body, "raw_scores": True})["results"]
+        scored = _post(ce, "/rerank", {**body, "raw_scores": False})["results"]
+    by_index = {r["index"]: r["relevance_score"] for r in raw}
+    assert np.allclose([by_index[i] for i in range(len(TEXTS))], logits, atol=1e-4)
+    assert [r["index"] for r in raw] == list(np.argsort(-logits, kind="stable"))
+    sigmoid = {r["index"]: r["relevance_score"] for r in scored}
+    assert np.allclose(
+        [sigmoid[i] for i in range(len(TEXTS))], 1 / (1 + np.exp(-logits)), atol=1e-5
+    )
