@@ -137,3 +137,13 @@ def _bits(packed: np.ndarray, kind: str, dim: int) -> np.ndarray:
     """The unpacked bits of a binary (offset by -128) or ubinary embedding."""
     unsigned = packed.astype(np.int16) + (128 if kind == "binary" else 0)
     return np.unpackbits(unsigned.astype(np.uint8), axis=1)[:, :dim]
+
+
+def test_cohere_refusals_raise_the_sdks_errors(server: LiveProcess) -> None:
+    client = cohere.ClientV2(base_url=server.base_url, api_key="unused")
+    with pytest.raises(cohere.errors.BadRequestError):
+        client.embed(
+            model=DEFAULT_MODEL_ID, input_type="image", images=["data:image/png;base64,AAAA"]
+        )
+    with pytest.raises(cohere.errors.NotFoundError):
+        client.embed(model="embed-v4.0", texts=TEXTS, input_type="search_query")
