@@ -17,7 +17,7 @@ from starlette.responses import Response
 from pooling.params import PoolingParams, PoolingTask
 from pooling.scorers import PairMode, ScorerPlan, scorer_plan
 from scheduler.request import PoolingOutput
-from service.compat import tei
+from service.compat import infinity, tei
 from service.encoding import StrictJSONRoute, dumps
 from service.errors import InvalidRequestError
 from service.inputs import truncation_for
@@ -164,13 +164,23 @@ def _options(body: ScoreRequestBody | RerankRequestBody) -> dict[str, Any]:
     }
 
 
-@router.post("/rerank", openapi_extra=_body_schema(RerankRequestBody, TEIRerankRequest))
+RERANK_BODIES = (RerankRequestBody, TEIRerankRequest, infinity.InfinityRerankRequest)
+
+
+@router.post("/rerank", openapi_extra=_body_schema(*RERANK_BODIES))
 async def rerank_any(payload: Annotated[dict[str, Any], Body()], request: Request) -> Response:
-    """vLLM/Jina/Cohere rerank, or TEI's when the body has `texts` rather than `documents`."""
+    """vLLM/Jina/Cohere rerank; TEI's when the body has `texts`, Infinity's with `raw_scores`."""
     if "texts" in payload and "documents" not in payload:
         tei_body = _validated(TEIRerankRequest, payload)
         scored = await run_job(request, tei.to_job(tei_body))
         return await _answer(request, tei.ranks(tei_body, scored.scores), scored.outputs)
+    if "raw_scores" in payload:  # Infinity's clients always send it; vLLM's body has no such field
+        ours = _validated(infinity.InfinityRerankRequest, payload)
+        scored = await run_job(request, infinity.to_job(ours))
+        answer = infinity.rerank_answer(
+            ours, scored.scores, scored.model_name, scored.num_prompt_tokens
+        )
+        return await _answer(request, answer, scored.outputs)
     return await rerank(_validated(RerankRequestBody, payload), request)
 
 
