@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -10,6 +11,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DEFAULT_MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"  # what --model none serves
+ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s]+")  # what browsers send in Origin
 
 
 class ServerSettings(BaseSettings):
@@ -168,6 +170,15 @@ class ServerSettings(BaseSettings):
         if not names and info.field_name == "served_model_name":
             raise ValueError("must name at least one model name")
         return names
+
+    @field_validator("allowed_origins")
+    @classmethod
+    def _origins(cls, origins: list[str]) -> list[str]:
+        """'*' or scheme://host[:port]: a browser's Origin header never has a path or a slash."""
+        for origin in origins:
+            if origin != "*" and not ORIGIN.fullmatch(origin):
+                raise ValueError(f"{origin!r} is not an origin like https://app.example:8443")
+        return origins
 
     @field_validator("root_path")
     @classmethod

@@ -20,6 +20,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from models.resolve import resolve_model_path
+from service.inputs import Truncation, truncation_for
 from tests.deploy.live import (
     SERVER_READY_TIMEOUT_S,
     log_tail,
@@ -262,3 +263,8 @@ def test_auto_truncate_cuts_at_the_model_limit(
         # an explicit request setting still wins over the server-wide default
         shorter = client.post("/v1/embeddings", json={"input": text, "truncate_prompt_tokens": 8})
         assert shorter.json()["usage"]["prompt_tokens"] == 8
+        # routes whose clients say truncate or not (TEI's `truncate`) pass it to the same choice
+        model = client.app.state.poolserve.model
+        assert truncation_for(None, None, model).keep == limit
+        assert truncation_for(None, None, model, truncate=False).keep is None
+        assert truncation_for(None, "left", model, truncate=True) == Truncation(limit, "left")
