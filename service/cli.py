@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from typing import get_args, get_origin
 
 from pydantic import ValidationError
@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="poolserve", description="A pooling microservice for language models."
     )
-    parser.add_argument("-v", "--version", action="version", version=version("poolserve"))
+    parser.add_argument("-v", "--version", action="version", version=_version())
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser(
         "serve",
@@ -46,6 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
     for name, field in ServerSettings.model_fields.items():
         _add_flag(serve, name, field)
     return parser
+
+
+def _version() -> str:
+    """The installed package's version (as vLLM prints its own: the number alone)."""
+    try:
+        return version("poolserve")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def _add_flag(serve: argparse.ArgumentParser, name: str, field: FieldInfo) -> None:
