@@ -166,7 +166,7 @@ class ServerSettings(BaseSettings):
         if value is None:
             return None
         items = value if isinstance(value, list | tuple) else [value]
-        names = [name for item in items for name in split_list(item)]
+        names = list(dict.fromkeys(name for item in items for name in split_list(item)))
         if not names and info.field_name == "served_model_name":
             raise ValueError("must name at least one model name")
         return names

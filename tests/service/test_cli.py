@@ -85,6 +85,7 @@ def test_two_different_models_are_refused(capsys: pytest.CaptureFixture[str]) ->
     [
         (["--served-model-name", "a", "b"], None, ["a", "b"]),  # vLLM: several after one flag
         (["--served-model-name", "a"], None, ["a"]),
+        (["--served-model-name", "a", "b", "a"], None, ["a", "b"]),  # listed once each
         (["--served-model-name", '["a", "b"]'], None, ["a", "b"]),
         ([], "a, b", ["a", "b"]),  # the environment: comma-separated ...
         ([], '["a", "b"]', ["a", "b"]),  # ... or a JSON list
