@@ -33,9 +33,11 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
+# exec: the server replaces the recipe's shell, so the SIGTERM make forwards to its child reaches
+# the server itself (without it the server outlives make and keeps the port). SERVE_ARGS: flags.
 serve: install
 	HF_HUB_OFFLINE=1 GLIBC_TUNABLES="$${GLIBC_TUNABLES-$(SERVE_GLIBC_TUNABLES)}" \
-		$(VENV)/bin/poolserve serve
+		exec $(VENV)/bin/poolserve serve $(SERVE_ARGS)
 
 gpu-check:
 	bash scripts/gpu_check.sh

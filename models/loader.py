@@ -57,13 +57,15 @@ def load_model(
     device: torch.device,
     dtype: torch.dtype | None = None,
     hf_overrides: Mapping[str, Any] | None = None,
+    revision: str | None = None,
 ) -> LoadedModel:
     """Loads a checkpoint (local dir, Hub id, or None = all-MiniLM-L6-v2) for packed forwards.
 
-    `hf_overrides` are config.json fields that win over the checkpoint's (vLLM's --hf-overrides).
+    `hf_overrides` are config.json fields that win over the checkpoint's (vLLM's --hf-overrides);
+    `revision` picks the Hub commit, branch or tag of a Hub id.
     """
     dtype = resolve_dtype(dtype, device)  # first: a refused dtype should not wait for a download
-    path = resolve_model_path(model)
+    path = resolve_model_path(model, revision)
     overrides = dict(hf_overrides or {})
     architecture = _check_architecture({**_read_raw_config(path), **overrides})
     entry = ARCHITECTURES[architecture]

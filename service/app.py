@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
 
 from models.errors import UnsupportedDtypeError
 from models.loader import load_model, resolve_dtype
@@ -60,7 +61,13 @@ def create_app(settings: ServerSettings) -> FastAPI:
                 # the HTTP side had the drain; work still queued now has nobody waiting for it
                 await state.engine.drain(0.0)
 
-    app = FastAPI(title="poolserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="poolserve",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        root_path=settings.root_path,  # as vLLM: routes answer with or without the prefix
+    )
     app.state.poolserve = state
     app.state.inflight = inflight
     install_error_handlers(app)
@@ -71,6 +78,15 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app.include_router(cohere.router)
     app.include_router(infinity.router)
     app.add_middleware(EdgeMiddleware, state=state, inflight=inflight)
+    if settings.allowed_origins:
+        # added last, so outermost: preflights are answered before the API key check
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.allowed_origins,
+            allow_methods=settings.allowed_methods,
+            allow_headers=settings.allowed_headers,
+            allow_credentials=settings.allow_credentials,
+        )
     app.openapi = partial(openapi_schema, app, OPEN_PATHS)  # type: ignore[method-assign]
     return app
 
@@ -100,6 +116,7 @@ async def _start(state: ServiceState) -> None:
         device=device,
         dtype=dtype,
         hf_overrides=settings.hf_overrides_dict,
+        revision=settings.revision,
     )
     handle = _model_handle(loaded, settings, defaults)
     config = _scheduler_config(settings, loaded, handle.max_model_len)
@@ -123,7 +140,7 @@ async def _start(state: ServiceState) -> None:
         "max_num_batched_tokens=%d max_num_seqs=%d max_num_queued_tokens=%d num_kv_blocks=%d "
         "async_scheduling=%s prefix_caching=%s",
         loaded.path,
-        handle.served_name,
+        ",".join(handle.served_names),
         ",".join(t.value for t in state.supported_tasks),
         state.device,
         state.dtype,
@@ -150,9 +167,12 @@ def _model_handle(
     st = loaded.sentence_transformers
     st_length = st.max_seq_length if st is not None else None
     limits = TextLimits.derive(settings, max_model_len)
+    names = settings.served_model_names or (_default_name(settings.model),)
     return ModelHandle(
         loaded=loaded,
-        served_name=settings.served_model_name or _default_name(settings.model),
+        served_name=names[0],
+        aliases=names[1:],
+        auto_truncate=settings.auto_truncate,
         max_model_len=max_model_len,
         tokenizer=tokenizer,
         defaults=defaults,

@@ -67,10 +67,21 @@ def split_input(value: object, max_batch: int) -> RawInputs:
 
 
 def truncation_for(
-    requested: int | None, side: TruncationSide | None, model: ModelHandle
+    requested: int | None,
+    side: TruncationSide | None,
+    model: ModelHandle,
+    *,
+    truncate: bool | None = None,
 ) -> Truncation:
-    """The request's truncation (-1: the model's limit) within sentence-transformers' own."""
+    """The request's truncation (-1: the model's limit) within sentence-transformers' own.
+
+    With no `requested` length, `truncate` (None: the server's --auto-truncate) cuts at the
+    model's limit instead of refusing longer inputs.
+    """
     keep = model.st_max_seq_length
+    auto = model.auto_truncate if truncate is None else truncate
+    if requested is None and auto:
+        requested = -1
     if requested is not None:
         if requested == 0 or requested > model.max_model_len:
             raise InvalidRequestError(

@@ -1,4 +1,4 @@
-"""Operational routes: tokenize, detokenize, models, info, health, ready, metrics."""
+"""Operational routes: tokenize, detokenize, models, version, info, health, ready, metrics."""
 
 from __future__ import annotations
 
@@ -57,18 +57,29 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
 
 @router.get("/v1/models")
 async def models(request: Request) -> Response:
-    """The one served model, OpenAI-style."""
+    """The served model, OpenAI-style: one card per --served-model-name, as vLLM lists them."""
     state = service_state(request)
     _, model = check_serving(state, None)
-    card = {
-        "id": model.served_name,
-        "object": "model",
-        "created": int(time.time()),
-        "owned_by": "poolserve",
-        "root": _source(state.settings, model),
-        "max_model_len": model.max_model_len,
-    }
-    return _json({"object": "list", "data": [card]})
+    created = int(time.time())
+    root = _source(state.settings, model)
+    cards = [
+        {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "poolserve",
+            "root": root,
+            "max_model_len": model.max_model_len,
+        }
+        for name in model.served_names
+    ]
+    return _json({"object": "list", "data": cards})
+
+
+@router.get("/version")
+async def server_version() -> Response:
+    """The server's version, in vLLM's shape."""
+    return _json({"version": version("poolserve")})
 
 
 @router.get("/info")

@@ -49,10 +49,10 @@ def check_serving(state: ServiceState, model_name: str | None) -> tuple[Engine, 
     if not state.ready or state.engine is None or state.model is None:
         state.metrics.on_reject("not_ready")
         raise NotReadyError("the server is not ready yet")
-    if model_name is not None and model_name != state.model.served_name:
+    if model_name is not None and model_name not in state.model.served_names:
+        names = " or ".join(repr(name) for name in state.model.served_names)
         raise ModelNotFoundError(
-            f"model {model_name!r} does not exist; this server serves {state.model.served_name!r}",
-            "model",
+            f"model {model_name!r} does not exist; this server serves {names}", "model"
         )
     return state.engine, state.model
 

@@ -214,6 +214,8 @@ def run_server(settings: ServerSettings) -> None:
         h11_max_incomplete_event_size=HEAD_LIMIT_BYTES,
         server_header=False,
         access_log=False,
+        ssl_keyfile=settings.ssl_keyfile,  # both or neither: the settings check the pair
+        ssl_certfile=settings.ssl_certfile,
     )
     server = DrainingServer(config, state, app.state.inflight)
     server.run()  # uvicorn picks uvloop when installed

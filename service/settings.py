@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DEFAULT_MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"  # what --model none serves
+ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s]+")  # what browsers send in Origin
 
 
 class ServerSettings(BaseSettings):
@@ -19,8 +22,44 @@ class ServerSettings(BaseSettings):
     model: str | None = Field(
         None, description="Local directory or Hub id; none = the embedded all-MiniLM-L6-v2."
     )
-    served_model_name: str | None = Field(
-        None, description="Name clients use in `model` (default: derived from --model)."
+    served_model_name: Annotated[list[str] | None, NoDecode] = Field(
+        None,
+        description="Names clients may use in `model`; responses report the first (default: "
+        "derived from --model).",
+    )
+    revision: str | None = Field(
+        None,
+        description="Hub revision (branch, tag or commit) of a Hub model; ignored for a local "
+        "directory.",
+    )
+    auto_truncate: bool = Field(
+        False,
+        description="Truncate inputs longer than the model's limit instead of refusing them "
+        "(400), for requests that do not say how to truncate (TEI's flag).",
+    )
+    allowed_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Origins allowed by CORS ('*' for any); none = CORS headers are never sent.",
+    )
+    allowed_methods: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["*"], description="Methods allowed by CORS."
+    )
+    allowed_headers: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["*"], description="Request headers allowed by CORS."
+    )
+    allow_credentials: bool = Field(
+        False, description="Let CORS requests carry credentials (cookies, Authorization)."
+    )
+    ssl_keyfile: str | None = Field(
+        None, description="TLS private key file (PEM); with --ssl-certfile the server speaks https."
+    )
+    ssl_certfile: str | None = Field(
+        None, description="TLS certificate chain file (PEM); with --ssl-keyfile."
+    )
+    root_path: str = Field(
+        "",
+        description="Path prefix under which a proxy publishes the server (the proxy strips "
+        "it), e.g. /poolserve.",
     )
     host: str = Field("127.0.0.1", description="Address to bind.")
     port: int = Field(8000, ge=0, le=65535, description="Port to bind.")
@@ -123,6 +162,55 @@ class ServerSettings(BaseSettings):
         "info", description="Logging level."
     )
 
+    @field_validator(
+        "served_model_name", "allowed_origins", "allowed_methods", "allowed_headers", mode="before"
+    )
+    @classmethod
+    def _name_list(cls, value: object, info: ValidationInfo) -> object:
+        """A list from a JSON list, a comma-separated string, or a list of either (flags)."""
+        if value is None:
+            return None
+        items = value if isinstance(value, list | tuple) else [value]
+        names = list(dict.fromkeys(name for item in items for name in split_list(item)))
+        if not names and info.field_name == "served_model_name":
+            raise ValueError("must name at least one model name")
+        return names
+
+    @field_validator("allowed_origins")
+    @classmethod
+    def _origins(cls, origins: list[str]) -> list[str]:
+        """'*' or scheme://host[:port]: a browser's Origin header never has a path or a slash."""
+        for origin in origins:
+            if origin != "*" and not ORIGIN.fullmatch(origin):
+                raise ValueError(f"{origin!r} is not an origin like https://app.example:8443")
+        return origins
+
+    @field_validator("root_path")
+    @classmethod
+    def _prefix(cls, value: str) -> str:
+        """Empty, or a path starting with / (a trailing / is dropped)."""
+        if value and not value.startswith("/"):
+            raise ValueError("must start with /")
+        return value.rstrip("/")
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> ServerSettings:
+        """Key and certificate come together, and both files exist."""
+        pair = {"ssl_keyfile": self.ssl_keyfile, "ssl_certfile": self.ssl_certfile}
+        given = {name: path for name, path in pair.items() if path}
+        if len(given) == 1:
+            missing = next(name for name in pair if name not in given)
+            raise ValueError(f"--{missing.replace('_', '-')} is needed too: TLS takes both files")
+        for name, path in given.items():
+            if not Path(path).is_file():
+                raise ValueError(f"--{name.replace('_', '-')}: no file at {path!r}")
+        return self
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """--served-model-name as given (empty: derived from --model)."""
+        return tuple(self.served_model_name or ())
+
     @field_validator("hf_overrides")
     @classmethod
     def _json_object(cls, value: str | None) -> str | None:
@@ -135,3 +223,16 @@ class ServerSettings(BaseSettings):
     def hf_overrides_dict(self) -> dict[str, Any] | None:
         """--hf-overrides parsed (checked to be a JSON object when the settings were made)."""
         return json.loads(self.hf_overrides) if self.hf_overrides else None
+
+
+def split_list(item: object) -> list[str]:
+    """One list-valued setting's text: a JSON list (vLLM's form) or comma-separated values."""
+    if not isinstance(item, str):
+        raise ValueError(f"expected text, got {type(item).__name__}")
+    text = item.strip()
+    if text.startswith("["):
+        parsed = json.loads(text)
+        if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
+            raise ValueError("a JSON value must be a list of strings")
+        return [v.strip() for v in parsed if v.strip()]
+    return [part.strip() for part in text.split(",") if part.strip()]

@@ -89,6 +89,13 @@ class ModelHandle:
     st_max_seq_length: int | None  # sentence-transformers truncates every prompt to this
     limits: TextLimits
     tokenizing: CharBudget  # characters being tokenized now; touched only from the event loop
+    aliases: tuple[str, ...] = ()  # --served-model-name's names after the first
+    auto_truncate: bool = False  # --auto-truncate: cut over-long inputs unless a request says not
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """Every name a request's `model` may use; the first is the one responses report."""
+        return (self.served_name, *self.aliases)
 
 
 @dataclass(eq=False)
