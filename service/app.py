@@ -28,6 +28,7 @@ from service.inputs import encode_texts, truncation_for
 from service.metrics import ServiceMetrics
 from service.middleware import OPEN_PATHS, EdgeMiddleware, InFlight
 from service.pooler_config import PoolerDefaults, parse_pooler_config
+from service.prompts import Prompts
 from service.settings import DEFAULT_MODEL_ID, ServerSettings
 from service.state import ModelHandle, ServiceState, TextLimits, TruncationSide
 from service.windows import special_tokens
@@ -159,6 +160,7 @@ def _model_handle(
         st_max_seq_length=None if st_length is None else min(st_length, max_model_len),
         limits=limits,
         tokenizing=CharBudget(limits.max_tokenizing_chars),
+        prompts=Prompts.of(st, settings.default_prompt_name),
     )
 
 

@@ -19,8 +19,9 @@ from service.errors import (
     NotReadyError,
     ShutdownError,
 )
-from service.inputs import split_input, tokenize, truncation_for
-from service.schemas import InputBody
+from service.inputs import RawInputs, split_input, tokenize, truncation_for
+from service.prompts import prepend
+from service.schemas import InputBody, PromptFields
 from service.state import ModelHandle, ServiceState
 
 
@@ -63,7 +64,7 @@ async def submit(
     state = service_state(request)
     request.state.task = task.value
     engine, model = check_serving(state, body.model)
-    raw = split_input(body.input, state.settings.max_client_batch_size)
+    raw = _prompted(split_input(body.input, state.settings.max_client_batch_size), model, body)
     engine.check_params(params)
     engine.precheck(len(raw))  # 429 before any tokenization work
     truncation = truncation_for(body.truncate_prompt_tokens, body.truncation_side, model)
@@ -74,6 +75,13 @@ async def submit(
     num_tokens = sum(len(p) for p in prompts)
     state.metrics.prompt_tokens.inc(num_tokens)
     return Submitted(engine, model, tuple(futures), num_tokens)
+
+
+def _prompted(raw: RawInputs, model: ModelHandle, body: InputBody) -> RawInputs:
+    """Texts with the request's (or the default) sentence-transformers prompt prepended."""
+    name, text = (body.prompt_name, body.prompt) if isinstance(body, PromptFields) else (None, None)
+    prompt = model.prompts.resolve(name, text, texts=raw.texts is not None)
+    return raw if prompt is None else RawInputs(prepend(prompt, raw.texts or ()), None)
 
 
 async def gather(request: Request, run: Submitted) -> list[PoolingOutput]:

@@ -39,7 +39,17 @@ class InputBody(_Body):
     priority: StrictInt = 0
 
 
-class EmbeddingRequest(InputBody):
+# ---- sentence-transformers prompts: extensions (vLLM defines neither field) -------------------
+class PromptFields(_Body):
+    """`prompt_name` (a key of the model's prompts) or a literal `prompt` to prepend."""
+
+    prompt_name: StrictStr | None = Field(
+        None, description="Prepend this prompt of config_sentence_transformers.json."
+    )
+    prompt: StrictStr | None = Field(None, description="Prepend this text (wins over prompt_name).")
+
+
+class EmbeddingRequest(InputBody, PromptFields):
     """OpenAI `POST /v1/embeddings`."""
 
     encoding_format: Literal["float", "base64"] = "float"
@@ -47,7 +57,7 @@ class EmbeddingRequest(InputBody):
     normalize: bool | None = None
 
 
-class PoolingRequestBody(InputBody):
+class PoolingRequestBody(InputBody, PromptFields):
     """vLLM-compatible `POST /v1/pooling`."""
 
     task: PoolingTask | None = None

@@ -13,6 +13,7 @@ from scheduler.admission import CharBudget
 from scheduler.engine import Engine
 from service.metrics import ServiceMetrics
 from service.pooler_config import PoolerDefaults
+from service.prompts import Prompts
 from service.settings import ServerSettings
 
 TruncationSide = Literal["left", "right"]
@@ -89,6 +90,7 @@ class ModelHandle:
     st_max_seq_length: int | None  # sentence-transformers truncates every prompt to this
     limits: TextLimits
     tokenizing: CharBudget  # characters being tokenized now; touched only from the event loop
+    prompts: Prompts = Prompts()  # sentence-transformers prompts and the default one
 
 
 @dataclass(eq=False)
