@@ -121,7 +121,9 @@ def _model_config(directory: Path) -> dict[str, Any]:
     default = _optional(config, "default_prompt_name", str)
     if default is not None and default not in dict(prompts):
         # sentence-transformers refuses such a model at load as well
-        raise ModelLoadError(f"{MODEL_CONFIG_FILE}: default_prompt_name {default!r} is not a prompt")
+        raise ModelLoadError(
+            f"{MODEL_CONFIG_FILE}: default_prompt_name {default!r} is not a prompt"
+        )
     truncate_dim = _optional(config, "truncate_dim", int)
     if truncate_dim is not None and truncate_dim < 1:
         raise ModelLoadError(f"{MODEL_CONFIG_FILE}: truncate_dim must be positive")

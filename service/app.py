@@ -22,7 +22,7 @@ from scheduler.admission import CharBudget
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
 from service import routes_admin, routes_inference, routes_retrieval
-from service.compat import tei_sparse
+from service.compat import tei_embed, tei_predict, tei_root, tei_sparse, tei_tokens
 from service.errors import install_error_handlers, openapi_schema
 from service.inputs import encode_texts, truncation_for
 from service.metrics import ServiceMetrics
@@ -69,6 +69,10 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app.include_router(routes_admin.router)
     app.include_router(routes_retrieval.router)
     app.include_router(tei_sparse.router)
+    app.include_router(tei_embed.router)
+    app.include_router(tei_predict.router)
+    app.include_router(tei_tokens.router)
+    app.include_router(tei_root.router)
     app.add_middleware(EdgeMiddleware, state=state, inflight=inflight)
     app.openapi = partial(openapi_schema, app, OPEN_PATHS)  # type: ignore[method-assign]
     return app

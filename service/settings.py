@@ -113,7 +113,7 @@ class ServerSettings(BaseSettings):
         None,
         description="Comma-separated output sizes the model was trained for (Matryoshka), so "
         "requests may ask for `dimensions`; the same as --hf-overrides "
-        '\'{"matryoshka_dimensions": [...]}\' (e.g. 1024,512,256,128,64).',
+        "'{\"matryoshka_dimensions\": [...]}' (e.g. 1024,512,256,128,64).",
     )
     shutdown_timeout: float = Field(
         30.0,
@@ -142,7 +142,9 @@ class ServerSettings(BaseSettings):
     @classmethod
     def _dimension_list(cls, value: str | None) -> str | None:
         """Positive integers separated by commas, refused at startup otherwise."""
-        if value is not None and not all(p.strip().isdigit() and int(p) > 0 for p in value.split(",")):
+        if value is not None and not all(
+            p.strip().isdigit() and int(p) > 0 for p in value.split(",")
+        ):
             raise ValueError("must be positive integers separated by commas, e.g. 512,256,128")
         return value
 

@@ -90,7 +90,7 @@ class ModelHandle:
     st_max_seq_length: int | None  # sentence-transformers truncates every prompt to this
     limits: TextLimits
     tokenizing: CharBudget  # characters being tokenized now; touched only from the event loop
-    prompts: Prompts = Prompts()  # sentence-transformers prompts and the default one
+    prompts: Prompts = field(default_factory=Prompts)  # sentence-transformers prompts
 
 
 @dataclass(eq=False)

@@ -89,7 +89,9 @@ def test_default_prompt_and_literal_prompt(client: TestClient, reference: Any) -
     default = reference.encode(TEXTS)
     _close(default, reference.encode(TEXTS, prompt_name="query"))
     _close(_openai(client), default)
-    _close(_openai(client, prompt="custom prefix: "), reference.encode(TEXTS, prompt="custom prefix: "))
+    _close(
+        _openai(client, prompt="custom prefix: "), reference.encode(TEXTS, prompt="custom prefix: ")
+    )
     # a literal prompt wins over a prompt name, as encode() does (with a warning)
     _close(
         _openai(client, prompt="x: ", prompt_name="passage"),
@@ -119,9 +121,11 @@ def test_default_prompt_name_flag(prompted_dir: Path, reference: Any) -> None:
     with _client(prompted_dir, default_prompt_name="passage") as client:
         _close(_openai(client), reference.encode(TEXTS, prompt_name="passage"))
         assert client.get("/info").json()["default_prompt_name"] == "passage"
-    with pytest.raises(ValueError, match="--default-prompt-name"):
-        with _client(prompted_dir, default_prompt_name="nope"):
-            pass
+    with (
+        pytest.raises(ValueError, match="--default-prompt-name"),
+        _client(prompted_dir, default_prompt_name="nope"),
+    ):
+        pass
 
 
 def test_include_prompt_false_is_refused_with_a_prompt(
@@ -167,5 +171,8 @@ def test_matryoshka_dimensions_flag(tiny_model_dir: Callable[[str], Path], tmp_p
     )
     with _client(directory, matryoshka_dimensions="32,16") as client:
         _close(_openai(client, dimensions=16), want)
-        assert client.post("/v1/embeddings", json={"input": TEXTS, "dimensions": 24}).status_code == 400
+        assert (
+            client.post("/v1/embeddings", json={"input": TEXTS, "dimensions": 24}).status_code
+            == 400
+        )
         assert client.get("/info").json()["matryoshka_dimensions"] == [32, 16]
