@@ -134,7 +134,8 @@ def tei_info(state: ServiceState, model: ModelHandle) -> dict[str, object]:
         "served_model_name": model.served_name,
         "model_type": _tei_model_type(state, model),
         "max_concurrent_requests": s.max_num_queued_requests,
-        "max_input_length": model.max_model_len,
+        # sentence-transformers' max_seq_length caps every prompt, as TEI reads it
+        "max_input_length": model.st_max_seq_length or model.max_model_len,
         "max_batch_tokens": s.max_num_batched_tokens,
         "max_batch_requests": s.max_num_seqs,
         "auto_truncate": False,

@@ -11,7 +11,7 @@ from starlette.responses import Response
 
 from pooling.params import PoolingParams, PoolingTask
 from scheduler.request import PoolingOutput
-from service.compat.tei_common import Direction, TEIBody, best_first, truncation
+from service.compat.tei_common import Direction, TEIBody, answer, best_first, truncation
 from service.encoding import StrictJSONRoute
 from service.errors import InvalidRequestError
 from service.inputs import truncation_for
@@ -48,7 +48,7 @@ def parse_inputs(inputs: str | list[str] | list[list[str]]) -> Sequences:
     if isinstance(inputs[0], str):
         if len(inputs) > 2:
             raise InvalidRequestError("inputs must be a text or a pair of two texts", "inputs")
-        return Sequences((tuple(inputs),), single=True)  # type: ignore[arg-type]
+        return Sequences((tuple(inputs),), single=True)
     bad = [i for i, item in enumerate(inputs) if len(item) not in (1, 2)]
     if bad:
         raise InvalidRequestError(f"inputs {bad[0]} must hold one text or a pair", "inputs")
@@ -78,12 +78,12 @@ async def predict(body: PredictRequest, request: Request) -> Response:
         run = await submit(request, own, PoolingTask.CLASSIFY, params)
         outputs.update(zip(singles, await gather(request, run), strict=True))
     if pairs:
-        found = await _classify_pairs(request, body, [sequences.items[i] for i in pairs], params)
-        outputs.update(zip(pairs, found, strict=True))
+        paired = await _classify_pairs(request, body, [sequences.items[i] for i in pairs], params)
+        outputs.update(zip(pairs, paired, strict=True))
     ordered = [outputs[i] for i in range(len(sequences.items))]
     labels = service_state(request).model.loaded.spec.labels  # type: ignore[union-attr]
-    answer = [_predictions(o, labels) for o in ordered]
-    return await answer(request, answer[0] if sequences.single else answer, ordered)
+    found = [_predictions(o, labels) for o in ordered]
+    return await answer(request, found[0] if sequences.single else found, ordered)
 
 
 def _predictions(output: PoolingOutput, labels: tuple[str, ...]) -> list[dict[str, object]]:

@@ -44,7 +44,7 @@ async def main_task(payload: Annotated[dict[str, Any], Body()], request: Request
         return await routes_retrieval.rerank_any(payload, request)
     if isinstance(payload.get("inputs"), dict):
         body = validated(tei_embed.SimilarityRequest, payload)
-        return await tei_embed.similarity(body, request)  # type: ignore[arg-type]
+        return await tei_embed.similarity(body, request)
     state = service_state(request)
     check_serving(state, None)
     for task, model, handler in MAIN_TASKS:

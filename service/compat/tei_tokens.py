@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 
 from fastapi import APIRouter, Request
 from pydantic import StrictStr
@@ -78,6 +79,11 @@ def _tokens(
     """The tokenizer's own encodings, read as TEI reads them (offsets in UTF-8 bytes)."""
     check_encodable(texts, "inputs")
     backend = model.tokenizer.backend_tokenizer
+    if backend.padding is not None or backend.truncation is not None:
+        # a tokenizer.json may carry padding or truncation; TEI turns both off, so do we
+        backend = copy.deepcopy(backend)
+        backend.no_padding()
+        backend.no_truncation()
     return [
         _token_objects(backend.encode(text, add_special_tokens=add_special_tokens), text)
         for text in texts
@@ -108,15 +114,22 @@ def _token_objects(encoding: object, text: str) -> list[dict[str, object]]:
     return objects
 
 
+def _id_lists(ids: list[int] | list[list[int]]) -> list[list[int]]:
+    """One id list or a batch of them (an empty list is one empty id list, as TEI reads it)."""
+    if not ids or isinstance(ids[0], int):
+        return [ids]  # type: ignore[list-item]
+    return ids
+
+
 @router.post("/decode")
 async def decode(body: DecodeRequest, request: Request) -> Response:
     """The text of each id list: `["text", ...]`."""
     _, model = check_serving(service_state(request), None)
-    batch = [body.ids] if not body.ids or isinstance(body.ids[0], int) else body.ids
+    batch = _id_lists(body.ids)
     _batch(request, list(batch), "ids")
     vocab_size = model.loaded.spec.vocab_size
     for ids in batch:
-        bad = [t for t in ids if t >= vocab_size]  # type: ignore[union-attr]
+        bad = [t for t in ids if t >= vocab_size]
         if bad:
             raise InvalidRequestError(
                 f"token id {bad[0]} is outside the vocabulary (size {vocab_size})", "ids"
