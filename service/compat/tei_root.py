@@ -34,9 +34,8 @@ MAIN_TASKS: tuple[tuple[PoolingTask, type[BaseModel], Handler], ...] = (
 
 @router.post(
     "/",
-    openapi_extra=body_schema(
-        tei_embed.EmbedRequest, tei_embed.SimilarityRequest, tei_predict.PredictRequest
-    ),
+    # the flat bodies only: a nested model's $defs would not resolve inside an inline schema
+    openapi_extra=body_schema(tei_embed.EmbedRequest, tei_predict.PredictRequest),
 )
 async def main_task(payload: Annotated[dict[str, Any], Body()], request: Request) -> Response:
     """The body's route when its shape says, else the model's main task."""
