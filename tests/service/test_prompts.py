@@ -84,6 +84,15 @@ def test_prompt_name_equals_sentence_transformers(client: TestClient, reference:
         _close([item["data"] for item in pooling.json()["data"]], want)
 
 
+def test_tei_tokenize_with_a_prompt(client: TestClient, reference: Any) -> None:
+    got = client.post("/tokenize", json={"inputs": TEXTS[0], "prompt_name": "passage"}).json()
+    want = reference.tokenizer("passage: " + TEXTS[0])["input_ids"]
+    assert [token["id"] for token in got[0]] == want
+    # offsets index the prompted text, as TEI reports them
+    first = next(token for token in got[0] if not token["special"])
+    assert first["start"] == 0 and first["text"] == "passage"
+
+
 def test_default_prompt_and_literal_prompt(client: TestClient, reference: Any) -> None:
     # the config's default_prompt_name applies when a request names none, as in encode()
     default = reference.encode(TEXTS)
