@@ -6,6 +6,8 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from transformers import PreTrainedTokenizerBase
+
 from models.spec import SentenceTransformersConfig
 from service.errors import InvalidRequestError
 
@@ -18,7 +20,7 @@ class Prompts:
 
     named: tuple[tuple[str, str], ...] = ()
     default_name: str | None = None
-    # the Pooling module's include_prompt; false would need prompt tokens left out of the mean
+    # the Pooling module's include_prompt; false: CLS and MEAN pass over the prompt's tokens
     include_prompt: bool = True
 
     @classmethod
@@ -65,12 +67,6 @@ class Prompts:
             if explicit:
                 raise InvalidRequestError("a prompt applies to text inputs, not token ids", "input")
             return None
-        if prompt and not self.include_prompt:
-            raise InvalidRequestError(
-                "this model's Pooling excludes prompt tokens from the mean (include_prompt: "
-                "false), which this server does not reproduce; send the text without a prompt",
-                "prompt_name",
-            )
         return prompt or None
 
     def apply(
@@ -86,3 +82,15 @@ def prepend(prompt: str | None, texts: Sequence[str]) -> tuple[str, ...]:
     if not prompt:
         return tuple(texts)
     return tuple(prompt + text for text in texts)
+
+
+def prompt_length(tokenizer: PreTrainedTokenizerBase, prompt: str) -> int:
+    """The prompt's tokens as sentence-transformers counts them for include_prompt: false.
+
+    It tokenizes the prompt alone, special tokens included, and drops a trailing special token
+    (SEP, EOS): the leading ones (CLS) count as prompt.
+    """
+    ids = list(tokenizer(prompt)["input_ids"])
+    if ids and ids[-1] in set(tokenizer.all_special_ids):
+        return len(ids) - 1
+    return len(ids)

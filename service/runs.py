@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass, replace
 
 from fastapi import Request
 
@@ -19,8 +19,8 @@ from service.errors import (
     NotReadyError,
     ShutdownError,
 )
-from service.inputs import RawInputs, split_input, tokenize, truncation_for
-from service.prompts import prepend
+from service.inputs import RawInputs, run_budgeted, split_input, tokenize, truncation_for
+from service.prompts import prepend, prompt_length
 from service.schemas import InputBody, PromptFields
 from service.state import ModelHandle, ServiceState
 
@@ -64,7 +64,11 @@ async def submit(
     state = service_state(request)
     request.state.task = task.value
     engine, model = check_serving(state, body.model)
-    raw = _prompted(split_input(body.input, state.settings.max_client_batch_size), model, body)
+    raw = split_input(body.input, state.settings.max_client_batch_size)
+    prompt = _prompt(raw, model, body)
+    if prompt is not None:
+        raw = RawInputs(prepend(prompt, raw.texts or ()), None)
+        params = await _prompt_params(model, prompt, params, state.metrics.on_reject)
     engine.check_params(params)
     engine.precheck(len(raw))  # 429 before any tokenization work
     truncation = truncation_for(body.truncate_prompt_tokens, body.truncation_side, model)
@@ -77,11 +81,22 @@ async def submit(
     return Submitted(engine, model, tuple(futures), num_tokens)
 
 
-def _prompted(raw: RawInputs, model: ModelHandle, body: InputBody) -> RawInputs:
-    """Texts with the request's (or the default) sentence-transformers prompt prepended."""
+def _prompt(raw: RawInputs, model: ModelHandle, body: InputBody) -> str | None:
+    """The request's (or the default) sentence-transformers prompt for its texts."""
     name, text = (body.prompt_name, body.prompt) if isinstance(body, PromptFields) else (None, None)
-    prompt = model.prompts.resolve(name, text, texts=raw.texts is not None)
-    return raw if prompt is None else RawInputs(prepend(prompt, raw.texts or ()), None)
+    return model.prompts.resolve(name, text, texts=raw.texts is not None)
+
+
+async def _prompt_params(
+    model: ModelHandle, prompt: str, params: PoolingParams, on_reject: Callable[[str], None]
+) -> PoolingParams:
+    """With include_prompt: false, an embedding pools past the prompt's tokens."""
+    if model.prompts.include_prompt or params.task is not PoolingTask.EMBED:
+        return params
+    count = await run_budgeted(
+        model, len(prompt), on_reject, prompt_length, model.tokenizer, prompt
+    )
+    return replace(params, prompt_tokens=count)
 
 
 async def gather(request: Request, run: Submitted) -> list[PoolingOutput]:

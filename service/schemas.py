@@ -44,9 +44,11 @@ class PromptFields(_Body):
     """`prompt_name` (a key of the model's prompts) or a literal `prompt` to prepend."""
 
     prompt_name: StrictStr | None = Field(
-        None, description="Prepend this prompt of config_sentence_transformers.json."
+        default=None, description="Prepend this prompt of config_sentence_transformers.json."
     )
-    prompt: StrictStr | None = Field(None, description="Prepend this text (wins over prompt_name).")
+    prompt: StrictStr | None = Field(
+        default=None, description="Prepend this text (wins over prompt_name)."
+    )
 
 
 class EmbeddingRequest(InputBody, PromptFields):

@@ -137,19 +137,25 @@ def test_default_prompt_name_flag(prompted_dir: Path, reference: Any) -> None:
         pass
 
 
-def test_include_prompt_false_is_refused_with_a_prompt(
-    tiny_model_dir: Callable[[str], Path], tmp_path: Path
+@pytest.mark.parametrize("mode", ["pooling_mode_mean_tokens", "pooling_mode_cls_token"])
+def test_include_prompt_false_pools_past_the_prompt(
+    tiny_model_dir: Callable[[str], Path], tmp_path: Path, mode: str
 ) -> None:
+    from sentence_transformers import SentenceTransformer
+
     directory = _checkpoint(tiny_model_dir("bert"), tmp_path / "excl", prompts=PROMPTS)
-    pooling = json.loads((directory / "1_Pooling" / "config.json").read_text())
-    (directory / "1_Pooling" / "config.json").write_text(
-        json.dumps({**pooling, "include_prompt": False})
-    )
+    pooling = {"word_embedding_dimension": 64, mode: True, "include_prompt": False}
+    (directory / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    st = SentenceTransformer(str(directory), device="cpu")
+    assert st[1].include_prompt is False
     with _client(directory) as client:
-        assert client.post("/v1/embeddings", json={"input": TEXTS}).status_code == 200
-        refused = client.post("/v1/embeddings", json={"input": TEXTS, "prompt_name": "query"})
-        assert refused.status_code == 400
-        assert "include_prompt" in refused.json()["error"]["message"]
+        for name in ("query", "empty"):
+            want = st.encode(TEXTS, prompt_name=name)
+            _close(_openai(client, prompt_name=name), want)
+        literal = st.encode(TEXTS, prompt="a longer literal prompt: ")
+        _close(_openai(client, prompt="a longer literal prompt: "), literal)
+        # the prompt's tokens are left out: the answer differs from pooling them
+        assert not np.allclose(literal, st.encode(["a longer literal prompt: " + t for t in TEXTS]))
 
 
 def test_truncate_dim_allows_dimensions_as_sentence_transformers(
