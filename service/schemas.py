@@ -40,8 +40,11 @@ class InputBody(_Body):
 
 
 # ---- sentence-transformers prompts: extensions (vLLM defines neither field) -------------------
-class PromptFields(_Body):
+class PromptFields(BaseModel):
     """`prompt_name` (a key of the model's prompts) or a literal `prompt` to prepend."""
+
+    # no `extra` of its own: a body mixing this in keeps its own unknown-field policy
+    model_config = ConfigDict(frozen=True)
 
     prompt_name: StrictStr | None = Field(
         default=None, description="Prepend this prompt of config_sentence_transformers.json."
