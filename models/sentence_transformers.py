@@ -1,4 +1,4 @@
-"""Reads sentence-transformers files: modules.json, sentence_bert_config.json, Pooling, Dense."""
+"""Reads sentence-transformers files: modules.json, the model config, Pooling, Dense."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from models.spec import SentenceTransformersConfig
 from models.weights import load_state_dict
 
 MODULES_FILE = "modules.json"
+# Written by sentence-transformers beside modules.json: prompts, default prompt, similarity function
+MODEL_CONFIG_FILE = "config_sentence_transformers.json"
 # sentence-transformers reads the first of these it finds in its Transformer module's folder
 TRANSFORMER_CONFIG_FILES = (
     "sentence_bert_config.json",
@@ -90,6 +92,49 @@ def _dense(directory: Path, device: torch.device) -> torch.nn.Module:
     return torch.nn.Sequential(linear, _ACTIVATIONS[name]()).float().eval().to(device)
 
 
+def _prompts(config: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    """The named prompts, each a string (sentence-transformers turns a null prompt into "")."""
+    prompts = config.get("prompts") or {}
+    if not isinstance(prompts, dict):
+        raise ModelLoadError(f"{MODEL_CONFIG_FILE}: prompts must be an object")
+    bad = [name for name, text in prompts.items() if text is not None and not isinstance(text, str)]
+    if bad:
+        raise ModelLoadError(f"{MODEL_CONFIG_FILE}: prompt {bad[0]!r} must be a string")
+    return tuple((str(name), text or "") for name, text in prompts.items())
+
+
+def _optional(config: dict[str, Any], key: str, kind: type) -> Any:
+    """One optional field of the model config, checked for its JSON type."""
+    value = config.get(key)
+    if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+        raise ModelLoadError(f"{MODEL_CONFIG_FILE}: {key} must be a {kind.__name__}")
+    return value
+
+
+def _model_config(directory: Path) -> dict[str, Any]:
+    """config_sentence_transformers.json, checked: prompts, default prompt, truncate_dim."""
+    path = directory / MODEL_CONFIG_FILE
+    config = _read_json(path) if path.is_file() else {}
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{MODEL_CONFIG_FILE} must hold a JSON object")
+    prompts = _prompts(config)
+    default = _optional(config, "default_prompt_name", str)
+    if default is not None and default not in dict(prompts):
+        # sentence-transformers refuses such a model at load as well
+        raise ModelLoadError(
+            f"{MODEL_CONFIG_FILE}: default_prompt_name {default!r} is not a prompt"
+        )
+    truncate_dim = _optional(config, "truncate_dim", int)
+    if truncate_dim is not None and truncate_dim < 1:
+        raise ModelLoadError(f"{MODEL_CONFIG_FILE}: truncate_dim must be positive")
+    return {
+        "prompts": prompts,
+        "default_prompt_name": default,
+        "similarity_fn_name": _optional(config, "similarity_fn_name", str),
+        "truncate_dim": truncate_dim,
+    }
+
+
 def read_sentence_transformers(
     directory: Path, device: torch.device
 ) -> SentenceTransformersConfig | None:
@@ -103,10 +148,13 @@ def read_sentence_transformers(
     pooling = paths.get("Pooling", [])
     dense = [_dense(path, device) for path in paths.get("Dense", [])]
     max_seq_length, do_lower_case = _input_config(paths.get("Transformer", [directory])[0])
+    pooling_config = _read_json(pooling[-1] / "config.json") if pooling else {}
     return SentenceTransformersConfig(
-        pooling_mode=_pooling_mode(_read_json(pooling[-1] / "config.json")) if pooling else None,
+        pooling_mode=_pooling_mode(pooling_config) if pooling else None,
         dense=torch.nn.Sequential(*dense) if dense else None,
         normalize="Normalize" in paths,
         max_seq_length=max_seq_length,
         do_lower_case=do_lower_case,
+        include_prompt=bool(pooling_config.get("include_prompt", True)),
+        **_model_config(directory),
     )

@@ -60,6 +60,14 @@ class SentenceTransformersConfig:
     # sentence_bert_config.json: sentence-transformers always truncates texts to max_seq_length
     max_seq_length: int | None = None
     do_lower_case: bool = False
+    # config_sentence_transformers.json: named prompts, the default one, the similarity function
+    # and the output size encode() truncates to (a model trained for Matryoshka dimensions)
+    prompts: tuple[tuple[str, str], ...] = ()
+    default_prompt_name: str | None = None
+    similarity_fn_name: str | None = None
+    truncate_dim: int | None = None
+    # the Pooling module's include_prompt: false drops prompt tokens from the pooled mean
+    include_prompt: bool = True
 
 
 @dataclass(frozen=True)

@@ -121,6 +121,62 @@ class MeanPool(PoolingMethod):
         self._count = 0
 
 
+class SkipMeanPool(MeanPool):
+    """Mean over the tokens after the first `skip` (a prompt sentence-transformers leaves out)."""
+
+    def __init__(self, skip: int, *, async_scheduling: bool, stats: CloneStats) -> None:
+        super().__init__(async_scheduling=async_scheduling, stats=stats)
+        self._to_skip = skip  # leading tokens still to pass over
+
+    def add_chunk(
+        self, hidden: torch.Tensor, token_ids: Sequence[int], is_last: bool
+    ) -> torch.Tensor | None:
+        """Drop this chunk's rows still inside the prompt, then keep the running mean."""
+        dropped = min(self._to_skip, hidden.shape[0])
+        self._to_skip -= dropped
+        kept = hidden[dropped:]  # [kept, hidden]
+        if is_last and self._count + kept.shape[0] == 0:
+            # everything was prompt: sentence-transformers' clamped mean is a zero vector
+            self.close()
+            return torch.zeros(hidden.shape[-1], dtype=torch.float32, device=hidden.device)
+        return super().add_chunk(kept, token_ids[dropped:], is_last)
+
+
+class SkipCLSPool(CLSPool):
+    """The first token after a prompt of `skip` tokens (the first token when none is left)."""
+
+    def __init__(self, skip: int, *, async_scheduling: bool, stats: CloneStats) -> None:
+        super().__init__(async_scheduling=async_scheduling, stats=stats)
+        self._position = skip  # the wanted row, counted from the prompt's first token
+        self._seen = 0
+        self._fallback: torch.Tensor | None = None  # [hidden], owned: row 0
+
+    def add_chunk(
+        self, hidden: torch.Tensor, token_ids: Sequence[int], is_last: bool
+    ) -> torch.Tensor | None:
+        """Keep the wanted row when its chunk arrives; row 0 stands in if it never does."""
+        start, self._seen = self._seen, self._seen + hidden.shape[0]
+        if self._first is None and start <= self._position < self._seen:
+            row = hidden[self._position - start]  # [hidden], a view into the step buffer
+            if is_last:
+                return self._finish_view(row)
+            self._first = _own(row, self._stats)
+            return None
+        if start == 0 and self._first is None:
+            # sentence-transformers' argmax over an all-zero mask picks the first token
+            self._fallback = _own(hidden[0], self._stats)
+        if not is_last:
+            return None
+        result = self._first if self._first is not None else self._fallback
+        self.close()
+        return result
+
+    def close(self) -> None:
+        """Drop the kept rows."""
+        super().close()
+        self._fallback = None
+
+
 class _ChunkList:
     """Parts kept across chunks and concatenated on the last one (ALL and untagged STEP)."""
 
@@ -211,14 +267,26 @@ _SIMPLE_METHODS: dict[PoolingType, type[PoolingMethod]] = {
 }
 
 
+# methods that can pass over a prompt's leading tokens
+_SKIPPING_METHODS: dict[PoolingType, Callable[..., PoolingMethod]] = {
+    PoolingType.MEAN: SkipMeanPool,
+    PoolingType.CLS: SkipCLSPool,
+}
+
+
 def build_method(
     pooling_type: PoolingType,
     *,
     async_scheduling: bool,
     stats: CloneStats,
     step_tag_id: int | None = None,
+    skip_tokens: int = 0,
 ) -> PoolingMethod:
-    """A fresh per-request method of the given type."""
+    """A fresh per-request method of the given type (CLS and MEAN may pass over leading tokens)."""
     if pooling_type is PoolingType.STEP:
         return StepPool(step_tag_id, async_scheduling=async_scheduling, stats=stats)
+    if skip_tokens and pooling_type in _SKIPPING_METHODS:
+        return _SKIPPING_METHODS[pooling_type](
+            skip_tokens, async_scheduling=async_scheduling, stats=stats
+        )
     return _SIMPLE_METHODS[pooling_type](async_scheduling=async_scheduling, stats=stats)

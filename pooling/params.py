@@ -48,6 +48,9 @@ class PoolingParams:
     use_activation: bool | None = None
     step_tag_id: int | None = None
     returned_token_ids: tuple[int, ...] | None = None
+    # leading tokens of a sentence-transformers prompt that CLS and MEAN pooling pass over, as
+    # its Pooling does with include_prompt: false
+    prompt_tokens: int | None = None
 
     @property
     def is_token_level(self) -> bool:

@@ -163,5 +163,6 @@ def build_pooler(
         async_scheduling=async_scheduling and head.may_alias_input,
         stats=stats,
         step_tag_id=step_tag_id,
+        skip_tokens=params.prompt_tokens or 0,
     )
     return RequestPooler(method, head, stats)

@@ -24,6 +24,7 @@ FIELD_TASKS: dict[str, frozenset[PoolingTask]] = {
     ),
     "step_tag_id": frozenset({PoolingTask.REWARD}),
     "returned_token_ids": frozenset({PoolingTask.REWARD}),
+    "prompt_tokens": frozenset({PoolingTask.EMBED}),
 }
 
 # Parameters that also need a particular head (steps exist only for process reward models).
@@ -78,7 +79,16 @@ def _check_returned_token_ids(info: PoolingModelInfo, params: PoolingParams) -> 
         )
 
 
+def _check_prompt_tokens(info: PoolingModelInfo, params: PoolingParams) -> None:
+    """A count of tokens, hence non-negative."""
+    if params.prompt_tokens is not None and params.prompt_tokens < 0:
+        raise InvalidPoolingParamsError(
+            "prompt_tokens", f"must be >= 0, got {params.prompt_tokens}"
+        )
+
+
 FIELD_CHECKS: dict[str, Callable[[PoolingModelInfo, PoolingParams], None]] = {
+    "prompt_tokens": _check_prompt_tokens,
     "dimensions": _check_dimensions,
     "step_tag_id": _check_step_tag_id,
     "returned_token_ids": _check_returned_token_ids,

@@ -50,7 +50,9 @@ def pooling_info_from(
         embed_projection=projection,
         embed_output_size=_output_size(projection, spec.hidden_size),
         st_pooling_mode=st.pooling_mode if st is not None else None,
-        supports_matryoshka=spec.supports_matryoshka,
+        # a sentence-transformers truncate_dim also marks a model trained for Matryoshka sizes
+        supports_matryoshka=spec.supports_matryoshka
+        or (st is not None and st.truncate_dim is not None),
         matryoshka_dimensions=spec.matryoshka_dimensions,
         default_pooling_type=embed_pooling,
         classifier_pooling_type=_classifier_pooling(spec.classifier_pooling),

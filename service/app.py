@@ -23,12 +23,21 @@ from scheduler.admission import CharBudget
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
 from service import routes_admin, routes_inference, routes_retrieval
-from service.compat import cohere, infinity, tei_sparse
+from service.compat import (
+    cohere,
+    infinity,
+    tei_embed,
+    tei_predict,
+    tei_root,
+    tei_sparse,
+    tei_tokens,
+)
 from service.errors import install_error_handlers, openapi_schema
 from service.inputs import encode_texts, truncation_for
 from service.metrics import ServiceMetrics
 from service.middleware import OPEN_PATHS, EdgeMiddleware, InFlight
 from service.pooler_config import PoolerDefaults, parse_pooler_config
+from service.prompts import Prompts
 from service.settings import DEFAULT_MODEL_ID, ServerSettings
 from service.state import ModelHandle, ServiceState, TextLimits, TruncationSide
 from service.windows import special_tokens
@@ -77,6 +86,10 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app.include_router(tei_sparse.router)
     app.include_router(cohere.router)
     app.include_router(infinity.router)
+    app.include_router(tei_embed.router)
+    app.include_router(tei_predict.router)
+    app.include_router(tei_tokens.router)
+    app.include_router(tei_root.router)
     app.add_middleware(EdgeMiddleware, state=state, inflight=inflight)
     if settings.allowed_origins:
         # added last, so outermost: preflights are answered before the API key check
@@ -181,6 +194,7 @@ def _model_handle(
         st_max_seq_length=None if st_length is None else min(st_length, max_model_len),
         limits=limits,
         tokenizing=CharBudget(limits.max_tokenizing_chars),
+        prompts=Prompts.of(st, settings.default_prompt_name),
     )
 
 

@@ -6,19 +6,22 @@ import asyncio
 import time
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Body, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import PlainTextResponse, Response
 
+from pooling.params import PoolingTask
+from service.compat import tei_tokens
+from service.compat.tei_common import body_schema, validated
 from service.encoding import StrictJSONRoute, dumps
 from service.errors import InvalidRequestError, error_response
 from service.inputs import tokenize_prompt
 from service.runs import check_serving, service_state
 from service.schemas import DetokenizeRequest, TokenizeRequest
 from service.settings import DEFAULT_MODEL_ID, ServerSettings
-from service.state import ModelHandle
+from service.state import ModelHandle, ServiceState
 
 router = APIRouter(route_class=StrictJSONRoute)
 UNAVAILABLE: dict[int | str, dict[str, Any]] = {
@@ -30,7 +33,14 @@ def _json(document: object, status: int = 200) -> Response:
     return Response(dumps(document), status_code=status, media_type="application/json")
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", openapi_extra=body_schema(TokenizeRequest, tei_tokens.TokenizeRequest))
+async def tokenize_any(payload: Annotated[dict[str, Any], Body()], request: Request) -> Response:
+    """vLLM's tokenize (`prompt`), or TEI's when the body has `inputs`."""
+    if "inputs" in payload and "prompt" not in payload:
+        return await tei_tokens.tokenize(validated(tei_tokens.TokenizeRequest, payload), request)
+    return await tokenize(validated(TokenizeRequest, payload), request)
+
+
 async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     """Token ids of a prompt, as the engine would see them before any truncation."""
     state = service_state(request)
@@ -105,8 +115,64 @@ async def info(request: Request) -> Response:
             "payload_limit": s.payload_limit,
             "async_scheduling": s.async_scheduling,
             "version": version("poolserve"),
+            **sentence_transformers_info(model),
+            **tei_info(state, model),
         }
     )
+
+
+def sentence_transformers_info(model: ModelHandle) -> dict[str, object]:
+    """Prompts, the default prompt, the similarity function and Matryoshka sizes."""
+    st = model.loaded.sentence_transformers
+    spec = model.loaded.spec
+    return {
+        "prompts": dict(model.prompts.named),
+        "default_prompt_name": model.prompts.default_name,
+        # sentence-transformers' own default when the model saved none
+        "similarity_fn_name": (st.similarity_fn_name if st else None) or "cosine",
+        "truncate_dim": st.truncate_dim if st else None,
+        "matryoshka_dimensions": spec.matryoshka_dimensions,
+    }
+
+
+def tei_info(state: ServiceState, model: ModelHandle) -> dict[str, object]:
+    """TEI's /info fields (its `Info` record) that these servers have in common."""
+    s = state.settings
+    return {
+        "model_id": _source(s, model),
+        "model_sha": None,
+        "model_dtype": state.dtype,
+        "served_model_name": model.served_name,
+        "model_type": _tei_model_type(state, model),
+        "max_concurrent_requests": s.max_num_queued_requests,
+        # sentence-transformers' max_seq_length caps every prompt, as TEI reads it
+        "max_input_length": model.st_max_seq_length or model.max_model_len,
+        "max_batch_tokens": s.max_num_batched_tokens,
+        "max_batch_requests": s.max_num_seqs,
+        "auto_truncate": model.auto_truncate,
+        "tokenization_workers": None,
+        "sha": None,
+        "docker_label": None,
+    }
+
+
+def _tei_model_type(state: ServiceState, model: ModelHandle) -> dict[str, object]:
+    """TEI's model_type: a classifier (one label: a reranker) with its labels, or an embedder."""
+    labels = model.loaded.spec.labels
+    if PoolingTask.CLASSIFY in state.supported_tasks and labels:
+        kind = "reranker" if len(labels) == 1 else "classifier"
+        return {
+            kind: {
+                "id2label": {str(i): name for i, name in enumerate(labels)},
+                "label2id": {name: i for i, name in enumerate(labels)},
+            }
+        }
+    pooling = model.loaded.sentence_transformers
+    mode = pooling.pooling_mode if pooling is not None else None
+    tasks = state.supported_tasks
+    if PoolingTask.EMBED_SPARSE in tasks and PoolingTask.EMBED not in tasks:
+        mode = "splade"
+    return {"embedding": {"pooling": mode or model.defaults.pooling_type or "default"}}
 
 
 def _source(settings: ServerSettings, model: ModelHandle) -> str:

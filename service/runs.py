@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass, replace
 
 from fastapi import Request
 
@@ -20,8 +20,9 @@ from service.errors import (
     NotReadyError,
     ShutdownError,
 )
-from service.inputs import RawInputs, split_input, tokenize, truncation_for
-from service.schemas import InputBody
+from service.inputs import RawInputs, run_budgeted, split_input, tokenize, truncation_for
+from service.prompts import prepend, prompt_length
+from service.schemas import InputBody, PromptFields
 from service.state import ModelHandle, ServiceState
 
 
@@ -66,6 +67,10 @@ async def submit(
     engine, model = check_serving(state, body.model)
     chat = body.messages is not None
     raw = None if chat else split_input(body.input, state.settings.max_client_batch_size)
+    prompt = None if raw is None else _prompt(raw, model, body)
+    if raw is not None and prompt is not None:
+        raw = RawInputs(prepend(prompt, raw.texts or ()), None)
+        params = await _prompt_params(model, prompt, params, state.metrics.on_reject)
     engine.check_params(params)
     engine.precheck(1 if raw is None else len(raw))  # 429 before any tokenization work
     truncation = truncation_for(body.truncate_prompt_tokens, body.truncation_side, model)
@@ -84,6 +89,24 @@ async def submit(
     num_tokens = sum(len(p) for p in prompts)
     state.metrics.prompt_tokens.inc(num_tokens)
     return Submitted(engine, model, tuple(futures), num_tokens)
+
+
+def _prompt(raw: RawInputs, model: ModelHandle, body: InputBody) -> str | None:
+    """The request's (or the default) sentence-transformers prompt for its texts."""
+    name, text = (body.prompt_name, body.prompt) if isinstance(body, PromptFields) else (None, None)
+    return model.prompts.resolve(name, text, texts=raw.texts is not None)
+
+
+async def _prompt_params(
+    model: ModelHandle, prompt: str, params: PoolingParams, on_reject: Callable[[str], None]
+) -> PoolingParams:
+    """With include_prompt: false, an embedding pools past the prompt's tokens."""
+    if model.prompts.include_prompt or params.task is not PoolingTask.EMBED:
+        return params
+    count = await run_budgeted(
+        model, len(prompt), on_reject, prompt_length, model.tokenizer, prompt
+    )
+    return replace(params, prompt_tokens=count)
 
 
 async def gather(request: Request, run: Submitted) -> list[PoolingOutput]:

@@ -31,7 +31,7 @@ IGNORED_FIELDS: dict[str, str] = {
 }
 
 
-class _Body(BaseModel):
+class RequestBody(BaseModel):
     """Fields nobody defines are accepted and named in a warning, as vLLM does."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
@@ -85,7 +85,7 @@ class ChatMessage(BaseModel):
     content: StrictStr | list[TextPart] | None = None
 
 
-class InputBody(_Body):
+class InputBody(RequestBody):
     """Fields shared by every route that takes `input` (or, vLLM's chat form, `messages`)."""
 
     input: Input | None = None
@@ -132,7 +132,22 @@ class InputBody(_Body):
         return self
 
 
-class EmbeddingRequest(InputBody):
+# ---- sentence-transformers prompts: extensions (vLLM defines neither field) -------------------
+class PromptFields(BaseModel):
+    """`prompt_name` (a key of the model's prompts) or a literal `prompt` to prepend."""
+
+    # no `extra` of its own: a body mixing this in keeps its own unknown-field policy
+    model_config = ConfigDict(frozen=True)
+
+    prompt_name: StrictStr | None = Field(
+        default=None, description="Prepend this prompt of config_sentence_transformers.json."
+    )
+    prompt: StrictStr | None = Field(
+        default=None, description="Prepend this text (wins over prompt_name)."
+    )
+
+
+class EmbeddingRequest(InputBody, PromptFields):
     """OpenAI `POST /v1/embeddings` with vLLM's extra fields."""
 
     encoding_format: EncodingFormat = "float"
@@ -140,10 +155,10 @@ class EmbeddingRequest(InputBody):
     endianness: Endianness = "native"
     dimensions: StrictInt | None = None
     normalize: bool | None = None
-    use_activation: bool | None = Field(None, description="For embed: normalize (vLLM).")
+    use_activation: bool | None = Field(default=None, description="For embed: normalize (vLLM).")
 
 
-class PoolingRequestBody(InputBody):
+class PoolingRequestBody(InputBody, PromptFields):
     """vLLM-compatible `POST /v1/pooling`."""
 
     task: PoolingTask | None = None
@@ -167,7 +182,7 @@ class ClassifyRequest(InputBody):
     activation: bool | None = None
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(RequestBody):
     """`POST /tokenize`."""
 
     prompt: StrictStr
@@ -175,7 +190,7 @@ class TokenizeRequest(_Body):
     add_special_tokens: bool = True
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(RequestBody):
     """`POST /detokenize`."""
 
     tokens: TokenIds
@@ -186,7 +201,7 @@ class DetokenizeRequest(_Body):
 Texts = StrictStr | list[StrictStr]
 
 
-class _ScoringBody(_Body):
+class _ScoringBody(RequestBody):
     """Fields shared by the vLLM-style scoring routes."""
 
     model: str | None = None
@@ -230,7 +245,7 @@ class RerankRequestBody(_ScoringBody):
     )
 
 
-class TEIRerankRequest(_Body):
+class TEIRerankRequest(RequestBody):
     """text-embeddings-inference `POST /rerank` (told apart from the others by `texts`)."""
 
     query: StrictStr

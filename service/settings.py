@@ -147,6 +147,18 @@ class ServerSettings(BaseSettings):
         '["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], '
         '"is_original_qwen3_reranker": true}.',
     )
+    default_prompt_name: str | None = Field(
+        None,
+        description="Name of the sentence-transformers prompt (config_sentence_transformers.json "
+        "`prompts`) prepended to every text a request sends without its own prompt_name or "
+        "prompt; overrides the model's default_prompt_name (TEI's flag).",
+    )
+    matryoshka_dimensions: str | None = Field(
+        None,
+        description="Comma-separated output sizes the model was trained for (Matryoshka), so "
+        "requests may ask for `dimensions`; the same as --hf-overrides "
+        "'{\"matryoshka_dimensions\": [...]}' (e.g. 1024,512,256,128,64).",
+    )
     shutdown_timeout: float = Field(
         30.0,
         ge=0,
@@ -219,10 +231,24 @@ class ServerSettings(BaseSettings):
             raise ValueError("must be a JSON object")
         return value
 
+    @field_validator("matryoshka_dimensions")
+    @classmethod
+    def _dimension_list(cls, value: str | None) -> str | None:
+        """Positive integers separated by commas, refused at startup otherwise."""
+        if value is not None and not all(
+            p.strip().isdigit() and int(p) > 0 for p in value.split(",")
+        ):
+            raise ValueError("must be positive integers separated by commas, e.g. 512,256,128")
+        return value
+
     @property
     def hf_overrides_dict(self) -> dict[str, Any] | None:
-        """--hf-overrides parsed (checked to be a JSON object when the settings were made)."""
-        return json.loads(self.hf_overrides) if self.hf_overrides else None
+        """--hf-overrides parsed, with --matryoshka-dimensions folded in (one mechanism)."""
+        overrides = json.loads(self.hf_overrides) if self.hf_overrides else None
+        if self.matryoshka_dimensions is None:
+            return overrides
+        dims = [int(p) for p in self.matryoshka_dimensions.split(",")]
+        return {**(overrides or {}), "matryoshka_dimensions": dims}
 
 
 def split_list(item: object) -> list[str]:

@@ -13,6 +13,7 @@ from scheduler.admission import CharBudget
 from scheduler.engine import Engine
 from service.metrics import ServiceMetrics
 from service.pooler_config import PoolerDefaults
+from service.prompts import Prompts
 from service.settings import ServerSettings
 
 TruncationSide = Literal["left", "right"]
@@ -91,6 +92,7 @@ class ModelHandle:
     tokenizing: CharBudget  # characters being tokenized now; touched only from the event loop
     aliases: tuple[str, ...] = ()  # --served-model-name's names after the first
     auto_truncate: bool = False  # --auto-truncate: cut over-long inputs unless a request says not
+    prompts: Prompts = field(default_factory=Prompts)  # sentence-transformers prompts
 
     @property
     def served_names(self) -> tuple[str, ...]:

@@ -23,7 +23,7 @@ from service.encoding import StrictJSONRoute, dumps
 from service.errors import InvalidRequestError
 from service.pooler_config import PoolerDefaults
 from service.runs import gather, service_state, submit, timing_headers
-from service.schemas import InputBody
+from service.schemas import EmbeddingRequest, RequestBody
 
 logger = logging.getLogger(__name__)
 router = APIRouter(route_class=StrictJSONRoute)
@@ -56,14 +56,12 @@ class EmbedInput(BaseModel):
     content: list[TextContent]
 
 
-class CohereEmbedRequest(BaseModel):
-    """Cohere's v2 embed body; unknown fields are refused, as on every route here."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class CohereEmbedRequest(RequestBody):
+    """Cohere's v2 embed body (unknown fields accepted and named in a warning, as everywhere)."""
 
     model: StrictStr | None = None
     input_type: InputType | None = Field(
-        None, description="Accepted; selects no prompt yet (see docs/api.md)."
+        None, description="Selects the model's query or document prompt (see docs/api.md)."
     )
     texts: list[StrictStr] | None = None
     images: list[StrictStr] | None = None
@@ -75,13 +73,22 @@ class CohereEmbedRequest(BaseModel):
     priority: StrictInt = 0
 
 
-def prompt_name_for(input_type: InputType | None) -> str | None:
-    """The sentence-transformers prompt an `input_type` selects: none until prompts are served.
+# The sentence-transformers prompt names each input_type may select, most specific first: a
+# model whose config_sentence_transformers.json names its prompts after Cohere's input types, or
+# the query/document names retrieval embedders (E5, BGE, Qwen3-Embedding, nomic) use.
+PROMPTS_FOR_INPUT_TYPE: dict[str, tuple[str, ...]] = {
+    "search_query": ("search_query", "query"),
+    "search_document": ("search_document", "document", "passage", "corpus"),
+    "classification": ("classification",),
+    "clustering": ("clustering",),
+}
 
-    This is the one place where `input_type` would become a prompt name.
-    """
-    if input_type is not None:
-        logger.debug("input_type %r accepted; it selects no prompt on this server", input_type)
+
+def prompt_name_for(input_type: InputType | None, prompt_names: Sequence[str]) -> str | None:
+    """The model's prompt an `input_type` selects; None leaves the model's default prompt."""
+    for name in PROMPTS_FOR_INPUT_TYPE.get(input_type or "", ()):
+        if name in prompt_names:
+            return name
     return None
 
 
@@ -128,8 +135,10 @@ def _embedding_types(body: CohereEmbedRequest) -> list[str]:
     return kinds
 
 
-def _own_request(body: CohereEmbedRequest, texts: list[str]) -> InputBody:
-    """The service's input body: truncation from `truncate` and `max_tokens`."""
+def _own_request(
+    body: CohereEmbedRequest, texts: list[str], prompt_name: str | None
+) -> EmbeddingRequest:
+    """The service's embed body: truncation from `truncate` and `max_tokens`, the prompt."""
     if body.truncate == "NONE":
         if body.max_tokens is not None:
             raise InvalidRequestError(
@@ -137,16 +146,18 @@ def _own_request(body: CohereEmbedRequest, texts: list[str]) -> InputBody:
                 "max_tokens",
             )
         # the service's default: sentence-transformers' max_seq_length, else refuse long texts
-        return InputBody(
+        return EmbeddingRequest(
             input=texts,
             model=body.model,
+            prompt_name=prompt_name,
             truncate_prompt_tokens=None,
             truncation_side=None,
             priority=body.priority,
         )
-    return InputBody(
+    return EmbeddingRequest(
         input=texts,
         model=body.model,
+        prompt_name=prompt_name,
         truncate_prompt_tokens=body.max_tokens or -1,
         truncation_side=KEPT_SIDE[body.truncate],
         priority=body.priority,
@@ -159,7 +170,7 @@ async def embed(body: CohereEmbedRequest, request: Request) -> Response:
     state = service_state(request)
     texts = _texts(body, state.settings.max_client_batch_size)
     kinds = _embedding_types(body)
-    prompt_name_for(body.input_type)
+    prompt_name = prompt_name_for(body.input_type, state.model.prompts.names if state.model else ())
     defaults = state.model.defaults if state.model is not None else PoolerDefaults()
     dimensions = body.output_dimension
     params = PoolingParams(
@@ -167,7 +178,8 @@ async def embed(body: CohereEmbedRequest, request: Request) -> Response:
         dimensions=defaults.dimensions if dimensions is None else dimensions,
         normalize=defaults.normalize,
     )
-    run = await submit(request, _own_request(body, texts), PoolingTask.EMBED, params)
+    own = _own_request(body, texts, prompt_name)
+    run = await submit(request, own, PoolingTask.EMBED, params)
     outputs = await gather(request, run)
     answer = await asyncio.to_thread(_encode, texts, kinds, outputs, run.num_prompt_tokens)
     state.metrics.output_bytes.inc(len(answer))

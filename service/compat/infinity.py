@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, StringConstraints
+from pydantic import Field, StrictInt, StrictStr, StringConstraints
 from starlette.responses import Response
 
 from pooling.params import PoolingParams, PoolingTask
@@ -23,7 +23,7 @@ from service.errors import InvalidRequestError
 from service.pairs import ScoreJob
 from service.pooler_config import PoolerDefaults
 from service.runs import check_serving, gather, service_state, submit, timing_headers
-from service.schemas import InputBody
+from service.schemas import InputBody, RequestBody
 
 router = APIRouter(route_class=StrictJSONRoute)
 # What Infinity's clients send when no model is named.
@@ -38,10 +38,8 @@ CAPABILITIES: dict[PoolingTask, str] = {
 }
 
 
-class InfinityEmbeddingRequest(BaseModel):
+class InfinityEmbeddingRequest(RequestBody):
     """Infinity's embeddings body: OpenAI's fields plus `modality` (text only here)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     input: InfinityText | list[InfinityText]
     model: StrictStr = UNNAMED_MODEL
@@ -51,10 +49,8 @@ class InfinityEmbeddingRequest(BaseModel):
     modality: Literal["text", "image", "audio"] = "text"
 
 
-class InfinityRerankRequest(BaseModel):
+class InfinityRerankRequest(RequestBody):
     """Infinity's rerank body (told apart from vLLM's and Cohere's by `raw_scores`)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     query: InfinityText
     documents: list[InfinityText]

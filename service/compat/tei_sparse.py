@@ -6,23 +6,21 @@ import asyncio
 from typing import Literal
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, StrictStr
+from pydantic import StrictStr
 from starlette.responses import Response
 
 from pooling.params import PoolingParams, PoolingTask
 from scheduler.request import PoolingOutput
+from service.compat.tei_common import TEIBody
 from service.encoding import StrictJSONRoute, dumps, sparse_parts
-from service.errors import InvalidRequestError
 from service.runs import gather, service_state, submit, timing_headers
-from service.schemas import Input, InputBody
+from service.schemas import EmbeddingRequest, Input
 
 router = APIRouter(route_class=StrictJSONRoute)
 
 
-class EmbedSparseRequest(BaseModel):
-    """TEI's embed_sparse body; unknown fields are refused, as on every route here."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class EmbedSparseRequest(TEIBody):
+    """TEI's embed_sparse body (fields TEI does not define are ignored, as TEI ignores them)."""
 
     inputs: Input
     truncate: bool | None = None  # TEI's default: a prompt above the model's limit is an error
@@ -33,11 +31,9 @@ class EmbedSparseRequest(BaseModel):
 @router.post("/embed_sparse")
 async def embed_sparse(body: EmbedSparseRequest, request: Request) -> Response:
     """The non-zero SPLADE weights of each input, ascending by vocabulary id."""
-    if body.prompt_name is not None:
-        # TEI prepends a sentence-transformers prompt; silently skipping it would change outputs
-        raise InvalidRequestError("prompt_name is not supported by this server", "prompt_name")
-    own = InputBody(
+    own = EmbeddingRequest(
         input=body.inputs,
+        prompt_name=body.prompt_name,
         truncate_prompt_tokens=-1 if body.truncate else None,
         truncation_side="left" if body.truncation_direction.lower() == "left" else "right",
     )

@@ -58,7 +58,7 @@ def test_float_equals_the_openai_route_with_cohere_fields(client: Any) -> None:
     assert answer["id"] != _embed(client, texts=TEXTS, input_type="search_query")["id"]
 
 
-def test_float_is_the_default_and_input_type_changes_nothing_yet(client: Any) -> None:
+def test_float_is_the_default_and_input_type_keeps_a_model_without_prompts(client: Any) -> None:
     plain = _embed(client, texts=TEXTS)["embeddings"]
     assert set(plain) == {"float"}
     for input_type in ("search_document", "search_query", "classification", "clustering"):
@@ -144,7 +144,6 @@ def test_text_only_inputs_equal_texts(client: Any) -> None:
         ({"texts": ["a"], "inputs": [{"content": [{"type": "text", "text": "a"}]}]}, "texts"),
         ({"texts": ["a"], "output_dimension": 128}, "dimensions"),
         ({"texts": ["a"], "input_type": "poem"}, "input_type"),
-        ({"texts": ["a"], "unknown_field": 1}, "unknown_field"),
     ],
 )
 def test_refusals_are_clear_400s(client: Any, body: dict[str, Any], param: str) -> None:
@@ -173,3 +172,12 @@ def test_output_dimension_on_a_matryoshka_model(make_client: Callable[..., Any])
     floats = answer["embeddings"]["float"]
     assert [len(v) for v in floats] == [128] * len(TEXTS)
     assert floats == [d["embedding"] for d in own["data"]]
+
+
+def test_unknown_fields_are_accepted_and_named_in_a_warning(
+    client: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("WARNING", logger="service.schemas"):
+        got = _embed(client, texts=TEXTS, unknown_field=1)["embeddings"]
+    assert got == _embed(client, texts=TEXTS)["embeddings"]
+    assert "CohereEmbedRequest: ignored unknown fields unknown_field" in caplog.text
