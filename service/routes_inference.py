@@ -26,7 +26,15 @@ from service.encoding import (
 )
 from service.errors import InvalidRequestError, error_line
 from service.pooler_config import PoolerDefaults
-from service.runs import Submitted, as_completed, gather, service_state, submit, timing_headers
+from service.runs import (
+    Submitted,
+    as_completed,
+    encoded,
+    gather,
+    service_state,
+    submit,
+    timing_headers,
+)
 from service.schemas import ClassifyRequest, EmbeddingRequest, PoolingRequestBody
 
 router = APIRouter(route_class=StrictJSONRoute)
@@ -91,7 +99,7 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
         )
         return document(fields, "data", items)
 
-    return await _respond(request, await asyncio.to_thread(encode), outputs)
+    return await _respond(request, await encoded(request, encode), outputs)
 
 
 @router.post("/v1/pooling", responses=STREAMED)
@@ -129,7 +137,7 @@ async def pooling(body: PoolingRequestBody, request: Request) -> Response:
             fields, "data", (_pooling_item(i, o.data, body) for i, o in enumerate(outputs))
         )
 
-    return await _respond(request, await asyncio.to_thread(encode), outputs)
+    return await _respond(request, await encoded(request, encode), outputs)
 
 
 def _pooling_item(index: int, data: np.ndarray, body: PoolingRequestBody) -> bytes:
@@ -193,7 +201,7 @@ async def classify(body: ClassifyRequest, request: Request) -> Response:
         "data": data,
         "usage": _usage(run),
     }
-    return await _respond(request, await asyncio.to_thread(dumps, answer), outputs)
+    return await _respond(request, await encoded(request, dumps, answer), outputs)
 
 
 def _defaults(request: Request) -> PoolerDefaults:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -117,6 +118,22 @@ class ServerSettings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Logging level."
     )
+    log_format: Literal["text", "json"] = Field(
+        "text",
+        description="Log records as text lines, or as one JSON object per line with stable keys "
+        "(time, level, logger, message, plus the access log's fields).",
+    )
+    access_log: bool = Field(
+        True,
+        description="One log line per HTTP request (logger poolserve.access): method, path, "
+        "route, status, latency, prompt tokens, request id; probes and scrapes at debug level.",
+    )
+    otlp_traces_endpoint: str | None = Field(
+        None,
+        description="Export OpenTelemetry traces over OTLP/HTTP (protobuf) to this URL, e.g. "
+        "http://collector:4318/v1/traces (a bare host:port URL gets /v1/traces); needs the "
+        "`tracing` extra. Off by default.",
+    )
 
     @field_validator("hf_overrides")
     @classmethod
@@ -124,6 +141,17 @@ class ServerSettings(BaseSettings):
         """A JSON object, refused at startup otherwise."""
         if value and not isinstance(json.loads(value), dict):
             raise ValueError("must be a JSON object")
+        return value
+
+    @field_validator("otlp_traces_endpoint")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        """An http(s) URL with a host, refused at startup otherwise."""
+        if value is None:
+            return None
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError("must be an http:// or https:// URL, e.g. http://localhost:4318")
         return value
 
     @property
