@@ -127,3 +127,4 @@ def configure_logging(level: str, log_format: LogFormat) -> None:
         root.removeHandler(existing)
     root.addHandler(handler)
     root.setLevel(level.upper())
+    logging.captureWarnings(True)  # warnings.warn text becomes records too (JSON when asked)

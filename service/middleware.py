@@ -133,6 +133,7 @@ class EdgeMiddleware:
         send_edge = self._sender(exchange, send, request_id)
         counted = scope["path"] not in OPEN_PATHS
         trace = self.state.tracing.start(scope, headers, start) if counted else NO_TRACE
+        trace.set({"poolserve.request_id": request_id})
         scope.setdefault("state", {})[TRACE_KEY] = trace
         self.state.active_requests += counted
         self.inflight.exchanges.add(exchange)

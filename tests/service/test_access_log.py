@@ -144,3 +144,4 @@ def test_configure_logging_puts_one_handler_on_the_root(
     configure_logging("info", "text")
     (handler,) = root.handlers
     assert not isinstance(handler.formatter, JSONFormatter)
+    logging.captureWarnings(False)

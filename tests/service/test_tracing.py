@@ -216,6 +216,7 @@ def test_a_request_is_traced_end_to_end_and_logged_as_json(
             assert server.attributes["http.response.status_code"] == 200
             assert server.attributes["poolserve.prompt_tokens"] == num_tokens
             assert server.attributes["poolserve.task"] == "embed"
+            assert server.attributes["poolserve.request_id"] == "trace-test-1"
             (tokenize,) = [s for s in spans if s.name == "tokenize"]
             assert tokenize.attributes["poolserve.prompt_tokens"] == num_tokens
             assert tokenize.attributes["poolserve.inputs"] == len(TEXTS)
