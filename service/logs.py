@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -88,7 +88,7 @@ def _or_dash(value: object) -> str:
 def log_access(logger: logging.Logger, record: AccessRecord, level: int) -> None:
     """Emit one access line; the JSON formatter spreads its fields as keys."""
     if logger.isEnabledFor(level):
-        logger.log(level, "%s", record.message(), extra={FIELDS_ATTR: asdict(record)})
+        logger.log(level, "%s", record.message(), extra={FIELDS_ATTR: dict(vars(record))})
 
 
 class JSONFormatter(logging.Formatter):
