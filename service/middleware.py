@@ -132,8 +132,7 @@ class EdgeMiddleware:
         request_id = _request_id(headers.get("x-request-id"))
         send_edge = self._sender(exchange, send, request_id)
         counted = scope["path"] not in OPEN_PATHS
-        trace = self.state.tracing.start(scope, headers, start) if counted else NO_TRACE
-        trace.set({"poolserve.request_id": request_id})
+        trace = self.state.tracing.start(scope, headers, start, request_id) if counted else NO_TRACE
         scope.setdefault("state", {})[TRACE_KEY] = trace
         self.state.active_requests += counted
         self.inflight.exchanges.add(exchange)

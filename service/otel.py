@@ -21,6 +21,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from starlette.types import Scope
 
 from scheduler.request import PoolingOutput, RequestTimeline
+from service.errors import clip
 from service.tracing import NO_TRACE, Attributes, RequestTrace, SpanRecord, engine_spans
 
 TRACES_PATH = "/v1/traces"
@@ -57,13 +58,16 @@ class OTelTracing:
         """A time.monotonic() instant as nanoseconds since the epoch."""
         return int(instant * 1e9) + self.offset_ns
 
-    def start(self, scope: Scope, headers: Mapping[str, str], start: float) -> RequestTrace:
+    def start(
+        self, scope: Scope, headers: Mapping[str, str], start: float, request_id: str
+    ) -> RequestTrace:
         """The server span, a child of the caller's traceparent when it sent a valid one."""
         method = str(scope.get("method", "GET"))
         client = scope.get("client")
         attributes: dict[str, str | int] = {
             "http.request.method": method,
-            "url.path": str(scope.get("path", "")),
+            "url.path": clip(str(scope.get("path", ""))),  # bounded: a head may be 32 KiB
+            "poolserve.request_id": request_id,
         }
         if client:
             attributes["client.address"] = str(client[0])

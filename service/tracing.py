@@ -59,7 +59,9 @@ class RequestTrace(Protocol):
 class Tracing(Protocol):
     """Starts a trace per HTTP request; flushes what is left at shutdown."""
 
-    def start(self, scope: Scope, headers: Mapping[str, str], start: float) -> RequestTrace:
+    def start(
+        self, scope: Scope, headers: Mapping[str, str], start: float, request_id: str
+    ) -> RequestTrace:
         """A trace for this request, a child of the caller's `traceparent` if it sent one."""
 
     def shutdown(self) -> None:
@@ -87,7 +89,9 @@ class NullTrace:
 class NullTracing:
     """Tracing off."""
 
-    def start(self, scope: Scope, headers: Mapping[str, str], start: float) -> RequestTrace:
+    def start(
+        self, scope: Scope, headers: Mapping[str, str], start: float, request_id: str
+    ) -> RequestTrace:
         """The shared no-op trace."""
         return NO_TRACE
 
