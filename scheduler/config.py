@@ -1,4 +1,4 @@
-"""Scheduler budgets, admission limits, KV geometry, the async and prefix caching switches."""
+"""Scheduler budgets, admission limits, KV geometry, async/prefix-caching/timeline switches."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ class SchedulerConfig:
     # Reuse cached prefix KV blocks for last-token pooling; the engine ignores it for models
     # without causal attention.
     enable_prefix_caching: bool = True
+    # Keep each request's step timings in its output (tracing); off: nothing is recorded.
+    record_timelines: bool = False
 
     def __post_init__(self) -> None:
         """Refuse non-positive sizes and a chunk cap larger than the step budget."""

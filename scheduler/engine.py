@@ -30,6 +30,7 @@ from scheduler.request import (
     PoolingOutput,
     PoolingRequest,
     RequestStatus,
+    StepTiming,
     checked_prompt,
     checked_token_types,
 )
@@ -208,6 +209,7 @@ class Engine:
             arrival_index=request_id,
             priority=priority,
             cache_use=self._cache_use(pooler.pooling_type, token_type_ids),
+            steps=[] if self.config.record_timelines else None,
         )
 
     def _cache_use(self, pooling_type: PoolingType, token_type_ids: np.ndarray | None) -> CacheUse:
@@ -274,6 +276,8 @@ class Engine:
                 self._fail_pooling(request, failures[chunk.request_id])
                 continue
             self.queues.offer_written(request, chunk)
+            if request.steps is not None:
+                request.steps.append(_timing(step, result, len(chunk.token_ids)))
             if chunk.request_id in outputs:
                 self._resolve(request, outputs[chunk.request_id], now)
             elif chunk.is_last:
@@ -339,6 +343,18 @@ class Engine:
             prefix_cache_miss_tokens=self.blocks.num_miss_tokens,
             prefix_cache_evictions=self.blocks.num_evictions,
         )
+
+
+def _timing(step: PreparedStep, result: StepResult, num_tokens: int) -> StepTiming:
+    """A step as one of its requests' timelines records it."""
+    return StepTiming(
+        step.step_index,
+        result.started_at,
+        result.duration_s,
+        step.num_tokens,
+        len(step.chunks),
+        num_tokens,
+    )
 
 
 def _raise_fatal_failure(result: StepResult) -> None:

@@ -28,6 +28,28 @@ class RequestStatus(enum.Enum):
 
 
 @dataclass(frozen=True)
+class StepTiming:
+    """One engine step that ran a chunk of a request."""
+
+    step_index: int
+    started_at: float  # time.monotonic() when the step's forward began
+    duration_s: float  # forward + pooling
+    num_step_tokens: int  # every request's tokens in the step
+    num_step_seqs: int  # chunks in the step
+    num_tokens: int  # this request's chunk
+
+
+@dataclass(frozen=True)
+class RequestTimeline:
+    """Where a request's time went inside the engine (time.monotonic() instants)."""
+
+    arrival_time: float
+    first_scheduled_time: float
+    finished_time: float
+    steps: tuple[StepTiming, ...]
+
+
+@dataclass(frozen=True)
 class PoolingOutput:
     """One finished request: its pooled output on the host and its timings."""
 
@@ -36,6 +58,7 @@ class PoolingOutput:
     num_prompt_tokens: int
     queue_time_s: float
     inference_time_s: float
+    timeline: RequestTimeline | None = None  # only when the engine records timelines
 
 
 @dataclass(eq=False)
@@ -59,6 +82,7 @@ class PoolingRequest:
     cache_use: CacheUse = CacheUse.NONE
     block_hashes: list[bytes] = field(default_factory=list)  # of leading full blocks, as needed
     num_offered_blocks: int = 0  # leading blocks found in or offered to the prefix cache
+    steps: list[StepTiming] | None = None  # the steps it ran in; None: timelines are off
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -82,12 +106,16 @@ class PoolingRequest:
     def output(self, pooled: torch.Tensor, now: float) -> PoolingOutput:
         """The caller's view of this request finished at `now` with its pooled host tensor."""
         started = self.first_scheduled_time or now
+        timeline = None
+        if self.steps is not None:
+            timeline = RequestTimeline(self.arrival_time, started, now, tuple(self.steps))
         return PoolingOutput(
             request_id=self.request_id,
             data=np.asarray(pooled.numpy(), dtype=np.float32),
             num_prompt_tokens=self.num_prompt_tokens,
             queue_time_s=started - self.arrival_time,
             inference_time_s=now - started,
+            timeline=timeline,
         )
 
 

@@ -59,6 +59,7 @@ class StepResult:
     copy_done: torch.cuda.Event | None  # set when the D2H copy has landed (CUDA only)
     num_tokens: int
     duration_s: float
+    started_at: float  # time.monotonic() when the forward began
 
 
 class Runner:
@@ -125,6 +126,7 @@ class Runner:
 
     def execute(self, step: PreparedStep) -> StepResult:
         """Forward, pool and start the D2H copy of finished outputs (worker thread)."""
+        started_at = time.monotonic()
         start = time.perf_counter()
         try:
             with torch.inference_mode():
@@ -154,6 +156,7 @@ class Runner:
             copy_done,
             step.num_tokens,
             time.perf_counter() - start,
+            started_at,
         )
 
     def _forward(self, step: PreparedStep) -> torch.Tensor:

@@ -40,6 +40,7 @@ from service.pooler_config import PoolerDefaults, parse_pooler_config
 from service.prompts import Prompts
 from service.settings import DEFAULT_MODEL_ID, ServerSettings
 from service.state import ModelHandle, ServiceState, TextLimits, TruncationSide
+from service.tracing import build_tracing
 from service.windows import special_tokens
 
 logger = logging.getLogger(__name__)
@@ -56,7 +57,11 @@ WARMUP_TEXT = "poolserve warm-up"
 
 def create_app(settings: ServerSettings) -> FastAPI:
     """A server app; the model loads in the lifespan, /ready turns 200 after warm-up."""
-    state = ServiceState(settings=settings, metrics=ServiceMetrics())
+    state = ServiceState(
+        settings=settings,
+        metrics=ServiceMetrics(),
+        tracing=build_tracing(settings.otlp_traces_endpoint),
+    )
     inflight = InFlight()
 
     @asynccontextmanager
@@ -69,6 +74,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
             if state.engine is not None:
                 # the HTTP side had the drain; work still queued now has nobody waiting for it
                 await state.engine.drain(0.0)
+            await asyncio.to_thread(state.tracing.shutdown)
 
     app = FastAPI(
         title="poolserve",
@@ -238,6 +244,7 @@ def _scheduler_config(
         async_scheduling=settings.async_scheduling,
         # bidirectional attention: a position's KV depends on later tokens, so nothing is shared
         enable_prefix_caching=settings.enable_prefix_caching and loaded.spec.is_causal,
+        record_timelines=settings.otlp_traces_endpoint is not None,
     )
 
 

@@ -13,13 +13,17 @@ from typing import get_args, get_origin
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
+from service.logs import configure_logging
 from service.memory import fix_mmap_threshold
 from service.settings import ServerSettings
+from service.tracing import TracingUnavailableError, require_tracing
 
 # Flags whose presence flips a boolean setting off.
 NEGATED_FLAGS = {"async_scheduling": "--no-async-scheduling"}
 # Boolean settings with a flag for each value: --NAME and --no-NAME.
-PAIRED_FLAGS = frozenset({"enable_prefix_caching", "auto_truncate", "allow_credentials"})
+PAIRED_FLAGS = frozenset(
+    {"enable_prefix_caching", "auto_truncate", "allow_credentials", "access_log"}
+)
 LIST_FORMS = "several values, a JSON list or comma-separated"
 
 
@@ -112,11 +116,17 @@ def parse_settings(argv: Sequence[str] | None = None) -> ServerSettings:
     skipped = {"command", "model_tag"}
     given = {k: v for k, v in vars(args).items() if k not in skipped and v is not None}
     try:
-        return ServerSettings(**given)
+        settings = ServerSettings(**given)
+        if settings.otlp_traces_endpoint is not None:
+            require_tracing()  # a missing package is refused now, before a model loads
     except ValidationError as exc:
         problems = "; ".join(_problem(e["loc"], e["msg"]) for e in exc.errors())
         parser.error(problems)
         raise  # unreachable: parser.error exits
+    except TracingUnavailableError as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits
+    return settings
 
 
 def _problem(loc: tuple[int | str, ...], message: str) -> str:
@@ -130,11 +140,7 @@ def _problem(loc: tuple[int | str, ...], message: str) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     """Run the server until SIGTERM/SIGINT, then drain and exit 0."""
     settings = parse_settings(argv)
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(settings.log_level, settings.log_format)
     # Before torch loads and threads start: allocations after this follow the fixed threshold.
     fix_mmap_threshold()
     from service.server import run_server  # imported late: loading torch is slow for --help

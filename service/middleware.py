@@ -27,16 +27,18 @@ from service.errors import (
     http_error_response,
     response_for,
 )
+from service.logs import ACCESS_LOGGER, CLIENT_CLOSED, access_record, log_access
 from service.state import ServiceState
+from service.tracing import NO_TRACE, TRACE_KEY, RequestTrace
 
 logger = logging.getLogger(__name__)
+ACCESS_LOG = logging.getLogger(ACCESS_LOGGER)
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 # Sent twice, these could be read one way by a proxy and another by us: refused.
 SINGLE_HEADERS = frozenset({"authorization", "content-length", "content-type", "host"})
 REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 SECURITY_HEADERS = [(b"x-content-type-options", b"nosniff")]
-CLIENT_CLOSED = 499  # nginx's status for a client that left before its answer
 NDJSON = b"application/x-ndjson"
 # How long the answers at a drain deadline may take before their connections are dropped.
 SEND_TIMEOUT_S = 0.25
@@ -122,7 +124,7 @@ class EdgeMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        start = time.perf_counter()
+        start = time.monotonic()
         task = asyncio.current_task()
         assert task is not None
         exchange = Exchange(task)
@@ -130,10 +132,12 @@ class EdgeMiddleware:
         given = headers.get("x-request-id")
         # kept in the request's state, so a route may adopt a body's request_id (vLLM's field)
         state = scope.setdefault("state", {})
-        state["request_id"] = _request_id(given)
-        state["request_id_given"] = state["request_id"] == given
+        request_id = state["request_id"] = _request_id(given)
+        state["request_id_given"] = request_id == given
         send_edge = self._sender(exchange, send, state)
         counted = scope["path"] not in OPEN_PATHS
+        trace = self.state.tracing.start(scope, headers, start, request_id) if counted else NO_TRACE
+        state[TRACE_KEY] = trace
         self.state.active_requests += counted
         self.inflight.exchanges.add(exchange)
         try:
@@ -147,7 +151,8 @@ class EdgeMiddleware:
         finally:
             self.inflight.exchanges.discard(exchange)
             self.state.active_requests -= counted
-            self._record(scope, exchange, time.perf_counter() - start)
+            # the id the response carried: a route may have adopted the body's request_id
+            self._record(scope, exchange, start, str(state["request_id"]), trace)
 
     async def _serve(
         self,
@@ -270,19 +275,27 @@ class EdgeMiddleware:
         except TimeoutError:
             logger.info("abandoned the answer to a client that stopped reading")
 
-    def _record(self, scope: Scope, exchange: Exchange, duration_s: float) -> None:
+    def _record(
+        self, scope: Scope, exchange: Exchange, start: float, request_id: str, trace: RequestTrace
+    ) -> None:
+        end = time.monotonic()
         route: Any = scope.get("route")
         endpoint = getattr(route, "path", None) or "unmatched"
         task = str(scope.get("state", {}).get("task", "none"))
         status = exchange.outcome()
-        if status == CLIENT_CLOSED:
+        trace.finish(getattr(route, "path", None), status, end)
+        if self.state.settings.access_log:  # its 499 line says the client closed the connection
+            level = logging.DEBUG if scope["path"] in OPEN_PATHS else logging.INFO
+            record = access_record(scope, endpoint, status, end - start, request_id, trace.trace_id)
+            log_access(ACCESS_LOG, record, level)
+        elif status == CLIENT_CLOSED:
             logger.info(
                 "client closed the connection before its answer: %s %s",
                 scope["method"],
                 clip(scope["path"]),
             )
         self.state.metrics.requests.labels(endpoint, task, str(status)).inc()
-        self.state.metrics.request_duration.labels(endpoint).observe(duration_s)
+        self.state.metrics.request_duration.labels(endpoint).observe(end - start)
 
 
 def _first_values(raw: Iterable[tuple[bytes, bytes]]) -> tuple[dict[str, str], str | None]:

@@ -27,7 +27,15 @@ from service.encoding import (
 )
 from service.errors import InvalidRequestError, error_line
 from service.pooler_config import PoolerDefaults
-from service.runs import Submitted, as_completed, gather, service_state, submit, timing_headers
+from service.runs import (
+    Submitted,
+    as_completed,
+    encoded,
+    gather,
+    service_state,
+    submit,
+    timing_headers,
+)
 from service.schemas import ClassifyRequest, EmbeddingRequest, InputBody, PoolingRequestBody
 
 router = APIRouter(route_class=StrictJSONRoute)
@@ -124,7 +132,7 @@ async def _answer(
         response = await asyncio.to_thread(_binary, fields, outputs, body)
         service_state(request).metrics.output_bytes.inc(len(response.body))
         return response
-    return await _respond(request, await asyncio.to_thread(encode), outputs)
+    return await _respond(request, await encoded(request, encode), outputs)
 
 
 @router.post("/v1/embeddings")
@@ -268,7 +276,7 @@ async def classify(body: ClassifyRequest, request: Request) -> Response:
         "data": data,
         "usage": _usage(run),
     }
-    return await _respond(request, await asyncio.to_thread(dumps, answer), outputs)
+    return await _respond(request, await encoded(request, dumps, answer), outputs)
 
 
 def _defaults(request: Request) -> PoolerDefaults:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
@@ -22,7 +21,16 @@ from service.encoding import StrictJSONRoute, dumps
 from service.errors import InvalidRequestError
 from service.inputs import truncation_for
 from service.pairs import PairTruncation, PromptMode, ScoreJob, tokenize_job
-from service.runs import Submitted, check_serving, gather, service_state, timing_headers
+from service.runs import (
+    Submitted,
+    admitted,
+    check_serving,
+    encoded,
+    gather,
+    service_state,
+    timing_headers,
+    tokenized,
+)
 from service.schemas import RerankRequestBody, ScoreRequestBody, TEIRerankRequest
 
 logger = logging.getLogger(__name__)
@@ -69,10 +77,11 @@ async def run_job(request: Request, job: ScoreJob) -> Scored:
     engine.precheck(len(job.pairs) if joint else len(job.queries) + len(job.documents))
     truncation = truncation_for(job.truncate_prompt_tokens, job.truncation_side, model)
     cuts = PairTruncation(truncation.keep, truncation.side, job.max_tokens_per_doc)
-    started = time.perf_counter()
+    started = time.monotonic()
     mode = _prompt_mode(joint, engine.pooling_info.is_decoder)
     prompts = await tokenize_job(job, model, mode, cuts, state.metrics.on_reject)
-    state.metrics.tokenization.observe(time.perf_counter() - started)
+    num_tokens = sum(len(p.token_ids) for p in prompts)
+    tokenized(request, started, len(prompts), num_tokens)
     types = [p.token_type_ids for p in prompts]
     futures = engine.submit_many(
         [p.token_ids for p in prompts],
@@ -80,8 +89,7 @@ async def run_job(request: Request, job: ScoreJob) -> Scored:
         job.priority,
         types if any(t is not None for t in types) else None,
     )
-    num_tokens = sum(len(p.token_ids) for p in prompts)
-    state.metrics.prompt_tokens.inc(num_tokens)
+    admitted(request, num_tokens)
     outputs = await gather(request, Submitted(engine, model, tuple(futures), num_tokens))
     return Scored(_scores(job, outputs, plan), tuple(outputs), num_tokens, model.served_name)
 
@@ -120,7 +128,7 @@ async def _answer(
     request: Request, document: object, outputs: tuple[PoolingOutput, ...]
 ) -> Response:
     """The JSON answer with the timing headers; its bytes are counted."""
-    body = await asyncio.to_thread(dumps, document)
+    body = await encoded(request, dumps, document)
     service_state(request).metrics.output_bytes.inc(len(body))
     return Response(body, media_type="application/json", headers=timing_headers(outputs))
 

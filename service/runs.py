@@ -21,9 +21,11 @@ from service.errors import (
     ShutdownError,
 )
 from service.inputs import RawInputs, run_budgeted, split_input, tokenize, truncation_for
+from service.logs import PROMPT_TOKENS_KEY
 from service.prompts import prepend, prompt_length
 from service.schemas import InputBody, PromptFields
 from service.state import ModelHandle, ServiceState
+from service.tracing import NO_TRACE, RequestTrace, SpanRecord, trace_of
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,7 @@ class Submitted:
     model: ModelHandle
     futures: tuple[asyncio.Future[PoolingOutput], ...]
     num_prompt_tokens: int
+    trace: RequestTrace = NO_TRACE
 
 
 def service_state(request: Request) -> ServiceState:
@@ -74,7 +77,7 @@ async def submit(
     engine.check_params(params)
     engine.precheck(1 if raw is None else len(raw))  # 429 before any tokenization work
     truncation = truncation_for(body.truncate_prompt_tokens, body.truncation_side, model)
-    started = time.perf_counter()
+    started = time.monotonic()
     if raw is None:  # vLLM's chat form: one conversation, its template adds the specials
         trusted = state.settings.trust_request_chat_template
         text = await render_messages(body, model, trusted, state.metrics.on_reject)
@@ -84,11 +87,36 @@ async def submit(
         body.add_special_tokens if body.add_special_tokens is not None else not chat
     )
     prompts = await tokenize(raw, model, truncation, state.metrics.on_reject, add_special_tokens)
-    state.metrics.tokenization.observe(time.perf_counter() - started)
-    futures = engine.submit_many(prompts, params, body.priority)
     num_tokens = sum(len(p) for p in prompts)
-    state.metrics.prompt_tokens.inc(num_tokens)
-    return Submitted(engine, model, tuple(futures), num_tokens)
+    tokenized(request, started, len(prompts), num_tokens)
+    futures = engine.submit_many(prompts, params, body.priority)
+    admitted(request, num_tokens)
+    return Submitted(engine, model, tuple(futures), num_tokens, trace_of(request))
+
+
+def tokenized(request: Request, started: float, num_inputs: int, num_tokens: int) -> None:
+    """Account a request's tokenization (from time.monotonic() `started`): metric and span."""
+    ended = time.monotonic()
+    service_state(request).metrics.tokenization.observe(ended - started)
+    attributes = {"poolserve.inputs": num_inputs, "poolserve.prompt_tokens": num_tokens}
+    trace_of(request).record(SpanRecord("tokenize", started, ended, attributes))
+
+
+def admitted(request: Request, num_tokens: int) -> None:
+    """Account prompt tokens the engine took: the metric, the access log, the request span."""
+    service_state(request).metrics.prompt_tokens.inc(num_tokens)
+    request.scope.setdefault("state", {})[PROMPT_TOKENS_KEY] = num_tokens
+    task = str(getattr(request.state, "task", "none"))
+    trace_of(request).set({"poolserve.prompt_tokens": num_tokens, "poolserve.task": task})
+
+
+async def encoded(request: Request, work: Callable[..., bytes], *args: object) -> bytes:
+    """A response body encoded in a worker thread, as the request's `encode` span."""
+    started = time.monotonic()
+    body = await asyncio.to_thread(work, *args)
+    attributes = {"poolserve.output_bytes": len(body)}
+    trace_of(request).record(SpanRecord("encode", started, time.monotonic(), attributes))
+    return body
 
 
 def _prompt(raw: RawInputs, model: ModelHandle, body: InputBody) -> str | None:
@@ -132,7 +160,9 @@ async def gather(request: Request, run: Submitted) -> list[PoolingOutput]:
         if not finished.done():
             raise ClientDisconnectedError("the client closed the connection")
         # every future is done unless one failed; then the first failure in input order raises
-        return [_output(f) for f in run.futures if f.done()]
+        outputs = [_output(f) for f in run.futures if f.done()]
+        trace_of(request).add_outputs(outputs)
+        return outputs
     finally:
         watcher.cancel()
         for future in run.futures:
@@ -155,7 +185,9 @@ async def as_completed(run: Submitted) -> AsyncGenerator[tuple[int, PoolingOutpu
         while pending:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for future in sorted(done, key=index_of.__getitem__):
-                yield index_of[future], _output(future)
+                output = _output(future)
+                run.trace.add_outputs((output,))
+                yield index_of[future], output
     finally:
         _cancel_unfinished(run)
 

@@ -213,7 +213,8 @@ def run_server(settings: ServerSettings) -> None:
         timeout_graceful_shutdown=CLOSE_GRACE_S,
         h11_max_incomplete_event_size=HEAD_LIMIT_BYTES,
         server_header=False,
-        access_log=False,
+        access_log=False,  # the edge middleware writes the access log
+        log_config=None,  # uvicorn's records go through the root handler (text or JSON)
         ssl_keyfile=settings.ssl_keyfile,  # both or neither: the settings check the pair
         ssl_certfile=settings.ssl_certfile,
     )

@@ -6,6 +6,7 @@ import json
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -173,6 +174,22 @@ class ServerSettings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Logging level."
     )
+    log_format: Literal["text", "json"] = Field(
+        "text",
+        description="Log records as text lines, or as one JSON object per line with stable keys "
+        "(time, level, logger, message, plus the access log's fields).",
+    )
+    access_log: bool = Field(
+        True,
+        description="One log line per HTTP request (logger poolserve.access): method, path, "
+        "route, status, latency, prompt tokens, request id; probes and scrapes at debug level.",
+    )
+    otlp_traces_endpoint: str | None = Field(
+        None,
+        description="Export OpenTelemetry traces over OTLP/HTTP (protobuf) to this URL, e.g. "
+        "http://collector:4318/v1/traces (a bare host:port URL gets /v1/traces); needs the "
+        "`tracing` extra. Off by default.",
+    )
 
     @field_validator(
         "served_model_name", "allowed_origins", "allowed_methods", "allowed_headers", mode="before"
@@ -239,6 +256,17 @@ class ServerSettings(BaseSettings):
             p.strip().isdigit() and int(p) > 0 for p in value.split(",")
         ):
             raise ValueError("must be positive integers separated by commas, e.g. 512,256,128")
+        return value
+
+    @field_validator("otlp_traces_endpoint")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        """An http(s) URL with a host, refused at startup otherwise."""
+        if value is None:
+            return None
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError("must be an http:// or https:// URL, e.g. http://localhost:4318")
         return value
 
     @property

@@ -15,6 +15,7 @@ from service.metrics import ServiceMetrics
 from service.pooler_config import PoolerDefaults
 from service.prompts import Prompts
 from service.settings import ServerSettings
+from service.tracing import NO_TRACING, Tracing
 
 TruncationSide = Literal["left", "right"]
 
@@ -114,6 +115,7 @@ class ServiceState:
     device: str = "cpu"
     dtype: str = "float32"
     supported_tasks: tuple[PoolingTask, ...] = field(default_factory=tuple)
+    tracing: Tracing = NO_TRACING
 
     @property
     def default_task(self) -> PoolingTask:

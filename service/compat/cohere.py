@@ -6,7 +6,6 @@ Shapes read from the `cohere` SDK's v2 client (the `embed` request fields and
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import uuid
 from collections.abc import Callable, Sequence
@@ -22,7 +21,7 @@ from scheduler.request import PoolingOutput
 from service.encoding import StrictJSONRoute, dumps
 from service.errors import InvalidRequestError
 from service.pooler_config import PoolerDefaults
-from service.runs import gather, service_state, submit, timing_headers
+from service.runs import encoded, gather, service_state, submit, timing_headers
 from service.schemas import EmbeddingRequest, RequestBody
 
 logger = logging.getLogger(__name__)
@@ -181,7 +180,7 @@ async def embed(body: CohereEmbedRequest, request: Request) -> Response:
     own = _own_request(body, texts, prompt_name)
     run = await submit(request, own, PoolingTask.EMBED, params)
     outputs = await gather(request, run)
-    answer = await asyncio.to_thread(_encode, texts, kinds, outputs, run.num_prompt_tokens)
+    answer = await encoded(request, _encode, texts, kinds, outputs, run.num_prompt_tokens)
     state.metrics.output_bytes.inc(len(answer))
     return Response(answer, media_type="application/json", headers=timing_headers(outputs))
 

@@ -7,7 +7,6 @@ Shapes read from Infinity's server (`infinity_server.py`) and its pydantic model
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import Sequence
@@ -22,7 +21,7 @@ from service.encoding import StrictJSONRoute, document, dumps, encode_item
 from service.errors import InvalidRequestError
 from service.pairs import ScoreJob
 from service.pooler_config import PoolerDefaults
-from service.runs import check_serving, gather, service_state, submit, timing_headers
+from service.runs import check_serving, encoded, gather, service_state, submit, timing_headers
 from service.schemas import InputBody, RequestBody
 
 router = APIRouter(route_class=StrictJSONRoute)
@@ -105,7 +104,7 @@ async def embeddings(body: InfinityEmbeddingRequest, request: Request) -> Respon
         )
         return document(fields, "data", items)
 
-    answer = await asyncio.to_thread(encode)
+    answer = await encoded(request, encode)
     state.metrics.output_bytes.inc(len(answer))
     return Response(answer, media_type="application/json", headers=timing_headers(outputs))
 

@@ -5,7 +5,6 @@ Shapes read from TEI's router (`router/src/http/types.rs`).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Sequence
 from typing import Any, Literal, TypeVar
@@ -18,7 +17,7 @@ from starlette.responses import Response
 from pooling.params import PoolingParams, PoolingTask
 from scheduler.request import PoolingOutput
 from service.encoding import dumps
-from service.runs import service_state, timing_headers
+from service.runs import encoded, service_state, timing_headers
 from service.schemas import RequestBody
 
 logger = logging.getLogger(__name__)
@@ -62,7 +61,7 @@ def best_first(scores: Sequence[float]) -> list[int]:
 
 async def answer(request: Request, document: object, outputs: Sequence[PoolingOutput]) -> Response:
     """TEI's JSON (float32 numbers as written) with the timing headers; its bytes counted."""
-    body = await asyncio.to_thread(dumps, document)
+    body = await encoded(request, dumps, document)
     service_state(request).metrics.output_bytes.inc(len(body))
     return Response(body, media_type="application/json", headers=timing_headers(outputs))
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Literal
 
 from fastapi import APIRouter, Request
@@ -13,7 +12,7 @@ from pooling.params import PoolingParams, PoolingTask
 from scheduler.request import PoolingOutput
 from service.compat.tei_common import TEIBody
 from service.encoding import StrictJSONRoute, dumps, sparse_parts
-from service.runs import gather, service_state, submit, timing_headers
+from service.runs import encoded, gather, service_state, submit, timing_headers
 from service.schemas import EmbeddingRequest, Input
 
 router = APIRouter(route_class=StrictJSONRoute)
@@ -40,7 +39,7 @@ async def embed_sparse(body: EmbedSparseRequest, request: Request) -> Response:
     task = PoolingTask.EMBED_SPARSE
     run = await submit(request, own, task, PoolingParams(task=task))
     outputs = await gather(request, run)
-    answer = await asyncio.to_thread(_encode, outputs)
+    answer = await encoded(request, _encode, outputs)
     service_state(request).metrics.output_bytes.inc(len(answer))
     return Response(answer, media_type="application/json", headers=timing_headers(outputs))
 
