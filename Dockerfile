@@ -54,8 +54,9 @@ COPY service ./service
 COPY scheduler ./scheduler
 COPY models ./models
 COPY pooling ./pooling
-# Non-editable and without dev extras: the image carries only what the server runs.
-RUN pip install --no-cache-dir .
+# Non-editable and without dev extras: the image carries only what the server runs, tracing
+# included (--otlp-traces-endpoint; a few MB of OpenTelemetry, imported only when it is set).
+RUN pip install --no-cache-dir ".[tracing]"
 
 FROM base AS runtime
 ARG VARIANT
