@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     reports: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory(prefix="poolserve-fleet-") as tmp:
         if args.mode == "scale":

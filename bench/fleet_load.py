@@ -23,6 +23,7 @@ from bench.loadgen import percentile_ms
 WORDS = ("replica", "balancer", "pooling", "embedding", "token", "restart", "drain", "queue",
          "batch", "latency", "throughput", "vector", "sentence", "model", "request", "answer")
 REQUEST_TIMEOUT_S = 120.0
+DETAIL_CHARS = 200
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class Outcome:
     status: int | None  # None: no HTTP answer (transport error)
     error: str | None  # None for a 200 holding one embedding per input
     prompt_tokens: int
+    detail: str = ""  # the start of a failed answer's body, or the transport error's text
 
     @property
     def ok(self) -> bool:
@@ -142,7 +144,7 @@ class ClosedLoop:
                 return
             payload, expected = self.bodies[index % len(self.bodies)]
             start = time.perf_counter()
-            status, error, tokens = None, None, 0
+            status, error, tokens, detail = None, None, 0, ""
             try:
                 response = await client.post(
                     self.url, content=payload, headers={"content-type": "application/json"}
@@ -150,9 +152,11 @@ class ClosedLoop:
                 status, error = response.status_code, _error_of(response, expected)
                 if error is None:
                     tokens = int(orjson.loads(response.content)["usage"]["prompt_tokens"])
+                else:
+                    detail = response.text[:DETAIL_CHARS]
             except httpx.HTTPError as exc:
-                error = type(exc).__name__
+                error, detail = type(exc).__name__, str(exc)[:DETAIL_CHARS]
             end = time.perf_counter()
             self.outcomes.append(
-                Outcome(start - self.origin, end - start, status, error, tokens)
+                Outcome(start - self.origin, end - start, status, error, tokens, detail)
             )

@@ -54,6 +54,14 @@ def _served(text: str) -> int:
     return int(total)
 
 
+def _replaced(url: str, victim: str, expected: int) -> bool:
+    """Serve runs `expected` replicas again, and all of them answer, none being the victim."""
+    if running_replicas() != expected:
+        return False
+    answering = replica_counts(url, expected, tries=20)
+    return len(answering) == expected and victim not in answering
+
+
 def running_replicas() -> int:
     """Replicas Serve reports RUNNING."""
     from ray import serve
@@ -88,8 +96,8 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     killed_at = load.now()
     ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
     logger.info("killed %s at %.1f s", victim, killed_at)
-    time.sleep(2.0)  # the controller notices the death at its next health check
-    wait_for(lambda: running_replicas() == args.replicas, 300.0, "Serve to replace the replica")
+    wait_for(lambda: _replaced(url, victim, args.replicas), 300.0,
+             "Serve to replace the replica")
     replaced_at = load.now()
     time.sleep(args.phase_s)
     after = replica_counts(url, args.replicas)
@@ -99,8 +107,9 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     ray.shutdown()
     return {
         "replicas": args.replicas, "concurrency": args.concurrency,
-        "sent": summary.sent, "failed": summary.failed, "failures": summary.failures,
-        "failed_at_s": [round(o.started_s, 2) for o in failed],
+        "sent": summary.sent, "num_failed": summary.failed, "failures": summary.failures,
+        "failed": [{"started_s": round(o.started_s, 2), "latency_s": round(o.latency_s, 2),
+                    "error": o.error, "detail": o.detail} for o in failed],
         "killed": victim, "killed_at_s": round(killed_at, 2),
         "replaced_at_s": round(replaced_at, 2),
         "served_200_before_kill": before, "served_200_at_end": after,
@@ -121,6 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     report = run(args)
     text = json.dumps(report, indent=2)
     print(text)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs the external tools the deployment tests run, from Debian/Ubuntu apt: promtool and
-# prometheus (package prometheus) and docker-compose (package docker-compose).
+# prometheus (package prometheus), docker-compose (package docker-compose) and haproxy.
 # Idempotent: installs only what is missing, and prints nothing when nothing is.
 # Needs root or passwordless sudo. Without either (or without apt) it prints what to install and
 # exits 0, and the tests that need a missing tool skip saying so; under CI (CI=true) a missing
@@ -11,6 +11,7 @@ declare -A PACKAGE_FOR_COMMAND=(
     [promtool]=prometheus
     [prometheus]=prometheus
     [docker-compose]=docker-compose
+    [haproxy]=haproxy
 )
 
 missing=()

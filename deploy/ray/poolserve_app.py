@@ -65,6 +65,7 @@ class ReplicaHeader:
         await self.app(scope, receive, send_named)
 
 
+@serve.deployment
 @serve.ingress()
 class PoolserveReplica:
     """One engine on one device; HTTP goes to poolserve's own app."""
