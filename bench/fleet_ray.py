@@ -67,7 +67,7 @@ def running_replicas() -> int:
     from ray import serve
 
     status = serve.status().applications[APP_NAME].deployments[DEPLOYMENT]
-    return int(status.replica_states.get("RUNNING", 0))
+    return sum(n for state, n in status.replica_states.items() if state == "RUNNING")
 
 
 def run(args: argparse.Namespace) -> dict[str, object]:

@@ -65,7 +65,6 @@ class ReplicaHeader:
         await self.app(scope, receive, send_named)
 
 
-@serve.deployment
 @serve.ingress()
 class PoolserveReplica:
     """One engine on one device; HTTP goes to poolserve's own app."""
@@ -124,7 +123,7 @@ def build(args: dict[str, str]) -> Application:
         }
     else:
         options["num_replicas"] = int(args.get("num_replicas", 1))
-    return PoolserveReplica.options(**options).bind(server_args)
+    return serve.deployment(**options)(PoolserveReplica).bind(server_args)
 
 
 def _cluster_has_gpus() -> bool:
