@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the external tools the deployment tests run, from Debian/Ubuntu apt: promtool and
-# prometheus (package prometheus), docker-compose (package docker-compose) and openssl (the TLS
-# tests' self-signed certificates).
+# prometheus (package prometheus), docker-compose (package docker-compose), haproxy, kubectl
+# (package kubernetes-client) and openssl (the TLS tests' self-signed certificates).
 # Idempotent: installs only what is missing, and prints nothing when nothing is.
 # Needs root or passwordless sudo. Without either (or without apt) it prints what to install and
 # exits 0, and the tests that need a missing tool skip saying so; under CI (CI=true) a missing
@@ -12,6 +12,7 @@ declare -A PACKAGE_FOR_COMMAND=(
     [promtool]=prometheus
     [prometheus]=prometheus
     [docker-compose]=docker-compose
+    [haproxy]=haproxy
     [kubectl]=kubernetes-client
     [openssl]=openssl
 )

@@ -243,7 +243,8 @@ class EdgeMiddleware:
                 headers = [*message.get("headers", []), *SECURITY_HEADERS]
                 headers.append((b"x-request-id", str(state["request_id"]).encode()))
                 closes = any(k == b"connection" for k, _ in headers)
-                if self.state.draining and not closes:  # keep-alive clients go elsewhere
+                leaving = self.state.draining or self.state.leaving
+                if leaving and not closes:  # keep-alive clients go elsewhere
                     headers.append((b"connection", b"close"))
                 types = (v for k, v in headers if k == b"content-type")
                 exchange.streaming = any(v.startswith(NDJSON) for v in types)

@@ -201,7 +201,7 @@ async def ready(request: Request) -> Response:
     state = service_state(request)
     if state.accepting():
         return _json({"status": "ready"})
-    reason = "draining" if state.draining else "not_ready"
+    reason = "draining" if state.draining or state.leaving else "not_ready"
     if state.engine is not None and state.engine.dead_reason is not None:
         reason = "engine_dead"
     return error_response(503, f"not ready: {reason}", "service_unavailable", None, reason)

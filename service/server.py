@@ -39,24 +39,46 @@ class DrainingServer(uvicorn.Server):
         self.state = state
         self.inflight = inflight
         self.drain_deadline: float | None = None
+        self.refuse_at: float | None = None  # when new work starts getting 503
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        """First signal: drain (readiness 503, new work 503); a second one exits at once."""
+        """First signal: readiness 503, then after --drain-delay new work 503; a second exits."""
         if self.drain_deadline is not None or not self.state.ready:
             super().handle_exit(sig, frame)
             return
+        settings = self.state.settings
+        delay = min(settings.drain_delay, settings.shutdown_timeout)
         logger.info(
-            "signal %d: draining for up to %.1fs", sig, self.state.settings.shutdown_timeout
+            "signal %d: not ready; refusing new work in %.1fs, exiting within %.1fs",
+            sig, delay, settings.shutdown_timeout,
         )
+        now = time.monotonic()
+        self.state.leaving = True
+        self.refuse_at = now + delay
+        self.drain_deadline = now + settings.shutdown_timeout
+        if delay == 0:
+            self._start_refusing()
+
+    def _start_refusing(self) -> None:
+        """New work gets 503 from now on; idle keep-alive connections close.
+
+        After the delay a load balancer has stopped routing here, so closing a connection it
+        keeps idle races with no request; the busy ones close after their answer.
+        """
         self.state.draining = True
-        self.drain_deadline = time.monotonic() + self.state.settings.shutdown_timeout
+        if self.state.settings.drain_delay > 0:
+            for connection in list(self.server_state.connections):
+                connection.shutdown()
 
     async def on_tick(self, counter: int) -> bool:
-        """Exit once a drain has no in-flight work left or its deadline passed."""
-        if self.drain_deadline is not None:
+        """Refuse new work once the delay passed; exit once no work is left or at the deadline."""
+        if self.drain_deadline is not None and self.refuse_at is not None:
+            now = time.monotonic()
+            if not self.state.draining and now >= self.refuse_at:
+                self._start_refusing()
             engine_busy = self.state.engine is not None and bool(self.state.engine.queues)
             idle = self.state.active_requests == 0 and not engine_busy
-            if idle or time.monotonic() >= self.drain_deadline:
+            if self.state.draining and (idle or now >= self.drain_deadline):
                 self.should_exit = True
         return await super().on_tick(counter)
 

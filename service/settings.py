@@ -166,6 +166,14 @@ class ServerSettings(BaseSettings):
         description="Seconds in-flight requests get to finish on SIGTERM; then they get 503 and "
         "the process exits (within about 2 s more).",
     )
+    drain_delay: float = Field(
+        0.0,
+        ge=0,
+        description="Seconds after SIGTERM during which /ready answers 503 but new work is still "
+        "served (each answer closes its connection), so a load balancer's health check takes the "
+        "replica out before it refuses anything; set it above the balancer's check interval times "
+        "its failure count. Part of --shutdown-timeout, not added to it.",
+    )
     body_timeout: float = Field(
         30.0,
         gt=0,

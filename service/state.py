@@ -111,6 +111,7 @@ class ServiceState:
     engine: Engine | None = None
     ready: bool = False
     draining: bool = False
+    leaving: bool = False  # SIGTERM arrived: /ready is 503, work is served until draining
     active_requests: int = 0
     device: str = "cpu"
     dtype: str = "float32"
@@ -123,10 +124,11 @@ class ServiceState:
         return next(t for t in DEFAULT_TASK_ORDER if t in self.supported_tasks)
 
     def accepting(self) -> bool:
-        """True when inference requests may start."""
+        """True when the server reports ready: inference requests may start and will go on to."""
         return (
             self.ready
             and not self.draining
+            and not self.leaving
             and self.engine is not None
             and self.engine.dead_reason is None
         )

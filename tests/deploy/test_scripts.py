@@ -17,7 +17,7 @@ from tests.deploy.tools import REPO_ROOT, require_tool, run_tool
 pytestmark = pytest.mark.slow
 
 SCRIPTS = ("scripts/install-test-tools.sh", "scripts/docker-smoke.sh", "scripts/gpu_check.sh")
-INSTALLED_TOOLS = ("promtool", "prometheus", "docker-compose", "kubectl", "openssl")
+INSTALLED_TOOLS = ("promtool", "prometheus", "docker-compose", "kubectl", "openssl", "haproxy")
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -66,7 +66,7 @@ def test_installer_without_rights_says_what_to_install(
     (line,) = [line for line in result.stderr.splitlines() if hint in line]
     packages = line.split(hint, 1)[1].split()
     assert packages == sorted(packages)
-    assert {"docker-compose", "kubernetes-client", "openssl", "prometheus"} <= set(packages), line
+    assert {"docker-compose", "haproxy", "kubernetes-client", "openssl", "prometheus"} <= set(packages), line
 
 
 @pytest.mark.parametrize("ci", ["", "true"])

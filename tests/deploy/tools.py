@@ -28,6 +28,7 @@ SOURCE_OF_TOOL = {
     "promtool": "Debian's `prometheus` package",
     "prometheus": "Debian's `prometheus` package",
     "docker-compose": "Debian's `docker-compose` package",
+    "haproxy": "Debian's `haproxy` package",
     "openssl": "Debian's `openssl` package",
     "hadolint": "the dev extra (`pip install -e '.[dev]'`)",
     "shellcheck": "the dev extra (`pip install -e '.[dev]'`)",
