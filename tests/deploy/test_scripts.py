@@ -66,7 +66,8 @@ def test_installer_without_rights_says_what_to_install(
     (line,) = [line for line in result.stderr.splitlines() if hint in line]
     packages = line.split(hint, 1)[1].split()
     assert packages == sorted(packages)
-    assert {"docker-compose", "haproxy", "kubernetes-client", "openssl", "prometheus"} <= set(packages), line
+    wanted = {"docker-compose", "haproxy", "kubernetes-client", "openssl", "prometheus"}
+    assert wanted <= set(packages), line
 
 
 @pytest.mark.parametrize("ci", ["", "true"])
