@@ -34,10 +34,14 @@ from bench.efficiency import (
 from bench.engine_bench import save_decoder
 from bench.peers import PeerJob, PeerResult, run_in_child
 from bench.plotting import pyplot
+from service.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 
 LONG_PROMPT = 512
+# The encoder rows run the server's default step budget (what `poolserve serve` runs); the decoder
+# rows keep PeerJob's 2,048, the budget of their recorded runs and of bench/engine_bench.py.
+SERVER_STEP_TOKENS: int = ServerSettings.model_fields["max_num_batched_tokens"].default
 
 
 @dataclass(frozen=True)
@@ -122,8 +126,9 @@ def run_model(name: str, model_dir: Path, texts: Texts, mode: Mode, shape: Shape
         logger.info("%s: %s batch %s", name, peer, batch)
         if shape is not None:
             peaks.append(measure_matmul_peak(shape))
+        budget = {} if shape is not None else {"max_num_batched_tokens": SERVER_STEP_TOKENS}
         return run_in_child(PeerJob(peer, str(model_dir), file, max_length, batch,
-                                    warm_passes=mode.warm_passes))
+                                    warm_passes=mode.warm_passes, **budget))
 
     # On shared cores one slow stretch can hit any peer: with repeats every peer runs once per
     # round, so the peers of a round share the machine's state, and each keeps its fastest run.
