@@ -34,10 +34,19 @@ from service.tracing import NO_TRACE, TRACE_KEY, RequestTrace
 logger = logging.getLogger(__name__)
 ACCESS_LOG = logging.getLogger(ACCESS_LOGGER)
 
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/version"})
 # Sent twice, these could be read one way by a proxy and another by us: refused.
 SINGLE_HEADERS = frozenset({"authorization", "content-length", "content-type", "host"})
 REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+
+def is_open(scope: Scope) -> bool:
+    """Probes, metrics and the version need no key, with or without the --root-path prefix."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path") or ""
+    if root and path.startswith(root + "/"):
+        path = path[len(root) :]
+    return path in OPEN_PATHS
 SECURITY_HEADERS = [(b"x-content-type-options", b"nosniff")]
 NDJSON = b"application/x-ndjson"
 # How long the answers at a drain deadline may take before their connections are dropped.
@@ -135,7 +144,7 @@ class EdgeMiddleware:
         request_id = state["request_id"] = _request_id(given)
         state["request_id_given"] = request_id == given
         send_edge = self._sender(exchange, send, state)
-        counted = scope["path"] not in OPEN_PATHS
+        counted = not is_open(scope)
         trace = self.state.tracing.start(scope, headers, start, request_id) if counted else NO_TRACE
         state[TRACE_KEY] = trace
         self.state.active_requests += counted
@@ -165,7 +174,7 @@ class EdgeMiddleware:
     ) -> None:
         """Refuse at the edge, or run the app; what escapes it is answered here, once."""
         try:
-            self._check(scope["path"], headers, repeated)
+            self._check(is_open(scope), headers, repeated)
         except APIError as exc:
             await response_for(exc, CLOSE)(scope, receive, send)
             return
@@ -181,18 +190,18 @@ class EdgeMiddleware:
             else:
                 await response_for(exc)(scope, receive, send)
 
-    def _check(self, path: str, headers: dict[str, str], repeated: str | None) -> None:
+    def _check(self, open_path: bool, headers: dict[str, str], repeated: str | None) -> None:
         if repeated is not None:
             raise InvalidRequestError(
                 f"the {repeated} header must be sent once", repeated, "duplicate_header"
             )
-        self._check_auth(path, headers)
+        self._check_auth(open_path, headers)
         declared = headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.payload_limit:
             raise self._too_large()
 
-    def _check_auth(self, path: str, headers: dict[str, str]) -> None:
-        if self.api_key is None or path in OPEN_PATHS:
+    def _check_auth(self, open_path: bool, headers: dict[str, str]) -> None:
+        if self.api_key is None or open_path:
             return
         given = headers.get("authorization", "")
         token = given[7:].strip() if given.lower().startswith("bearer ") else ""
@@ -286,7 +295,7 @@ class EdgeMiddleware:
         status = exchange.outcome()
         trace.finish(getattr(route, "path", None), status, end)
         if self.state.settings.access_log:  # its 499 line says the client closed the connection
-            level = logging.DEBUG if scope["path"] in OPEN_PATHS else logging.INFO
+            level = logging.DEBUG if is_open(scope) else logging.INFO
             record = access_record(scope, endpoint, status, end - start, request_id, trace.trace_id)
             log_access(ACCESS_LOG, record, level)
         elif status == CLIENT_CLOSED:

@@ -128,6 +128,12 @@ def test_root_path_serves_under_the_prefix_too(tls_server: TLSServer) -> None:
         assert c.get("/v1/models").status_code == 200
         assert c.get(PREFIX + "/v1/models").status_code == 200
         assert c.get("/elsewhere/v1/models").status_code == 404
+    # probes, metrics and the version stay open under the prefix; the rest still wants the key
+    with httpx.Client(base_url=tls_server.base_url, verify=tls_server.trusting) as c:
+        for path in ("/health", "/ready", "/metrics", "/version"):
+            assert c.get(PREFIX + path).status_code == 200, path
+            assert c.get(path).status_code == 200, path
+        assert c.get(PREFIX + "/v1/models").status_code == 401
 
 
 def test_cors_preflight_answered_for_the_allowed_origin_only(tls_server: TLSServer) -> None:
@@ -161,7 +167,7 @@ def test_cors_preflight_answered_for_the_allowed_origin_only(tls_server: TLSServ
 
 
 def test_version_route_and_flag_report_the_package_version(tls_server: TLSServer) -> None:
-    answer = httpx.get(tls_server.base_url + "/version", headers=AUTH, verify=tls_server.trusting)
+    answer = httpx.get(tls_server.base_url + "/version", verify=tls_server.trusting)  # open
     assert answer.json() == {"version": version("poolserve")}
     printed = subprocess.run(
         [sys.executable, "-m", "service.cli", "--version"],
