@@ -24,6 +24,7 @@ class ScoreJob:
     model: str | None = None
     truncate_prompt_tokens: int | None = None  # -1: the model's limit; None: refuse a long pair
     truncation_side: TruncationSide | None = None
+    truncate: bool | None = None  # TEI's yes/no: None follows --auto-truncate, False refuses
     max_tokens_per_doc: int | None = None  # documents' own cap, before the pair's
     use_activation: bool | None = None
     priority: int = 0

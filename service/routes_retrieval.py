@@ -75,7 +75,9 @@ async def run_job(request: Request, job: ScoreJob) -> Scored:
     params = PoolingParams(task=plan.task, use_activation=job.use_activation if joint else None)
     engine.check_params(params)
     engine.precheck(len(job.pairs) if joint else len(job.queries) + len(job.documents))
-    truncation = truncation_for(job.truncate_prompt_tokens, job.truncation_side, model)
+    truncation = truncation_for(
+        job.truncate_prompt_tokens, job.truncation_side, model, truncate=job.truncate
+    )
     cuts = PairTruncation(truncation.keep, truncation.side, job.max_tokens_per_doc)
     started = time.monotonic()
     mode = _prompt_mode(joint, engine.pooling_info.is_decoder)

@@ -62,9 +62,18 @@ def check_serving(state: ServiceState, model_name: str | None) -> tuple[Engine, 
 
 
 async def submit(
-    request: Request, body: InputBody, task: PoolingTask, params: PoolingParams
+    request: Request,
+    body: InputBody,
+    task: PoolingTask,
+    params: PoolingParams,
+    *,
+    truncate: bool | None = None,
 ) -> Submitted:
-    """Admission check, then tokenization off the loop, then all-or-nothing submission."""
+    """Admission check, then tokenization off the loop, then all-or-nothing submission.
+
+    `truncate` is a client's yes/no (TEI's): None follows --auto-truncate, False refuses long
+    inputs even under it.
+    """
     state = service_state(request)
     request.state.task = task.value
     engine, model = check_serving(state, body.model)
@@ -76,7 +85,9 @@ async def submit(
         params = await _prompt_params(model, prompt, params, state.metrics.on_reject)
     engine.check_params(params)
     engine.precheck(1 if raw is None else len(raw))  # 429 before any tokenization work
-    truncation = truncation_for(body.truncate_prompt_tokens, body.truncation_side, model)
+    truncation = truncation_for(
+        body.truncate_prompt_tokens, body.truncation_side, model, truncate=truncate
+    )
     started = time.monotonic()
     if raw is None:  # vLLM's chat form: one conversation, its template adds the specials
         trusted = state.settings.trust_request_chat_template

@@ -22,6 +22,7 @@ def to_job(body: TEIRerankRequest) -> ScoreJob:
         # TEI's truncate cuts to the model's limit; without it a long pair is refused
         truncate_prompt_tokens=-1 if body.truncate else None,
         truncation_side="left" if body.truncation_direction.lower() == "left" else "right",
+        truncate=body.truncate,
         use_activation=not body.raw_scores,
     )
 

@@ -63,9 +63,13 @@ class SimilarityRequest(TEIBody):
 
 
 async def _run(
-    request: Request, own: EmbeddingRequest, task: PoolingTask, **params: object
+    request: Request,
+    own: EmbeddingRequest,
+    task: PoolingTask,
+    truncate: bool | None,
+    **params: object,
 ) -> list[PoolingOutput]:
-    run = await submit(request, own, task, embed_params(request, task, **params))
+    run = await submit(request, own, task, embed_params(request, task, **params), truncate=truncate)
     return await gather(request, run)
 
 
@@ -78,7 +82,12 @@ async def embed(body: EmbedRequest, request: Request) -> Response:
         **truncation(body.truncate, body.truncation_direction),
     )
     outputs = await _run(
-        request, own, PoolingTask.EMBED, dimensions=body.dimensions, normalize=body.normalize
+        request,
+        own,
+        PoolingTask.EMBED,
+        body.truncate,
+        dimensions=body.dimensions,
+        normalize=body.normalize,
     )
     return await answer(request, [o.data for o in outputs], outputs)
 
@@ -91,7 +100,7 @@ async def embed_all(body: EmbedAllRequest, request: Request) -> Response:
         prompt_name=body.prompt_name,
         **truncation(body.truncate, body.truncation_direction),
     )
-    outputs = await _run(request, own, PoolingTask.TOKEN_EMBED, normalize=False)
+    outputs = await _run(request, own, PoolingTask.TOKEN_EMBED, body.truncate, normalize=False)
     return await answer(request, [o.data for o in outputs], outputs)
 
 
@@ -106,7 +115,7 @@ async def similarity(body: SimilarityRequest, request: Request) -> Response:
         prompt_name=parameters.prompt_name,
         **truncation(parameters.truncate, parameters.truncation_direction),
     )
-    outputs = await _run(request, own, PoolingTask.EMBED, normalize=False)
+    outputs = await _run(request, own, PoolingTask.EMBED, parameters.truncate, normalize=False)
     return await answer(request, _cosines(outputs), outputs)
 
 

@@ -75,7 +75,7 @@ async def predict(body: PredictRequest, request: Request) -> Response:
             input=[sequences.items[i][0] for i in singles],
             **truncation(body.truncate, body.truncation_direction),
         )
-        run = await submit(request, own, PoolingTask.CLASSIFY, params)
+        run = await submit(request, own, PoolingTask.CLASSIFY, params, truncate=body.truncate)
         outputs.update(zip(singles, await gather(request, run), strict=True))
     if pairs:
         paired = await _classify_pairs(request, body, [sequences.items[i] for i in pairs], params)
@@ -113,7 +113,9 @@ async def _classify_pairs(
     )
     engine.check_params(params)
     engine.precheck(len(pairs))  # 429 before any tokenization work
-    keep = truncation_for(cut["truncate_prompt_tokens"], cut["truncation_side"], model)
+    keep = truncation_for(
+        cut["truncate_prompt_tokens"], cut["truncation_side"], model, truncate=body.truncate
+    )
     mode = PromptMode.CONCATENATE if engine.pooling_info.is_decoder else PromptMode.TEMPLATE
     started = time.perf_counter()
     prompts = await tokenize_job(

@@ -37,7 +37,7 @@ async def embed_sparse(body: EmbedSparseRequest, request: Request) -> Response:
         truncation_side="left" if body.truncation_direction.lower() == "left" else "right",
     )
     task = PoolingTask.EMBED_SPARSE
-    run = await submit(request, own, task, PoolingParams(task=task))
+    run = await submit(request, own, task, PoolingParams(task=task), truncate=body.truncate)
     outputs = await gather(request, run)
     answer = await encoded(request, _encode, outputs)
     service_state(request).metrics.output_bytes.inc(len(answer))

@@ -274,3 +274,16 @@ def test_auto_truncate_cuts_at_the_model_limit(
         assert truncation_for(None, None, model).keep == limit
         assert truncation_for(None, None, model, truncate=False).keep is None
         assert truncation_for(None, "left", model, truncate=True) == Truncation(limit, "left")
+        # over HTTP: TEI's routes follow --auto-truncate unless the body says truncate: false
+        embedding = reference.json()["data"][0]["embedding"]
+        assert client.post("/embed", json={"inputs": text}).json() == [embedding]
+        refused = client.post("/embed", json={"inputs": text, "truncate": False})
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["code"] == "context_length_exceeded"
+        for route, body in (
+            ("/embed_all", {"inputs": text, "truncate": False}),
+            ("/rerank", {"query": "q", "texts": [text], "truncate": False}),
+        ):
+            assert client.post(route, json=body).status_code == 400, route
+        info = client.get("/info").json()
+        assert info["auto_truncate"] is True
