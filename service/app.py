@@ -36,6 +36,7 @@ from service.errors import install_error_handlers, openapi_schema
 from service.inputs import encode_texts, truncation_for
 from service.metrics import ServiceMetrics
 from service.middleware import OPEN_PATHS, EdgeMiddleware, InFlight
+from service.pair_layout import probe_pair_template
 from service.pooler_config import PoolerDefaults, parse_pooler_config
 from service.prompts import Prompts
 from service.settings import DEFAULT_MODEL_ID, ServerSettings
@@ -196,6 +197,7 @@ def _model_handle(
         tokenizer=tokenizer,
         defaults=defaults,
         specials=special_tokens(tokenizer),
+        pair_template=probe_pair_template(tokenizer),
         truncation_side=side,
         st_max_seq_length=None if st_length is None else min(st_length, max_model_len),
         limits=limits,

@@ -8,6 +8,7 @@ from enum import Enum
 
 from service.errors import InvalidRequestError, PayloadTooLargeError
 from service.inputs import InputTooLongError, check_encodable, run_budgeted
+from service.pair_layout import PairLayout, Prompt, Specials
 from service.state import ModelHandle, TruncationSide
 from service.windows import content_windows
 
@@ -47,84 +48,20 @@ class PairTruncation:
     max_doc_tokens: int | None
 
 
-@dataclass(frozen=True)
-class Specials:
-    """Special tokens a tokenizer puts at one place of a prompt, with their token type ids."""
-
-    ids: tuple[int, ...] = ()
-    types: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class PairLayout:
-    """Where the special tokens and type ids go around two texts: `prefix A middle B suffix`."""
-
-    prefix: Specials
-    middle: Specials
-    suffix: Specials
-    first_type: int = 0
-    second_type: int = 0
-    has_types: bool = False  # the tokenizer gives token_type_ids (BERT); else every type is 0
-
-    def __len__(self) -> int:
-        return len(self.prefix.ids) + len(self.middle.ids) + len(self.suffix.ids)
-
-    def join(self, first: Sequence[int], second: Sequence[int]) -> Prompt:
-        """The prompt of two content-token runs, as tokenizer(first, second) lays it out."""
-        ids = [*self.prefix.ids, *first, *self.middle.ids, *second, *self.suffix.ids]
-        if not self.has_types:
-            return Prompt(ids, None)
-        types = [
-            *self.prefix.types,
-            *[self.first_type] * len(first),
-            *self.middle.types,
-            *[self.second_type] * len(second),
-            *self.suffix.types,
-        ]
-        return Prompt(ids, types)
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """One prompt for the engine: token ids and, for BERT-style pairs, token type ids."""
-
-    token_ids: list[int]
-    token_type_ids: list[int] | None
-
-
 def pair_layout(model: ModelHandle, template: bool) -> PairLayout:
-    """The tokenizer's own pair template, or both texts inside one text's specials."""
+    """The tokenizer's own pair template (probed at start), or both texts inside one text's
+    specials."""
     if not template:
         return PairLayout(
             Specials(model.specials.prefix), Specials(), Specials(model.specials.suffix)
         )
-    tokenizer = model.tokenizer
-    encoded = tokenizer("a", "b")
-    ids = list(encoded["input_ids"])
-    types = encoded.get("token_type_ids")
-    first = list(tokenizer("a", add_special_tokens=False)["input_ids"])
-    second = list(tokenizer("b", add_special_tokens=False)["input_ids"])
-    start = _find(ids, first, 0)
-    middle = start + len(first)
-    end = _find(ids, second, middle)
-    stop = end + len(second)
-    kinds = list(types) if types is not None else [0] * len(ids)
-    return PairLayout(
-        Specials(tuple(ids[:start]), tuple(kinds[:start])),
-        Specials(tuple(ids[middle:end]), tuple(kinds[middle:end])),
-        Specials(tuple(ids[stop:]), tuple(kinds[stop:])),
-        first_type=kinds[start],
-        second_type=kinds[end],
-        has_types=types is not None,
-    )
-
-
-def _find(ids: list[int], run: list[int], start: int) -> int:
-    """Where `run` first occurs in `ids` from `start`; the layout probe must contain it."""
-    for at in range(start, len(ids) - len(run) + 1):
-        if ids[at : at + len(run)] == run:
-            return at
-    raise ValueError("the tokenizer's pair encoding does not contain both texts' own tokens")
+    if model.pair_template is None:
+        raise InvalidRequestError(
+            "this model's tokenizer has no pair template (tokenizer(a, b) does not hold both "
+            "texts' own tokens), so text pairs cannot be laid out as it was trained",
+            "model",
+        )
+    return model.pair_template
 
 
 def check_texts(job: ScoreJob, model: ModelHandle, cuts: PairTruncation) -> int:

@@ -12,6 +12,7 @@ from pooling.params import PoolingTask
 from scheduler.admission import CharBudget
 from scheduler.engine import Engine
 from service.metrics import ServiceMetrics
+from service.pair_layout import PairLayout
 from service.pooler_config import PoolerDefaults
 from service.prompts import Prompts
 from service.settings import ServerSettings
@@ -94,6 +95,8 @@ class ModelHandle:
     aliases: tuple[str, ...] = ()  # --served-model-name's names after the first
     auto_truncate: bool = False  # --auto-truncate: cut over-long inputs unless a request says not
     prompts: Prompts = field(default_factory=Prompts)  # sentence-transformers prompts
+    # tokenizer(a, b)'s layout, probed once at start (None: the tokenizer shows no such template)
+    pair_template: PairLayout | None = None
 
     @property
     def served_names(self) -> tuple[str, ...]:

@@ -345,3 +345,22 @@ def test_a_model_without_a_scorer_names_its_tasks(
     error = response.json()["error"]
     assert error["code"] == "unsupported_task"
     assert served in error["message"] and "'score'" in error["message"]
+
+
+def test_pair_template_probe_finds_the_tokenizers_layout(tiny_model_dir: Any) -> None:
+    """The layout probed once at start lays out pairs exactly as tokenizer(a, b) does."""
+    from transformers import AutoTokenizer
+
+    from service.pair_layout import probe_pair_template
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir("bert"))
+    layout = probe_pair_template(tokenizer)
+    assert layout is not None
+    for first, second in (("a query", "some document text"), ("x", "y z w")):
+        want = tokenizer(first, second)
+        got = layout.join(
+            tokenizer(first, add_special_tokens=False)["input_ids"],
+            tokenizer(second, add_special_tokens=False)["input_ids"],
+        )
+        assert got.token_ids == want["input_ids"]
+        assert got.token_type_ids == want["token_type_ids"]
