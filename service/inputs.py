@@ -44,6 +44,16 @@ class Truncation:
     side: TruncationSide
 
 
+def check_batch_size(num_items: int, max_batch: int, field: str) -> None:
+    """400 when one request carries more inputs than --max-client-batch-size."""
+    if num_items > max_batch:
+        raise InvalidRequestError(
+            f"{field} has {num_items} items, more than the limit of {max_batch} "
+            "(--max-client-batch-size)",
+            field,
+        )
+
+
 def split_input(value: object, max_batch: int) -> RawInputs:
     """Classify and check the `input` field (the schema already checked its types)."""
     if isinstance(value, str) or (isinstance(value, list) and value and isinstance(value[0], int)):
@@ -51,12 +61,7 @@ def split_input(value: object, max_batch: int) -> RawInputs:
     assert isinstance(value, list)
     if not value:
         raise InvalidRequestError("input must not be empty", "input")
-    if len(value) > max_batch:
-        raise InvalidRequestError(
-            f"input has {len(value)} items, more than the limit of {max_batch} "
-            "(--max-client-batch-size)",
-            "input",
-        )
+    check_batch_size(len(value), max_batch, "input")
     if isinstance(value[0], str):
         if any(not text for text in value):
             raise InvalidRequestError("input must not contain empty strings", "input")

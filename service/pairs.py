@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 from service.errors import InvalidRequestError, PayloadTooLargeError
 from service.inputs import InputTooLongError, check_encodable, run_budgeted
@@ -29,6 +30,14 @@ class ScoreJob:
     max_tokens_per_doc: int | None = None  # documents' own cap, before the pair's
     use_activation: bool | None = None
     priority: int = 0
+
+    @classmethod
+    def one_query(
+        cls, query: str, documents: Sequence[str], document_field: str, **options: Any
+    ) -> ScoreJob:
+        """A rerank job: the query (field `query`) paired with each document in turn."""
+        pairs = tuple((0, index) for index in range(len(documents)))
+        return cls((query,), tuple(documents), pairs, "query", document_field, **options)
 
 
 class PromptMode(Enum):

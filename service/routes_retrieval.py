@@ -209,12 +209,9 @@ async def rerank(body: RerankRequestBody, request: Request) -> Response:
     if body.relevant_spans is not None:
         logger.debug("relevant_spans ignored: no spans are computed")
     documents = tuple(body.documents)
-    pairs = tuple((0, i) for i in range(len(documents)))
-    job = ScoreJob(
-        (body.query,),
+    job = ScoreJob.one_query(
+        body.query,
         documents,
-        pairs,
-        "query",
         "documents",
         **_options(body),
         max_tokens_per_doc=body.max_tokens_per_doc,

@@ -20,6 +20,7 @@ from pooling.params import PoolingParams, PoolingTask
 from scheduler.request import PoolingOutput
 from service.encoding import StrictJSONRoute, dumps
 from service.errors import InvalidRequestError
+from service.inputs import check_batch_size
 from service.pooler_config import PoolerDefaults
 from service.runs import encoded, gather, service_state, submit, timing_headers
 from service.schemas import EmbeddingRequest, RequestBody
@@ -101,12 +102,7 @@ def _texts(body: CohereEmbedRequest, max_batch: int) -> list[str]:
     texts = body.texts if body.texts is not None else [_input_text(i) for i in body.inputs or ()]
     if not texts:
         raise InvalidRequestError(f"{field} must not be empty", field)
-    if len(texts) > max_batch:
-        raise InvalidRequestError(
-            f"{field} has {len(texts)} items, more than the limit of {max_batch} "
-            "(--max-client-batch-size)",
-            field,
-        )
+    check_batch_size(len(texts), max_batch, field)
     if not all(texts):
         raise InvalidRequestError(f"{field} must not contain empty strings", field)
     return texts

@@ -140,12 +140,10 @@ async def models(request: Request) -> Response:
 
 def to_job(body: InfinityRerankRequest) -> ScoreJob:
     """The service's scoring job for an Infinity rerank body."""
-    return ScoreJob(
-        queries=(body.query,),
-        documents=tuple(body.documents),
-        pairs=tuple((0, index) for index in range(len(body.documents))),
-        query_field="query",
-        document_field="documents",
+    return ScoreJob.one_query(
+        body.query,
+        body.documents,
+        "documents",
         model=_model_name(body.model),
         use_activation=not body.raw_scores,
     )

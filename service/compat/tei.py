@@ -13,12 +13,10 @@ from service.schemas import TEIRerankRequest
 
 def to_job(body: TEIRerankRequest) -> ScoreJob:
     """The service's scoring job for a TEI rerank body."""
-    return ScoreJob(
-        queries=(body.query,),
-        documents=tuple(body.texts),
-        pairs=tuple((0, index) for index in range(len(body.texts))),
-        query_field="query",
-        document_field="texts",
+    return ScoreJob.one_query(
+        body.query,
+        body.texts,
+        "texts",
         # TEI's truncate cuts to the model's limit; without it a long pair is refused
         truncate_prompt_tokens=-1 if body.truncate else None,
         truncation_side="left" if body.truncation_direction.lower() == "left" else "right",

@@ -14,7 +14,7 @@ from scheduler.request import PoolingOutput
 from service.compat.tei_common import Direction, TEIBody, answer, best_first, truncation
 from service.encoding import StrictJSONRoute
 from service.errors import InvalidRequestError
-from service.inputs import truncation_for
+from service.inputs import check_batch_size, truncation_for
 from service.pairs import PairTruncation, PromptMode, ScoreJob, tokenize_job
 from service.runs import Submitted, check_serving, gather, service_state, submit
 from service.schemas import ClassifyRequest
@@ -60,12 +60,7 @@ async def predict(body: PredictRequest, request: Request) -> Response:
     """Each input's labels with scores, best first: `[{"score", "label"}]` (a list per input)."""
     sequences = parse_inputs(body.inputs)
     limit = service_state(request).settings.max_client_batch_size
-    if len(sequences.items) > limit:
-        raise InvalidRequestError(
-            f"inputs has {len(sequences.items)} items, more than the limit of {limit} "
-            "(--max-client-batch-size)",
-            "inputs",
-        )
+    check_batch_size(len(sequences.items), limit, "inputs")
     params = PoolingParams(task=PoolingTask.CLASSIFY, use_activation=not body.raw_scores)
     singles = [i for i, item in enumerate(sequences.items) if len(item) == 1]
     pairs = [i for i, item in enumerate(sequences.items) if len(item) == 2]

@@ -12,7 +12,7 @@ from starlette.responses import Response
 from service.compat.tei_common import TEIBody
 from service.encoding import StrictJSONRoute, dumps
 from service.errors import InvalidRequestError
-from service.inputs import InputTooLongError, check_encodable, run_budgeted
+from service.inputs import InputTooLongError, check_batch_size, check_encodable, run_budgeted
 from service.runs import check_serving, service_state
 from service.schemas import TokenIds
 from service.state import ModelHandle
@@ -44,12 +44,7 @@ def _batch(request: Request, items: list[object], field: str) -> None:
     limit = service_state(request).settings.max_client_batch_size
     if not items:
         raise InvalidRequestError(f"{field} must not be empty", field)
-    if len(items) > limit:
-        raise InvalidRequestError(
-            f"{field} has {len(items)} items, more than the limit of {limit} "
-            "(--max-client-batch-size)",
-            field,
-        )
+    check_batch_size(len(items), limit, field)
 
 
 async def tokenize(body: TokenizeRequest, request: Request) -> Response:

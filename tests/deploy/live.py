@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import ssl
 import subprocess
 import sys
 import time
@@ -87,13 +88,20 @@ def started(
 
 
 def wait_ready(
-    process: subprocess.Popen[bytes], live: LiveProcess, path: str, timeout_s: float
+    process: subprocess.Popen[bytes],
+    live: LiveProcess,
+    path: str,
+    timeout_s: float,
+    verify: ssl.SSLContext | bool = True,
 ) -> None:
-    """Poll `path` until it answers 200; fail with the log if the process exits or time runs out."""
+    """Poll `path` until it answers 200; fail with the log if the process exits or time runs out.
+
+    `verify`: what an https server's certificate is checked against (a test's own CA).
+    """
     deadline = time.monotonic() + timeout_s
     while process.poll() is None:
         try:
-            if httpx.get(live.base_url + path, timeout=2.0).status_code == 200:
+            if httpx.get(live.base_url + path, timeout=2.0, verify=verify).status_code == 200:
                 return
         except httpx.TransportError:
             pass

@@ -23,10 +23,12 @@ from models.resolve import resolve_model_path
 from service.inputs import Truncation, truncation_for
 from tests.deploy.live import (
     SERVER_READY_TIMEOUT_S,
+    LiveProcess,
     log_tail,
     server_command,
     server_env,
     started,
+    wait_ready,
 )
 from tests.deploy.tools import free_port, require_tool
 
@@ -65,21 +67,6 @@ def self_signed_pair(directory: Path) -> tuple[Path, Path]:
     return key, cert
 
 
-def wait_ready(
-    process: subprocess.Popen[bytes], url: str, log: Path, verify: ssl.SSLContext | bool = True
-) -> None:
-    """Poll `url` until 200; fail with the log if the process exits or time runs out."""
-    deadline = time.monotonic() + SERVER_READY_TIMEOUT_S
-    while process.poll() is None and time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=2.0, verify=verify).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.25)
-    pytest.fail(f"server not ready at {url}; log tail:\n{log_tail(log)}", pytrace=False)
-
-
 @pytest.fixture(scope="module")
 def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TLSServer]:
     """One server with TLS, a root path, two names, CORS for one origin and an API key."""
@@ -95,7 +82,8 @@ def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TLSServer]:
     trusting = ssl.create_default_context(cafile=str(cert))
     base = f"https://127.0.0.1:{port}"
     with started("poolserve", args, server_env(), log) as process:
-        wait_ready(process, base + "/ready", log, trusting)
+        live = LiveProcess("poolserve", base, log)
+        wait_ready(process, live, "/ready", SERVER_READY_TIMEOUT_S, trusting)
         yield TLSServer(base, trusting, log)
 
 
@@ -204,7 +192,7 @@ def test_sigterm_to_make_serve_stops_the_server_and_frees_the_port(tmp_path: Pat
     log = tmp_path / "make-serve.log"
     base = f"http://127.0.0.1:{port}"
     with started("make serve", args, env, log) as process:
-        wait_ready(process, base + "/ready", log)
+        wait_ready(process, LiveProcess("make serve", base, log), "/ready", SERVER_READY_TIMEOUT_S)
         server_pids = _descendants(process.pid)
         # no --allowed-origins: CORS denies by default, preflights get no CORS headers
         preflight = httpx.options(
