@@ -135,6 +135,25 @@ def text_cost(
     return total
 
 
+def check_prompt(prompt: str, num_texts: int, model: ModelHandle) -> None:
+    """A prompt to prepend to every text, bounded before any copy is made: a long `prompt` times
+    many inputs would otherwise multiply one body's characters."""
+    limits = model.limits
+    if len(prompt) > limits.max_input_chars:
+        raise InputTooLongError(
+            f"prompt has {len(prompt)} characters, more than the limit of "
+            f"{limits.max_input_chars} (--max-input-chars)",
+            "prompt",
+        )
+    if len(prompt) * num_texts > limits.max_request_chars:
+        raise PayloadTooLargeError(
+            f"the prompt on each of {num_texts} inputs makes {len(prompt) * num_texts} "
+            f"characters, more than the limit of {limits.max_request_chars} per request "
+            "(--max-request-chars); split the request",
+            "prompt",
+        )
+
+
 async def tokenize(
     inputs: RawInputs,
     model: ModelHandle,

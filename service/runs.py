@@ -20,7 +20,14 @@ from service.errors import (
     NotReadyError,
     ShutdownError,
 )
-from service.inputs import RawInputs, run_budgeted, split_input, tokenize, truncation_for
+from service.inputs import (
+    RawInputs,
+    check_prompt,
+    run_budgeted,
+    split_input,
+    tokenize,
+    truncation_for,
+)
 from service.logs import PROMPT_TOKENS_KEY
 from service.prompts import prepend, prompt_length
 from service.schemas import InputBody, PromptFields
@@ -81,6 +88,7 @@ async def submit(
     raw = None if chat else split_input(body.input, state.settings.max_client_batch_size)
     prompt = None if raw is None else _prompt(raw, model, body)
     if raw is not None and prompt is not None:
+        check_prompt(prompt, len(raw), model)
         raw = RawInputs(prepend(prompt, raw.texts or ()), None)
         params = await _prompt_params(model, prompt, params, state.metrics.on_reject)
     engine.check_params(params)

@@ -205,3 +205,17 @@ def test_matryoshka_dimensions_flag(tiny_model_dir: Callable[[str], Path], tmp_p
             == 400
         )
         assert client.get("/info").json()["matryoshka_dimensions"] == [32, 16]
+
+
+def test_a_literal_prompt_is_bounded_before_it_is_copied(client: TestClient) -> None:
+    """A long `prompt` on many inputs would multiply the body: refused before any copy."""
+    limits = client.app.state.poolserve.model.limits  # type: ignore[attr-defined]
+    long_prompt = "p" * (limits.max_input_chars + 1)
+    too_long = client.post("/v1/embeddings", json={"input": TEXTS, "prompt": long_prompt})
+    assert too_long.status_code == 400, too_long.text
+    assert too_long.json()["error"]["param"] == "prompt"
+    many = limits.max_request_chars // limits.max_input_chars + 1
+    body = {"input": ["x"] * many, "prompt": "p" * limits.max_input_chars}
+    amplified = client.post("/v1/embeddings", json=body)
+    assert amplified.status_code == 413, amplified.text
+    assert amplified.json()["error"]["param"] == "prompt"
