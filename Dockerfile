@@ -50,10 +50,7 @@ RUN index="${TORCH_INDEX:-$TORCH_INDEX_DEFAULT}" \
     && pip install --no-cache-dir ${index:+--index-url "$index"} "${TORCH_SPEC:-$TORCH_SPEC_DEFAULT}"
 WORKDIR /src
 COPY pyproject.toml README.md ./
-COPY service ./service
-COPY scheduler ./scheduler
-COPY models ./models
-COPY pooling ./pooling
+COPY poolserve ./poolserve
 # Non-editable and without dev extras: the image carries only what the server runs, tracing
 # included (--otlp-traces-endpoint; a few MB of OpenTelemetry, imported only when it is set).
 # DL3013 asks to pin packages: this is the project itself, whose dependencies pin their ranges.

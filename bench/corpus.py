@@ -43,8 +43,10 @@ class Workload:
         """One line: count, total, median, p90 and max length."""
         lengths = sorted(len(p) for p in self.prompts)
         p90 = lengths[int(0.9 * (len(lengths) - 1))]
-        return (f"{len(lengths)} prompts, {self.num_tokens} tokens, median "
-                f"{statistics.median(lengths):.0f}, p90 {p90}, max {lengths[-1]}")
+        return (
+            f"{len(lengths)} prompts, {self.num_tokens} tokens, median "
+            f"{statistics.median(lengths):.0f}, p90 {p90}, max {lengths[-1]}"
+        )
 
 
 def _docstrings(root: Path) -> Iterator[str]:
@@ -79,8 +81,13 @@ def prompt_lengths(num_prompts: int, seed: int, max_tokens: int = MAX_TOKENS) ->
     """Stratified lognormal lengths, shuffled; see the module docstring."""
     normal = statistics.NormalDist(mu=0.0, sigma=SIGMA)
     lengths = [
-        min(max_tokens, max(MIN_TOKENS, round(MEDIAN_TOKENS * 2.718281828459045 ** normal.inv_cdf(
-            (i + 0.5) / num_prompts))))
+        min(
+            max_tokens,
+            max(
+                MIN_TOKENS,
+                round(MEDIAN_TOKENS * 2.718281828459045 ** normal.inv_cdf((i + 0.5) / num_prompts)),
+            ),
+        )
         for i in range(num_prompts)
     ]
     random.Random(seed).shuffle(lengths)
@@ -94,7 +101,7 @@ def build_workload(num_prompts: int, *, seed: int = 0, max_tokens: int = MAX_TOK
     prompts = []
     offset = 0
     for length in lengths:
-        prompts.append(tuple(stream[offset:offset + length]))
+        prompts.append(tuple(stream[offset : offset + length]))
         offset += length
     workload = Workload(tuple(prompts))
     logger.info("workload: %s", workload.describe())

@@ -61,10 +61,14 @@ def shape_from_config(config: PretrainedConfig) -> Shape:
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     decoder = hasattr(config, "num_key_value_heads")
     return Shape(
-        num_layers=int(config.num_hidden_layers), hidden=hidden,
-        intermediate=int(config.intermediate_size), num_heads=heads,
-        num_kv_heads=int(getattr(config, "num_key_value_heads", heads)), head_dim=int(head_dim),
-        causal=decoder, gated_mlp=decoder,
+        num_layers=int(config.num_hidden_layers),
+        hidden=hidden,
+        intermediate=int(config.intermediate_size),
+        num_heads=heads,
+        num_kv_heads=int(getattr(config, "num_key_value_heads", heads)),
+        head_dim=int(head_dim),
+        causal=decoder,
+        gated_mlp=decoder,
     )
 
 
@@ -96,15 +100,22 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_matmul_peak(shape: Shape, num_tokens: int = 2048, *,
-                        dtype: torch.dtype = torch.float32, device: torch.device | None = None,
-                        repeats: int = 10) -> MatmulPeak:
+def measure_matmul_peak(
+    shape: Shape,
+    num_tokens: int = 2048,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
+    repeats: int = 10,
+) -> MatmulPeak:
     """torch.mm over the layer's (in, out) shapes at num_tokens rows; best of repeats."""
     device = device or torch.device("cpu")
     gen = torch.Generator(device=device).manual_seed(0)
     pairs = [
-        (torch.randn(num_tokens, i, generator=gen, device=device, dtype=dtype),  # [T, in]
-         torch.randn(i, o, generator=gen, device=device, dtype=dtype))  # [in, out]
+        (
+            torch.randn(num_tokens, i, generator=gen, device=device, dtype=dtype),  # [T, in]
+            torch.randn(i, o, generator=gen, device=device, dtype=dtype),
+        )  # [in, out]
         for i, o in shape.linear_shapes()
     ]
     flops = sum(2.0 * num_tokens * i * o for i, o in shape.linear_shapes())
@@ -119,20 +130,22 @@ def measure_matmul_peak(shape: Shape, num_tokens: int = 2048, *,
         _sync(device)
         best = min(best, time.perf_counter() - start)
     peak = MatmulPeak(flops / best, num_tokens, str(dtype).removeprefix("torch."), best)
-    logger.info("matmul peak %.1f GFLOP/s (%s, %d tokens)", peak.flops_per_s / 1e9,
-                peak.dtype, num_tokens)
+    logger.info(
+        "matmul peak %.1f GFLOP/s (%s, %d tokens)", peak.flops_per_s / 1e9, peak.dtype, num_tokens
+    )
     return peak
 
 
-def profile_engine_steps(model_dir: str, prompts: list[list[int]], num_steps: int,
-                         budget: int = 2048) -> str:
+def profile_engine_steps(
+    model_dir: str, prompts: list[list[int]], num_steps: int, budget: int = 2048
+) -> str:
     """torch.profiler table of the first steps' forwards, run in this thread (loop not started)."""
     import asyncio
 
-    from models.loader import load_model
-    from pooling.params import PoolingParams, PoolingTask
-    from scheduler.config import SchedulerConfig
-    from scheduler.engine import Engine
+    from poolserve.models.loader import load_model
+    from poolserve.pooling.params import PoolingParams, PoolingTask
+    from poolserve.scheduler.config import SchedulerConfig
+    from poolserve.scheduler.engine import Engine
 
     cpu = torch.device("cpu")
     loaded = load_model(model_dir, device=cpu, dtype=torch.float32)

@@ -28,20 +28,23 @@ import torch
 import transformers
 
 from bench.corpus import build_workload
-from models.loader import load_model
-from models.spec import LoadedModel
-from pooling.params import PoolingParams
-from pooling.tasks import PoolingTask
-from scheduler.config import SchedulerConfig
-from scheduler.engine import Engine
-from scheduler.runner import PreparedStep, StepResult
+from poolserve.models.loader import load_model
+from poolserve.models.spec import LoadedModel
+from poolserve.pooling.params import PoolingParams
+from poolserve.pooling.tasks import PoolingTask
+from poolserve.scheduler.config import SchedulerConfig
+from poolserve.scheduler.engine import Engine
+from poolserve.scheduler.runner import PreparedStep, StepResult
 
 logger = logging.getLogger(__name__)
 
 CPU = torch.device("cpu")
 EMBED = PoolingParams(task=PoolingTask.EMBED)
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.txt",
 )
 DECODER_CONFIG = SchedulerConfig(max_num_batched_tokens=2048, num_kv_blocks=1024)
 ENCODER_CONFIG = SchedulerConfig(max_num_batched_tokens=2048, enable_chunked_prefill=False)
@@ -94,9 +97,16 @@ class OfflineRow:
 def save_decoder(directory: Path, num_layers: int) -> Path:
     """A random Qwen3-0.6B-shaped checkpoint with num_layers layers and MiniLM's tokenizer."""
     config = transformers.Qwen3Config(
-        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=num_layers,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, rms_norm_eps=1e-6,
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=num_layers,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        rms_norm_eps=1e-6,
         tie_word_embeddings=True,
     )
     torch.manual_seed(0)
@@ -130,8 +140,9 @@ def instrument(engine: Engine, recorder: Recorder) -> None:
     engine._plan_and_prepare = timed_plan  # type: ignore[method-assign]
 
 
-async def offline(name: str, loaded: LoadedModel, config: SchedulerConfig,
-                  prompts: tuple[tuple[int, ...], ...]) -> OfflineRow:
+async def offline(
+    name: str, loaded: LoadedModel, config: SchedulerConfig, prompts: tuple[tuple[int, ...], ...]
+) -> OfflineRow:
     """Submit every prompt at once after a warm-up; time first submit to last result."""
     engine = Engine(loaded, config, CPU)
     recorder = Recorder()
@@ -147,14 +158,18 @@ async def offline(name: str, loaded: LoadedModel, config: SchedulerConfig,
     forwards = sorted(recorder.forwards)
     gaps = [b[0] - a[1] for a, b in itertools.pairwise(forwards)]
     return OfflineRow(
-        name, sum(len(p) for p in prompts), engine.num_steps - steps_before, wall,
+        name,
+        sum(len(p) for p in prompts),
+        engine.num_steps - steps_before,
+        wall,
         sum(end - begin for begin, end in forwards),
         statistics.median(gaps) * 1e3 if gaps else 0.0,
     )
 
 
-async def live_plan_times(loaded: LoadedModel, prompts: tuple[tuple[int, ...], ...],
-                          num_steps: int) -> list[float]:
+async def live_plan_times(
+    loaded: LoadedModel, prompts: tuple[tuple[int, ...], ...], num_steps: int
+) -> list[float]:
     """Plan+prepare seconds of the first steps the running loop plans with the queue full."""
     engine = Engine(loaded, DECODER_CONFIG, CPU)
     recorder = Recorder()
@@ -167,8 +182,9 @@ async def live_plan_times(loaded: LoadedModel, prompts: tuple[tuple[int, ...], .
     return [s for s, _, is_step in recorder.plans if is_step]
 
 
-async def isolated_plan_times(loaded: LoadedModel, prompts: tuple[tuple[int, ...], ...],
-                              profile: cProfile.Profile | None) -> list[tuple[float, int]]:
+async def isolated_plan_times(
+    loaded: LoadedModel, prompts: tuple[tuple[int, ...], ...], profile: cProfile.Profile | None
+) -> list[tuple[float, int]]:
     """Plan+prepare seconds with the loop stopped (no forward alongside) until the queue empties."""
     engine = Engine(loaded, DECODER_CONFIG, CPU)
     engine.submit_many([list(p) for p in prompts], EMBED)
@@ -196,23 +212,36 @@ def _ms(values: list[float], q: float) -> float:
 
 def offline_table(rows: list[OfflineRow]) -> str:
     """Markdown table of offline rows."""
-    lines = ["| workload | tokens | steps | wall s | tokens/s | forward s | idle fraction "
-             "| median gap ms |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r.name} | {r.tokens} | {r.steps} | {r.wall_s:.2f} | {r.tokens_per_s:.0f} | "
-              f"{r.busy_s:.2f} | {r.idle_fraction:.2%} | {r.median_gap_ms:.2f} |" for r in rows]
+    lines = [
+        "| workload | tokens | steps | wall s | tokens/s | forward s | idle fraction "
+        "| median gap ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {r.name} | {r.tokens} | {r.steps} | {r.wall_s:.2f} | {r.tokens_per_s:.0f} | "
+        f"{r.busy_s:.2f} | {r.idle_fraction:.2%} | {r.median_gap_ms:.2f} |"
+        for r in rows
+    ]
     return "\n".join(lines)
 
 
 def plan_table(live: list[float], isolated: list[tuple[float, int]]) -> str:
     """Markdown table of plan+prepare times per step."""
     full = [s for s, queued in isolated if queued >= 200]
-    rows = [("live loop, first steps (forward running alongside)", live),
-            ("loop stopped, steps with >= 200 queued", full),
-            ("loop stopped, every step until empty", [s for s, _ in isolated])]
-    lines = ["| plan + prepare per step | steps | median ms | p90 ms | max ms |",
-             "|---|---:|---:|---:|---:|"]
-    lines += [f"| {name} | {len(v)} | {_ms(v, 0.5):.3f} | {_ms(v, 0.9):.3f} | {_ms(v, 1.0):.3f} |"
-              for name, v in rows if v]
+    rows = [
+        ("live loop, first steps (forward running alongside)", live),
+        ("loop stopped, steps with >= 200 queued", full),
+        ("loop stopped, every step until empty", [s for s, _ in isolated]),
+    ]
+    lines = [
+        "| plan + prepare per step | steps | median ms | p90 ms | max ms |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {name} | {len(v)} | {_ms(v, 0.5):.3f} | {_ms(v, 0.9):.3f} | {_ms(v, 1.0):.3f} |"
+        for name, v in rows
+        if v
+    ]
     return "\n".join(lines)
 
 
@@ -228,18 +257,32 @@ async def run(mode: Mode, want_profile: bool, emit: Callable[[str], None]) -> No
     workload = build_workload(mode.num_prompts, seed=0)
     queued = build_workload(NUM_QUEUED, seed=1)
     minilm_prompts = build_workload(mode.num_minilm_prompts, seed=2, max_tokens=512)
-    emit(f"decoder workload: {workload.describe()}\n\nqueued workload: {queued.describe()}\n\n"
-         f"MiniLM workload: {minilm_prompts.describe()}\n")
+    emit(
+        f"decoder workload: {workload.describe()}\n\nqueued workload: {queued.describe()}\n\n"
+        f"MiniLM workload: {minilm_prompts.describe()}\n"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         decoder = load_model(str(save_decoder(Path(tmp), mode.num_layers)), device=CPU)
     label = f"Qwen3-0.6B shape, {mode.num_layers} layers, fp32"
-    rows = [await offline(f"{label}, async {'on' if on else 'off'}", decoder,
-                          replace(DECODER_CONFIG, async_scheduling=on), workload.prompts)
-            for on in (True, False)]
+    rows = [
+        await offline(
+            f"{label}, async {'on' if on else 'off'}",
+            decoder,
+            replace(DECODER_CONFIG, async_scheduling=on),
+            workload.prompts,
+        )
+        for on in (True, False)
+    ]
     minilm = load_model(None, device=CPU)
-    rows += [await offline(f"all-MiniLM-L6-v2, fp32, async {'on' if on else 'off'}", minilm,
-                           replace(ENCODER_CONFIG, async_scheduling=on), minilm_prompts.prompts)
-             for on in (True, False)]
+    rows += [
+        await offline(
+            f"all-MiniLM-L6-v2, fp32, async {'on' if on else 'off'}",
+            minilm,
+            replace(ENCODER_CONFIG, async_scheduling=on),
+            minilm_prompts.prompts,
+        )
+        for on in (True, False)
+    ]
     emit(offline_table(rows) + "\n")
     live = await live_plan_times(decoder, queued.prompts, mode.num_planned_steps)
     profile = cProfile.Profile() if want_profile else None

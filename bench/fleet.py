@@ -26,8 +26,16 @@ from bench.fleet_procs import READY_TIMEOUT_S, fleet, restart, wait_for
 
 logger = logging.getLogger(__name__)
 
-BASE_ARGS = ("--max-num-batched-tokens", "1024", "--max-num-seqs", "64",
-             "--shutdown-timeout", "20", "--log-level", "warning")
+BASE_ARGS = (
+    "--max-num-batched-tokens",
+    "1024",
+    "--max-num-seqs",
+    "64",
+    "--shutdown-timeout",
+    "20",
+    "--log-level",
+    "warning",
+)
 # variant -> (balancer replays requests, --drain-delay of the servers)
 VARIANTS: dict[str, tuple[bool, float]] = {
     "retrying": (True, 3.0),
@@ -47,13 +55,18 @@ def restart_run(variant: str, workdir: Path, concurrency: int, rounds: int) -> d
         finally:
             summary = load.stop()
         served = balancer.served()
-    return {"variant": variant, "balancer_replays": retrying, "drain_delay_s": delay,
-            "restarts": len(codes), "exit_codes": sorted(set(codes)), "served_2xx": served,
-            **_fields(summary)}
+    return {
+        "variant": variant,
+        "balancer_replays": retrying,
+        "drain_delay_s": delay,
+        "restarts": len(codes),
+        "exit_codes": sorted(set(codes)),
+        "served_2xx": served,
+        **_fields(summary),
+    }
 
 
-def scale_run(workdir: Path, concurrency: int, replicas: int, phase_s: float
-              ) -> dict[str, object]:
+def scale_run(workdir: Path, concurrency: int, replicas: int, phase_s: float) -> dict[str, object]:
     """The same load on 1 replica, then on `replicas`."""
     server_args = (*BASE_ARGS, "--drain-delay", "3")
     with fleet(workdir, replicas, server_args, num_started=1) as (procs, balancer):
@@ -69,9 +82,13 @@ def scale_run(workdir: Path, concurrency: int, replicas: int, phase_s: float
         time.sleep(phase_s)
         many = summarize(load.since(scaled_at), load.now() - scaled_at)
         total = load.stop()
-    return {"concurrency": concurrency, "one_replica": _fields(one),
-            f"{replicas}_replicas": _fields(many), "failed_overall": total.failed,
-            "scale_up_s": round(scaled_at - phase_s, 1)}
+    return {
+        "concurrency": concurrency,
+        "one_replica": _fields(one),
+        f"{replicas}_replicas": _fields(many),
+        "failed_overall": total.failed,
+        "scale_up_s": round(scaled_at - phase_s, 1),
+    }
 
 
 def _fields(summary: LoadSummary) -> dict[str, object]:
@@ -81,11 +98,17 @@ def _fields(summary: LoadSummary) -> dict[str, object]:
 
 def main(argv: list[str] | None = None) -> None:
     """Parse flags, run the chosen measurement, print (and write) the report as JSON."""
-    parser = argparse.ArgumentParser(prog="python -m bench fleet", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench fleet",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("mode", choices=["restart", "scale"])
-    parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help="restart: comma-separated subset of " + ", ".join(VARIANTS))
+    parser.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help="restart: comma-separated subset of " + ", ".join(VARIANTS),
+    )
     parser.add_argument("--rounds", type=int, default=1, help="restart: rolling restarts per run")
     parser.add_argument("--concurrency", type=int, default=6)
     parser.add_argument("--replicas", type=int, default=3, help="scale: replicas after scaling")

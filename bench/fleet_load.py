@@ -20,8 +20,24 @@ import orjson
 
 from bench.loadgen import percentile_ms
 
-WORDS = ("replica", "balancer", "pooling", "embedding", "token", "restart", "drain", "queue",
-         "batch", "latency", "throughput", "vector", "sentence", "model", "request", "answer")
+WORDS = (
+    "replica",
+    "balancer",
+    "pooling",
+    "embedding",
+    "token",
+    "restart",
+    "drain",
+    "queue",
+    "batch",
+    "latency",
+    "throughput",
+    "vector",
+    "sentence",
+    "model",
+    "request",
+    "answer",
+)
 REQUEST_TIMEOUT_S = 120.0
 DETAIL_CHARS = 200
 
@@ -77,8 +93,10 @@ def make_bodies(count: int, inputs_per_request: int, seed: int = 0) -> list[tupl
     rng = random.Random(seed)
     bodies = []
     for index in range(count):
-        texts = [f"request {index} " + " ".join(rng.choices(WORDS, k=rng.randint(12, 40)))
-                 for _ in range(inputs_per_request)]
+        texts = [
+            f"request {index} " + " ".join(rng.choices(WORDS, k=rng.randint(12, 40)))
+            for _ in range(inputs_per_request)
+        ]
         bodies.append((orjson.dumps({"input": texts}), inputs_per_request))
     return bodies
 
@@ -96,8 +114,9 @@ def _error_of(response: httpx.Response, expected: int) -> str | None:
 class ClosedLoop:
     """`concurrency` workers posting to `url` until stop() or `max_requests` sent."""
 
-    def __init__(self, url: str, concurrency: int, inputs_per_request: int = 4,
-                 max_requests: int = 100_000) -> None:
+    def __init__(
+        self, url: str, concurrency: int, inputs_per_request: int = 4, max_requests: int = 100_000
+    ) -> None:
         self.url = url
         self.concurrency = concurrency
         self.bodies = make_bodies(512, inputs_per_request)
@@ -133,12 +152,12 @@ class ClosedLoop:
         timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0)
         counter = iter(range(self.max_requests))
         async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-            await asyncio.gather(*(self._worker(client, counter)
-                                   for _ in range(self.concurrency)))
+            await asyncio.gather(*(self._worker(client, counter) for _ in range(self.concurrency)))
         self.wall_s = time.perf_counter() - self.origin
 
-    async def _worker(self, client: httpx.AsyncClient, counter: collections.abc.Iterator[int]
-                      ) -> None:
+    async def _worker(
+        self, client: httpx.AsyncClient, counter: collections.abc.Iterator[int]
+    ) -> None:
         for index in counter:
             if self.stopping.is_set():
                 return

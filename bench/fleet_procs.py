@@ -79,8 +79,19 @@ class Replica:
         """Start the process (its log appends to the replica's file)."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("POOLSERVE_")}
         env.update({"HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)})
-        command = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1",
-                   "--port", str(self.port), "--device", "cpu", *self.server_args]
+        command = [
+            sys.executable,
+            "-m",
+            "poolserve.service.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--device",
+            "cpu",
+            *self.server_args,
+        ]
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
                 command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
@@ -119,8 +130,11 @@ class Balancer:
         self.port, self.stats_port = free_port(), free_port()
         self.config = _config(workdir, retrying)
         self.log_path = workdir / "haproxy.log"
-        self.env = {**os.environ, "POOLSERVE_LB_BIND": f"127.0.0.1:{self.port}",
-                    "POOLSERVE_LB_STATS": f"127.0.0.1:{self.stats_port}"}
+        self.env = {
+            **os.environ,
+            "POOLSERVE_LB_BIND": f"127.0.0.1:{self.port}",
+            "POOLSERVE_LB_STATS": f"127.0.0.1:{self.stats_port}",
+        }
         # unused server lines point at a closed port: always down, never chosen
         padded = [*addresses, *[f"127.0.0.1:{free_port()}"] * NUM_CONFIGURED_SERVERS]
         for index, address in enumerate(padded[:NUM_CONFIGURED_SERVERS], start=1):
@@ -137,7 +151,9 @@ class Balancer:
         binary = shutil.which("haproxy") or "/usr/sbin/haproxy"
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
-                [binary, "-db", "-f", str(self.config)], env=self.env, stdout=log,
+                [binary, "-db", "-f", str(self.config)],
+                env=self.env,
+                stdout=log,
                 stderr=subprocess.STDOUT,
             )
         wait_for(lambda: self._stats_up(), 20.0, "haproxy's stats page")
@@ -152,13 +168,19 @@ class Balancer:
         """The backend's rows of HAProxy's stats CSV, by server name."""
         text = httpx.get(f"http://127.0.0.1:{self.stats_port}/stats;csv", timeout=5.0).text
         rows = csv.DictReader(io.StringIO(text.removeprefix("# ")))
-        return {r["svname"]: r for r in rows
-                if r["pxname"] == "poolserve" and r["svname"] not in ("FRONTEND", "BACKEND")}
+        return {
+            r["svname"]: r
+            for r in rows
+            if r["pxname"] == "poolserve" and r["svname"] not in ("FRONTEND", "BACKEND")
+        }
 
     def wait_status(self, server: str, status: str, timeout_s: float = 30.0) -> None:
         """Wait until HAProxy's checks put a server in `status` (UP, DOWN)."""
-        wait_for(lambda: self.servers()[server]["status"] == status, timeout_s,
-                 f"haproxy to see {server} {status}")
+        wait_for(
+            lambda: self.servers()[server]["status"] == status,
+            timeout_s,
+            f"haproxy to see {server} {status}",
+        )
 
     def served(self) -> dict[str, int]:
         """2xx answers per server since HAProxy started (restarts of replicas included)."""
@@ -186,8 +208,14 @@ def _config(workdir: Path, retrying: bool) -> Path:
 
 
 @contextlib.contextmanager
-def fleet(workdir: Path, num_replicas: int, server_args: Sequence[str], *, retrying: bool = True,
-          num_started: int | None = None) -> Iterator[tuple[list[Replica], Balancer]]:
+def fleet(
+    workdir: Path,
+    num_replicas: int,
+    server_args: Sequence[str],
+    *,
+    retrying: bool = True,
+    num_started: int | None = None,
+) -> Iterator[tuple[list[Replica], Balancer]]:
     """Replicas (the first num_started of them running and ready) behind a running HAProxy."""
     replicas = [Replica(f"replica{i}", workdir, server_args) for i in range(1, num_replicas + 1)]
     balancer = Balancer(workdir, [r.address for r in replicas], retrying)

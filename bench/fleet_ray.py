@@ -48,8 +48,11 @@ def _served(text: str) -> int:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             labels = sample.labels
-            if (sample.name == "poolserve_requests_total" and labels.get("endpoint") == ROUTE
-                    and labels.get("status") == "200"):
+            if (
+                sample.name == "poolserve_requests_total"
+                and labels.get("endpoint") == ROUTE
+                and labels.get("status") == "200"
+            ):
                 total += sample.value
     return int(total)
 
@@ -79,15 +82,26 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     import poolserve_app  # deploy/ray/poolserve_app.py
 
     pythonpath = f"{ROOT}:{APP_DIR}"
-    ray.init(num_cpus=args.cpus, runtime_env={"env_vars": {"PYTHONPATH": pythonpath,
-                                                          "HF_HUB_OFFLINE": "1"}})
+    ray.init(
+        num_cpus=args.cpus,
+        runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "HF_HUB_OFFLINE": "1"}},
+    )
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     url = f"http://127.0.0.1:{port}"
     started = time.monotonic()
-    serve.run(poolserve_app.build({"num_replicas": str(args.replicas), "gpus_per_replica": "0",
-                                   "cpus_per_replica": "1", "server": args.server}),
-              name=APP_NAME, route_prefix="/")
+    serve.run(
+        poolserve_app.build(
+            {
+                "num_replicas": str(args.replicas),
+                "gpus_per_replica": "0",
+                "cpus_per_replica": "1",
+                "server": args.server,
+            }
+        ),
+        name=APP_NAME,
+        route_prefix="/",
+    )
     logger.info("%d replicas running after %.0f s", args.replicas, time.monotonic() - started)
     load = ClosedLoop(url + ROUTE, args.concurrency).start()
     time.sleep(args.phase_s)
@@ -96,8 +110,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     killed_at = load.now()
     ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
     logger.info("killed %s at %.1f s", victim, killed_at)
-    wait_for(lambda: _replaced(url, victim, args.replicas), 300.0,
-             "Serve to replace the replica")
+    wait_for(lambda: _replaced(url, victim, args.replicas), 300.0, "Serve to replace the replica")
     replaced_at = load.now()
     time.sleep(args.phase_s)
     after = replica_counts(url, args.replicas)
@@ -106,14 +119,27 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     serve.shutdown()
     ray.shutdown()
     return {
-        "replicas": args.replicas, "concurrency": args.concurrency,
-        "sent": summary.sent, "num_failed": summary.failed, "failures": summary.failures,
-        "failed": [{"started_s": round(o.started_s, 2), "latency_s": round(o.latency_s, 2),
-                    "error": o.error, "detail": o.detail} for o in failed],
-        "killed": victim, "killed_at_s": round(killed_at, 2),
+        "replicas": args.replicas,
+        "concurrency": args.concurrency,
+        "sent": summary.sent,
+        "num_failed": summary.failed,
+        "failures": summary.failures,
+        "failed": [
+            {
+                "started_s": round(o.started_s, 2),
+                "latency_s": round(o.latency_s, 2),
+                "error": o.error,
+                "detail": o.detail,
+            }
+            for o in failed
+        ],
+        "killed": victim,
+        "killed_at_s": round(killed_at, 2),
         "replaced_at_s": round(replaced_at, 2),
-        "served_200_before_kill": before, "served_200_at_end": after,
-        "tokens_per_s": round(summary.tokens_per_s), "p99_ms": round(summary.p99_ms),
+        "served_200_before_kill": before,
+        "served_200_at_end": after,
+        "tokens_per_s": round(summary.tokens_per_s),
+        "p99_ms": round(summary.p99_ms),
     }
 
 
@@ -122,11 +148,18 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench fleet-ray", description=__doc__)
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--phase-s", type=float, default=20.0,
-                        help="load before the kill, and again after the replacement")
+    parser.add_argument(
+        "--phase-s",
+        type=float,
+        default=20.0,
+        help="load before the kill, and again after the replacement",
+    )
     parser.add_argument("--cpus", type=int, default=4, help="logical CPUs of the Ray cluster")
-    parser.add_argument("--server", default="--max-num-batched-tokens 1024 --log-level warning",
-                        help="poolserve flags of each replica")
+    parser.add_argument(
+        "--server",
+        default="--max-num-batched-tokens 1024 --log-level warning",
+        help="poolserve flags of each replica",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

@@ -37,20 +37,30 @@ from bench.efficiency import (
 )
 from bench.engine_bench import TOKENIZER_FILES
 from bench.peers import PeerJob, run_in_child
-from models.loader import load_model
-from models.spec import LoadedModel
-from pooling.params import PoolingParams, PoolingTask
-from scheduler.config import SchedulerConfig
-from scheduler.engine import Engine
+from poolserve.models.loader import load_model
+from poolserve.models.spec import LoadedModel
+from poolserve.pooling.params import PoolingParams, PoolingTask
+from poolserve.scheduler.config import SchedulerConfig
+from poolserve.scheduler.engine import Engine
 
 logger = logging.getLogger(__name__)
 
 CUDA = torch.device("cuda")
 SHAPES: dict[str, dict[str, Any]] = {  # published Qwen3 configs; random weights
-    "Qwen3-0.6B": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
-                   "num_attention_heads": 16, "num_key_value_heads": 8},
-    "Qwen3-4B": {"hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
-                 "num_attention_heads": 32, "num_key_value_heads": 8},
+    "Qwen3-0.6B": {
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+    },
+    "Qwen3-4B": {
+        "hidden_size": 2560,
+        "intermediate_size": 9728,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+    },
 }
 
 
@@ -70,9 +80,14 @@ class Run:
 def save_random(name: str, directory: Path) -> Path:
     """A random bf16 checkpoint of the named shape, built on the GPU, with MiniLM's tokenizer."""
     config = transformers.Qwen3Config(
-        vocab_size=151936, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        vocab_size=151936,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-        tie_word_embeddings=True, **SHAPES[name])
+        tie_word_embeddings=True,
+        **SHAPES[name],
+    )
     torch.manual_seed(0)
     with CUDA:
         model = transformers.Qwen3Model(config).to(torch.bfloat16)  # type: ignore[arg-type]
@@ -87,8 +102,11 @@ def save_random(name: str, directory: Path) -> Path:
 
 def _busy_fraction(prof: torch.profiler.profile, wall_us: float) -> float:
     """Union of CUDA kernel intervals over the wall time."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
     busy, end = 0.0, float("-inf")
     for s, e in spans:
         if e > end:
@@ -97,8 +115,13 @@ def _busy_fraction(prof: torch.profiler.profile, wall_us: float) -> float:
     return busy / wall_us
 
 
-async def engine_pass(loaded: LoadedModel, config: SchedulerConfig, prompts: list[list[int]],
-                      task: PoolingTask, profile: bool) -> tuple[float, float | None, Engine]:
+async def engine_pass(
+    loaded: LoadedModel,
+    config: SchedulerConfig,
+    prompts: list[list[int]],
+    task: PoolingTask,
+    profile: bool,
+) -> tuple[float, float | None, Engine]:
     """Warm up, then submit every prompt at once; wall seconds and GPU busy share."""
     engine = Engine(loaded, config, CUDA)
     engine.start()
@@ -120,16 +143,30 @@ async def engine_pass(loaded: LoadedModel, config: SchedulerConfig, prompts: lis
     return wall, busy, engine
 
 
-def run_engine(label: str, loaded: LoadedModel, config: SchedulerConfig, shape: Shape,
-               prompts: list[list[int]], task: PoolingTask, profile: bool) -> Run:
+def run_engine(
+    label: str,
+    loaded: LoadedModel,
+    config: SchedulerConfig,
+    shape: Shape,
+    prompts: list[list[int]],
+    task: PoolingTask,
+    profile: bool,
+) -> Run:
     """One engine pass (plus a profiled repeat for the busy share) as a Run row."""
     wall, _, engine = asyncio.run(engine_pass(loaded, config, prompts, task, False))
     snap = engine.snapshot()
     del engine  # its KV cache (gigabytes for the 4B shape) goes before the next pass allocates
     busy = asyncio.run(engine_pass(loaded, config, prompts, task, True))[1] if profile else None
     lengths = [len(p) for p in prompts]
-    return Run(label, sum(lengths), wall, workload_flops(shape, lengths), busy,
-               snap.cloned_bytes_total, snap.num_clones)
+    return Run(
+        label,
+        sum(lengths),
+        wall,
+        workload_flops(shape, lengths),
+        busy,
+        snap.cloned_bytes_total,
+        snap.num_clones,
+    )
 
 
 def _cuda_seconds(fn: Callable[[], object], repeats: int = 20) -> float:
@@ -149,28 +186,37 @@ def _to_host(x: torch.Tensor, host: torch.Tensor) -> None:
 
 def copy_costs(hidden: int) -> str:
     """Clone and device-to-host copy (into pinned float32) of token_embed-sized outputs."""
-    lines = ["| tokens | bytes (bf16) | clone us | to pinned fp32 host us | GB/s D2H |",
-             "|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| tokens | bytes (bf16) | clone us | to pinned fp32 host us | GB/s D2H |",
+        "|---:|---:|---:|---:|---:|",
+    ]
     for tokens in (512, 2048, 8192, 32768):
         x = torch.randn(tokens, hidden, device=CUDA, dtype=torch.bfloat16)  # [T, hidden]
         host = torch.empty(tokens, hidden, dtype=torch.float32, pin_memory=True)  # [T, hidden]
         clone = _cuda_seconds(x.clone)
         d2h = _cuda_seconds(partial(_to_host, x, host))
-        lines.append(f"| {tokens} | {x.numel() * 2} | {clone * 1e6:.0f} | {d2h * 1e6:.0f} | "
-                     f"{host.numel() * 4 / d2h / 1e9:.1f} |")
+        lines.append(
+            f"| {tokens} | {x.numel() * 2} | {clone * 1e6:.0f} | {d2h * 1e6:.0f} | "
+            f"{host.numel() * 4 / d2h / 1e9:.1f} |"
+        )
     return "\n".join(lines)
 
 
 def runs_table(runs: list[Run], peak: MatmulPeak) -> str:
     """Markdown of the engine runs."""
-    lines = ["| run | tokens | wall s | tokens/s | model TFLOP/s | MFU vs measured bf16 peak "
-             "| GPU busy | cloned MB | clones |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| run | tokens | wall s | tokens/s | model TFLOP/s | MFU vs measured bf16 peak "
+        "| GPU busy | cloned MB | clones |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in runs:
         busy = "" if r.gpu_busy is None else f"{r.gpu_busy:.1%}"
         mfu = r.flops / r.wall_s / peak.flops_per_s
-        lines.append(f"| {r.label} | {r.tokens} | {r.wall_s:.2f} | {r.tokens / r.wall_s:.0f} | "
-                     f"{r.flops / r.wall_s / 1e12:.1f} | {mfu:.0%} | {busy} | "
-                     f"{r.cloned_bytes / 1e6:.1f} | {r.num_clones} |")
+        lines.append(
+            f"| {r.label} | {r.tokens} | {r.wall_s:.2f} | {r.tokens / r.wall_s:.0f} | "
+            f"{r.flops / r.wall_s / 1e12:.1f} | {mfu:.0%} | {busy} | "
+            f"{r.cloned_bytes / 1e6:.1f} | {r.num_clones} |"
+        )
     return "\n".join(lines)
 
 
@@ -179,23 +225,35 @@ def bench_model(name: str, args: argparse.Namespace, emit: Callable[[str], None]
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         model_dir = save_random(name, Path(tmp))
         shape = shape_from_config(transformers.AutoConfig.from_pretrained(model_dir))
-        peak = max((measure_matmul_peak(shape, n, dtype=torch.bfloat16, device=CUDA, repeats=20)
-                    for n in (2048, 8192, 16384)), key=lambda p: p.flops_per_s)
-        emit(f"### {name} (bf16, {shape.num_layers} layers)\n\nmeasured bf16 matmul peak: "
-             f"{peak.flops_per_s / 1e12:.1f} TFLOP/s at {peak.num_tokens} tokens\n")
+        peak = max(
+            (
+                measure_matmul_peak(shape, n, dtype=torch.bfloat16, device=CUDA, repeats=20)
+                for n in (2048, 8192, 16384)
+            ),
+            key=lambda p: p.flops_per_s,
+        )
+        emit(
+            f"### {name} (bf16, {shape.num_layers} layers)\n\nmeasured bf16 matmul peak: "
+            f"{peak.flops_per_s / 1e12:.1f} TFLOP/s at {peak.num_tokens} tokens\n"
+        )
         prompts = [list(p) for p in build_workload(args.num_prompts, seed=0).prompts]
         long = [p for p in prompts if len(p) >= 512]
         loaded = load_model(str(model_dir), device=CUDA, dtype=torch.bfloat16)
-        base = SchedulerConfig(max_num_batched_tokens=args.budget, num_kv_blocks=args.kv_blocks,
-                               max_num_queued_tokens=1 << 26, max_num_queued_requests=1 << 16)
+        base = SchedulerConfig(
+            max_num_batched_tokens=args.budget,
+            num_kv_blocks=args.kv_blocks,
+            max_num_queued_tokens=1 << 26,
+            max_num_queued_requests=1 << 16,
+        )
         off = replace(base, async_scheduling=False)
         embed, tok = PoolingTask.EMBED, PoolingTask.TOKEN_EMBED
-        runs = [run_engine("embed, async on", loaded, base, shape, prompts, embed, True),
-                run_engine("embed, async off", loaded, off, shape, prompts, embed, True),
-                run_engine("embed, prompts >= 512, async on", loaded, base, shape, long, embed,
-                           False),
-                run_engine("token_embed, async on", loaded, base, shape, prompts, tok, False),
-                run_engine("token_embed, async off", loaded, off, shape, prompts, tok, False)]
+        runs = [
+            run_engine("embed, async on", loaded, base, shape, prompts, embed, True),
+            run_engine("embed, async off", loaded, off, shape, prompts, embed, True),
+            run_engine("embed, prompts >= 512, async on", loaded, base, shape, long, embed, False),
+            run_engine("token_embed, async on", loaded, base, shape, prompts, tok, False),
+            run_engine("token_embed, async off", loaded, off, shape, prompts, tok, False),
+        ]
         emit(runs_table(runs, peak) + "\n\n" + copy_costs(shape.hidden) + "\n")
         del loaded
         torch.cuda.empty_cache()
@@ -203,22 +261,39 @@ def bench_model(name: str, args: argparse.Namespace, emit: Callable[[str], None]
             emit(peers_table(model_dir, prompts, shape, peak, Path(tmp)) + "\n")
 
 
-def peers_table(model_dir: Path, prompts: list[list[int]], shape: Shape, peak: MatmulPeak,
-                tmp: Path) -> str:
+def peers_table(
+    model_dir: Path, prompts: list[list[int]], shape: Shape, peak: MatmulPeak, tmp: Path
+) -> str:
     """poolserve vs sentence-transformers vs HF padded on the same texts, child processes."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     texts = [str(tokenizer.decode(p)) for p in prompts]
     lengths = [len(ids) for ids in tokenizer(texts)["input_ids"]]
     (tmp / "texts.json").write_text(json.dumps(texts))
     flops = workload_flops(shape, lengths)
-    jobs = [("poolserve", None), ("sentence-transformers", 32), ("sentence-transformers", 128),
-            ("hf-padded", 32)]
+    jobs = [
+        ("poolserve", None),
+        ("sentence-transformers", 32),
+        ("sentence-transformers", 128),
+        ("hf-padded", 32),
+    ]
     lines = ["| peer | batch | tokens/s | MFU | peak host RSS MiB |", "|---|---:|---:|---:|---:|"]
     for peer, batch in jobs:
-        r = run_in_child(PeerJob(peer, str(model_dir), str(tmp / "texts.json"), 40960, batch,
-                                 max_num_batched_tokens=8192, device="cuda", dtype="bfloat16"))
-        lines.append(f"| {peer} | {batch or ''} | {sum(lengths) / r.wall_s:.0f} | "
-                     f"{flops / r.wall_s / peak.flops_per_s:.0%} | {r.peak_rss_mib:.0f} |")
+        r = run_in_child(
+            PeerJob(
+                peer,
+                str(model_dir),
+                str(tmp / "texts.json"),
+                40960,
+                batch,
+                max_num_batched_tokens=8192,
+                device="cuda",
+                dtype="bfloat16",
+            )
+        )
+        lines.append(
+            f"| {peer} | {batch or ''} | {sum(lengths) / r.wall_s:.0f} | "
+            f"{flops / r.wall_s / peak.flops_per_s:.0%} | {r.peak_rss_mib:.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -235,8 +310,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if not torch.cuda.is_available():
         raise SystemExit("no CUDA device")
-    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"transformers {transformers.__version__}\n")
+    print(
+        f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+        f"transformers {transformers.__version__}\n"
+    )
     for name in args.models.split(","):
         bench_model(name, args, print)
 

@@ -114,8 +114,9 @@ def _httpx_poster(client: httpx.AsyncClient, url: str) -> Poster:
     return post
 
 
-async def _worker(post: Poster, bodies: Iterator[RequestBody], deadline: float,
-                  samples: list[Sample]) -> None:
+async def _worker(
+    post: Poster, bodies: Iterator[RequestBody], deadline: float, samples: list[Sample]
+) -> None:
     """Send bodies one after another until they run out or the deadline passes."""
     for body in bodies:
         if time.perf_counter() > deadline:
@@ -125,11 +126,13 @@ async def _worker(post: Poster, bodies: Iterator[RequestBody], deadline: float,
         samples.append(Sample(time.perf_counter() - start, ok, body.num_tokens))
 
 
-async def run_point(base_url: str, path: str, bodies: Sequence[RequestBody],
-                    point: LoadPoint) -> PointResult:
+async def run_point(
+    base_url: str, path: str, bodies: Sequence[RequestBody], point: LoadPoint
+) -> PointResult:
     """Drive one point against a running server and summarize it."""
-    limits = httpx.Limits(max_connections=point.concurrency,
-                          max_keepalive_connections=point.concurrency)
+    limits = httpx.Limits(
+        max_connections=point.concurrency, max_keepalive_connections=point.concurrency
+    )
     # A request may wait behind the whole point's work: allow it the point's time and more.
     timeout = httpx.Timeout(max(REQUEST_TIMEOUT_S, 2 * point.time_limit_s), connect=30.0)
     chosen = list(itertools.islice(itertools.cycle(bodies), point.num_requests))
@@ -139,8 +142,9 @@ async def run_point(base_url: str, path: str, bodies: Sequence[RequestBody],
         shared = iter(chosen)  # one iterator: each body is sent by exactly one worker
         start = time.perf_counter()
         deadline = start + point.time_limit_s
-        await asyncio.gather(*(_worker(post, shared, deadline, samples)
-                               for _ in range(point.concurrency)))
+        await asyncio.gather(
+            *(_worker(post, shared, deadline, samples) for _ in range(point.concurrency))
+        )
         wall = time.perf_counter() - start
     good = [s for s in samples if s.ok]
     latencies = [s.latency_s for s in good]
@@ -156,8 +160,7 @@ async def run_point(base_url: str, path: str, bodies: Sequence[RequestBody],
     )
 
 
-async def wait_ready(base_url: str, path: str, timeout_s: float,
-                     alive: Callable[[], bool]) -> None:
+async def wait_ready(base_url: str, path: str, timeout_s: float, alive: Callable[[], bool]) -> None:
     """Poll a GET route until it answers 200; fail when the process dies or time runs out."""
     deadline = time.perf_counter() + timeout_s
     async with httpx.AsyncClient(base_url=base_url, timeout=5.0) as client:
@@ -171,4 +174,3 @@ async def wait_ready(base_url: str, path: str, timeout_s: float,
                 pass
             await asyncio.sleep(0.5)
     raise TimeoutError(f"server at {base_url} not ready after {timeout_s:.0f} s")
-

@@ -39,8 +39,10 @@ def create_app(model_dir: str) -> FastAPI:
         return {
             "object": "list",
             "model": body.model or model_dir,
-            "data": [{"object": "embedding", "index": i, "embedding": v.tolist()}
-                     for i, v in enumerate(vectors)],
+            "data": [
+                {"object": "embedding", "index": i, "embedding": v.tolist()}
+                for i, v in enumerate(vectors)
+            ],
             # Not counted: a second tokenization would charge this peer work the others skip.
             "usage": {"prompt_tokens": 0, "total_tokens": 0},
         }

@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pooling.params import PoolingParams, PoolingTask
-from scheduler.engine import Engine
-from scheduler.request import PoolingOutput
+from poolserve.pooling.params import PoolingParams, PoolingTask
+from poolserve.scheduler.engine import Engine
+from poolserve.scheduler.request import PoolingOutput
 
 logger = logging.getLogger(__name__)
 
@@ -81,15 +81,18 @@ Runner = Callable[[list[str]], np.ndarray]
 
 def _poolserve(job: PeerJob) -> Runner:
     """poolserve's engine: tokenize the batch, submit everything at once, await every output."""
-    from models.loader import load_model
-    from scheduler.config import SchedulerConfig
+    from poolserve.models.loader import load_model
+    from poolserve.scheduler.config import SchedulerConfig
 
     device = torch.device(job.device)
     loaded = load_model(job.model_dir, device=device, dtype=getattr(torch, job.dtype))
     config = SchedulerConfig(
-        max_num_batched_tokens=job.max_num_batched_tokens, num_kv_blocks=job.num_kv_blocks,
-        enable_chunked_prefill=loaded.spec.is_causal, async_scheduling=job.async_scheduling,
-        max_num_queued_tokens=1 << 24, max_num_queued_requests=1 << 16,
+        max_num_batched_tokens=job.max_num_batched_tokens,
+        num_kv_blocks=job.num_kv_blocks,
+        enable_chunked_prefill=loaded.spec.is_causal,
+        async_scheduling=job.async_scheduling,
+        max_num_queued_tokens=1 << 24,
+        max_num_queued_requests=1 << 16,
     )
     params = PoolingParams(task=PoolingTask.EMBED)
     loop = asyncio.new_event_loop()
@@ -118,13 +121,22 @@ def _sentence_transformers(job: PeerJob) -> Runner:
     """sentence-transformers encode: its own length sorting, a fixed batch size."""
     from sentence_transformers import SentenceTransformer
 
-    model = SentenceTransformer(job.model_dir, device=job.device, model_kwargs={
-        "attn_implementation": "sdpa", "dtype": getattr(torch, job.dtype)})
+    model = SentenceTransformer(
+        job.model_dir,
+        device=job.device,
+        model_kwargs={"attn_implementation": "sdpa", "dtype": getattr(torch, job.dtype)},
+    )
     model.max_seq_length = job.max_length
 
     def run(texts: list[str]) -> np.ndarray:
-        return np.asarray(model.encode(texts, batch_size=job.batch_size or 32,
-                                       convert_to_numpy=True, show_progress_bar=False))
+        return np.asarray(
+            model.encode(
+                texts,
+                batch_size=job.batch_size or 32,
+                convert_to_numpy=True,
+                show_progress_bar=False,
+            )
+        )
 
     return run
 
@@ -136,8 +148,13 @@ def _hf_padded(job: PeerJob) -> Runner:
     device = torch.device(job.device)
     config = transformers.AutoConfig.from_pretrained(job.model_dir)
     cls = transformers.Qwen3Model if config.model_type == "qwen3" else transformers.AutoModel
-    model = cls.from_pretrained(job.model_dir, attn_implementation="sdpa",
-                                dtype=getattr(torch, job.dtype)).to(device).eval()  # type: ignore[arg-type]
+    model = (
+        cls.from_pretrained(
+            job.model_dir, attn_implementation="sdpa", dtype=getattr(torch, job.dtype)
+        )
+        .to(device)
+        .eval()
+    )  # type: ignore[arg-type]
     tokenizer = transformers.AutoTokenizer.from_pretrained(job.model_dir)
     size = job.batch_size or 32
 
@@ -145,8 +162,13 @@ def _hf_padded(job: PeerJob) -> Runner:
     def run(texts: list[str]) -> np.ndarray:
         out = []
         for start in range(0, len(texts), size):
-            batch = tokenizer(texts[start:start + size], padding=True, truncation=True,
-                              max_length=job.max_length, return_tensors="pt").to(device)
+            batch = tokenizer(
+                texts[start : start + size],
+                padding=True,
+                truncation=True,
+                max_length=job.max_length,
+                return_tensors="pt",
+            ).to(device)
             hidden = model(**batch).last_hidden_state  # [B, L, H]
             mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # [B, L, 1]
             pooled = (hidden * mask).sum(1) / mask.sum(1)  # [B, H]
@@ -186,7 +208,10 @@ def run_in_child(job: PeerJob, timeout_s: float = 1800.0) -> PeerResult:
     """Run one job in a fresh interpreter and parse its result line."""
     proc = subprocess.run(
         [sys.executable, "-m", "bench.peers", json.dumps(asdict(job))],
-        capture_output=True, text=True, timeout=timeout_s, check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
     )
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(RESULT_PREFIX):

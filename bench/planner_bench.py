@@ -11,8 +11,8 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from scheduler.config import SchedulerConfig
-from scheduler.planner import PlannerSeq, blocks_needed, plan_step
+from poolserve.scheduler.config import SchedulerConfig
+from poolserve.scheduler.planner import PlannerSeq, blocks_needed, plan_step
 
 
 @dataclass(frozen=True)
@@ -32,9 +32,16 @@ def _queues(scenario: Scenario, rng: random.Random) -> tuple[list[PlannerSeq], l
     running = []
     for rid in range(scenario.num_running):
         prompt = rng.randint(config.max_num_batched_tokens + 1, 8 * config.max_num_batched_tokens)
-        running.append(PlannerSeq(rid, prompt, rng.randint(1, prompt - 1),
-                                  blocks_needed(prompt, config.block_size),
-                                  rng.randint(0, 2), rid))
+        running.append(
+            PlannerSeq(
+                rid,
+                prompt,
+                rng.randint(1, prompt - 1),
+                blocks_needed(prompt, config.block_size),
+                rng.randint(0, 2),
+                rid,
+            )
+        )
     waiting = [
         PlannerSeq(rid, rng.randint(1, scenario.max_prompt_tokens), 0, 0, rng.randint(0, 2), rid)
         for rid in range(scenario.num_running, scenario.num_running + scenario.num_waiting)
@@ -81,15 +88,18 @@ def main() -> None:
         Scenario("1024 waiting, 8-token prompts", small_prompts, 1024, 0, 8),
     ]
     print(f"calibration: empty 1e6-iteration loop takes {_calibration_ms():.1f} ms")
-    print(f"{'scenario':34} {'chunks':>6} {'tokens':>6} {'min_us':>8} {'median_us':>10} "
-          f"{'p99_us':>8}")
+    print(
+        f"{'scenario':34} {'chunks':>6} {'tokens':>6} {'min_us':>8} {'median_us':>10} {'p99_us':>8}"
+    )
     for scenario in scenarios:
         timings, num_chunks, num_tokens = _time_calls(scenario, 2000)
         timings.sort()
         median_us = statistics.median(timings) * 1e6
         p99_us = timings[int(0.99 * len(timings))] * 1e6
-        print(f"{scenario.name:34} {num_chunks:6d} {num_tokens:6d} {timings[0] * 1e6:8.1f} "
-              f"{median_us:10.1f} {p99_us:8.1f}")
+        print(
+            f"{scenario.name:34} {num_chunks:6d} {num_tokens:6d} {timings[0] * 1e6:8.1f} "
+            f"{median_us:10.1f} {p99_us:8.1f}"
+        )
 
 
 if __name__ == "__main__":

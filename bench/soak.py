@@ -40,7 +40,7 @@ import httpx
 from bench import soak_load, soak_report
 from bench.loadgen import wait_ready
 from bench.soak_report import RssSample
-from service.memory import ALLOCATOR_VARIABLES, MMAP_THRESHOLD_BYTES
+from poolserve.service.memory import ALLOCATOR_VARIABLES, MMAP_THRESHOLD_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +67,11 @@ def jemalloc_path() -> str:
 PROJECT_MALLOC_ENV = {"GLIBC_TUNABLES": f"glibc.malloc.mmap_threshold={MMAP_THRESHOLD_BYTES}"}
 # Starts the server the way `poolserve serve` runs when no allocator variable is set: it fixes
 # the threshold itself before loading anything.
-IN_PROCESS_PREFIX = ("-c", "from service.memory import fix_mmap_threshold; fix_mmap_threshold(); "
-                     "from service.cli import main; main()")
+IN_PROCESS_PREFIX = (
+    "-c",
+    "from poolserve.service.memory import fix_mmap_threshold; fix_mmap_threshold(); "
+    "from poolserve.service.cli import main; main()",
+)
 
 
 def malloc_env(variant: str) -> dict[str, str]:
@@ -119,15 +122,24 @@ def server(args: argparse.Namespace, port: int, log: Path) -> Iterator[subproces
     env = {k: v for k, v in os.environ.items() if k not in unset}
     env.update(malloc_env(args.malloc))
     env.update({"HF_HUB_OFFLINE": env.get("HF_HUB_OFFLINE", "1"), "PYTHONPATH": str(ROOT)})
-    launcher = IN_PROCESS_PREFIX if args.malloc == "inproc" else ("-m", "service.cli")
-    command = [sys.executable, *launcher, "serve", "--port", str(port),
-               "--log-level", "warning", *shlex.split(args.server_args)]
+    launcher = IN_PROCESS_PREFIX if args.malloc == "inproc" else ("-m", "poolserve.service.cli")
+    command = [
+        sys.executable,
+        *launcher,
+        "serve",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        *shlex.split(args.server_args),
+    ]
     if args.model:
         command += ["--model", args.model]
     logger.info("starting %s with %s", shlex.join(command), malloc_env(args.malloc))
     with log.open("ab") as out:
-        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             yield process
         finally:
@@ -141,8 +153,9 @@ def server(args: argparse.Namespace, port: int, log: Path) -> Iterator[subproces
                 process.wait()
 
 
-def sample_rss(pid: int, origin: float, interval_s: float, stop: threading.Event,
-               samples: list[RssSample]) -> None:
+def sample_rss(
+    pid: int, origin: float, interval_s: float, stop: threading.Event, samples: list[RssSample]
+) -> None:
     """Append the server's RSS and CPU time every interval until stopped (runs in a thread)."""
     while not stop.is_set():
         samples.append(RssSample(time.perf_counter() - origin, rss_mib(pid), cpu_seconds(pid)))
@@ -156,8 +169,9 @@ async def model_info(url: str) -> dict[str, object]:
     return info
 
 
-async def drive(args: argparse.Namespace, url: str, pid: int,
-                rss: list[RssSample]) -> tuple[list[soak_load.Outcome], dict[str, object]]:
+async def drive(
+    args: argparse.Namespace, url: str, pid: int, rss: list[RssSample]
+) -> tuple[list[soak_load.Outcome], dict[str, object]]:
     """All clients for --duration seconds while a thread samples RSS."""
     info = await model_info(url)
     max_len = min(int(str(info["max_model_len"])), MAX_PROMPT_TOKENS)
@@ -171,14 +185,16 @@ async def drive(args: argparse.Namespace, url: str, pid: int,
     stop = threading.Event()
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
         origin = time.perf_counter()
-        sampler = threading.Thread(target=sample_rss,
-                                   args=(pid, origin, args.sample_interval, stop, rss))
+        sampler = threading.Thread(
+            target=sample_rss, args=(pid, origin, args.sample_interval, stop, rss)
+        )
         sampler.start()
         shared = soak_load.Drive(client, kinds, prompts, origin, origin + args.duration, outcomes)
         try:
             await asyncio.gather(
                 *(soak_load.run_client(shared, seed, False) for seed in range(args.clients)),
-                *(soak_load.run_client(shared, 1000 + i, True) for i in range(args.disconnecting)))
+                *(soak_load.run_client(shared, 1000 + i, True) for i in range(args.disconnecting)),
+            )
         finally:
             stop.set()
             sampler.join()
@@ -201,28 +217,49 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         exit_code = None if process.poll() is None else process.returncode
     return soak_report.summarize(
         soak_report.RunFacts(
-            malloc=args.malloc, env=malloc_env(args.malloc), model=str(info["model"]),
-            date=time.strftime("%Y-%m-%d %H:%M UTC", started), duration_s=args.duration,
-            warmup_s=args.warmup, clients=args.clients, disconnecting=args.disconnecting,
-            loaded_rss_mib=loaded_mib, load=os.getloadavg(), server_died=exit_code is not None),
-        rss, outcomes)
+            malloc=args.malloc,
+            env=malloc_env(args.malloc),
+            model=str(info["model"]),
+            date=time.strftime("%Y-%m-%d %H:%M UTC", started),
+            duration_s=args.duration,
+            warmup_s=args.warmup,
+            clients=args.clients,
+            disconnecting=args.disconnecting,
+            loaded_rss_mib=loaded_mib,
+            load=os.getloadavg(),
+            server_died=exit_code is not None,
+        ),
+        rss,
+        outcomes,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
     """Parse flags, run, print and write the report."""
-    parser = argparse.ArgumentParser(prog="python -m bench soak", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench soak",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--duration", type=float, default=600.0, help="seconds of load")
-    parser.add_argument("--warmup", type=float, default=60.0,
-                        help="first seconds of the load that are warm-up (RSS baseline after)")
+    parser.add_argument(
+        "--warmup",
+        type=float,
+        default=60.0,
+        help="first seconds of the load that are warm-up (RSS baseline after)",
+    )
     parser.add_argument("--model", default=None, help="directory or Hub id (default: MiniLM)")
     parser.add_argument("--clients", type=int, default=32, help="closed-loop clients")
-    parser.add_argument("--disconnecting", type=int, default=4,
-                        help="extra clients that go away mid-request")
+    parser.add_argument(
+        "--disconnecting", type=int, default=4, help="extra clients that go away mid-request"
+    )
     parser.add_argument("--sample-interval", type=float, default=2.0, help="RSS sampling, s")
-    parser.add_argument("--malloc", default="default",
-                        choices=["default", "inproc", "glibc", "arena2", "jemalloc"],
-                        help="server allocator setup (default: the project's)")
+    parser.add_argument(
+        "--malloc",
+        default="default",
+        choices=["default", "inproc", "glibc", "arena2", "jemalloc"],
+        help="server allocator setup (default: the project's)",
+    )
     parser.add_argument("--server-args", default="", help="extra `poolserve serve` flags")
     parser.add_argument("--quick", action="store_true", help="--duration 120 --warmup 30")
     args = parser.parse_args(argv)

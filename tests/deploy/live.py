@@ -42,19 +42,21 @@ def server_command(port: int) -> list[str]:
     """`poolserve serve` from the venv's console script, else the CLI module."""
     venv_script = Path(sys.executable).parent / "poolserve"
     script = str(venv_script) if venv_script.exists() else shutil.which("poolserve")
-    start = [script] if script else [sys.executable, "-m", "service.cli"]
+    start = [script] if script else [sys.executable, "-m", "poolserve.service.cli"]
     return [*start, "serve", "--port", str(port)]
 
 
 def server_env() -> dict[str, str]:
     """This environment without any POOLSERVE_* setting, plus a CPU, offline, loopback server."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("POOLSERVE_")}
-    env.update({
-        "POOLSERVE_HOST": "127.0.0.1",
-        "POOLSERVE_DEVICE": "cpu",
-        "POOLSERVE_SHUTDOWN_TIMEOUT": TEST_SHUTDOWN_TIMEOUT_S,
-        "HF_HUB_OFFLINE": "1",
-    })
+    env.update(
+        {
+            "POOLSERVE_HOST": "127.0.0.1",
+            "POOLSERVE_DEVICE": "cpu",
+            "POOLSERVE_SHUTDOWN_TIMEOUT": TEST_SHUTDOWN_TIMEOUT_S,
+            "HF_HUB_OFFLINE": "1",
+        }
+    )
     return env
 
 
@@ -134,11 +136,13 @@ def prometheus_config(target: str, workdir: Path) -> Path:
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(DEPLOY_DIR / "alerts.yml")],
-        "scrape_configs": [{
-            "job_name": "poolserve",
-            "metrics_path": "/metrics",
-            "static_configs": [{"targets": [target]}],
-        }],
+        "scrape_configs": [
+            {
+                "job_name": "poolserve",
+                "metrics_path": "/metrics",
+                "static_configs": [{"targets": [target]}],
+            }
+        ],
     }
     path = workdir / "prometheus.yml"
     path.write_text(yaml.safe_dump(config))

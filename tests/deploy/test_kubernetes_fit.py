@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import yaml
 
-from scheduler.stats import EngineSnapshot
-from service import routes_admin
-from service.metrics import ServiceMetrics
-from service.settings import ServerSettings
+from poolserve.scheduler.stats import EngineSnapshot
+from poolserve.service import routes_admin
+from poolserve.service.metrics import ServiceMetrics
+from poolserve.service.settings import ServerSettings
 from tests.deploy.kube import (
     ADAPTER_VALUES,
     DEVICE_OF_OVERLAY,
@@ -48,8 +48,10 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_probes_use_the_apps_health_routes(overlay: str) -> None:
     main = container(render(overlay))
-    paths = {probe: main[probe]["httpGet"]["path"]
-             for probe in ("startupProbe", "readinessProbe", "livenessProbe")}
+    paths = {
+        probe: main[probe]["httpGet"]["path"]
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe")
+    }
     assert paths == {
         "startupProbe": route_of(routes_admin.health),
         "livenessProbe": route_of(routes_admin.health),
@@ -101,8 +103,13 @@ def test_environment_holds_only_real_settings(overlay: str) -> None:
 
 
 def test_kustomization_lists_every_setting() -> None:
-    listed = set(re.findall(r"^#\s+(POOLSERVE_[A-Z_]+)", (KUBE_DIR / "base" / "kustomization.yaml")
-                            .read_text(), re.MULTILINE))
+    listed = set(
+        re.findall(
+            r"^#\s+(POOLSERVE_[A-Z_]+)",
+            (KUBE_DIR / "base" / "kustomization.yaml").read_text(),
+            re.MULTILINE,
+        )
+    )
     real = {f"POOLSERVE_{field.upper()}" for field in ServerSettings.model_fields}
     assert listed == real, (
         f"add to base/kustomization.yaml's list: {sorted(real - listed)}; "
@@ -119,7 +126,9 @@ def test_runs_as_the_images_user_on_a_read_only_root(overlay: str) -> None:
     main = container(objects)
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert (pod["securityContext"]["runAsUser"], pod["securityContext"]["runAsGroup"]) == (
-        int(match.group(1)), int(match.group(2)))
+        int(match.group(1)),
+        int(match.group(2)),
+    )
     assert main["securityContext"]["readOnlyRootFilesystem"] is True
     assert main["securityContext"]["allowPrivilegeEscalation"] is False
     assert main["securityContext"]["capabilities"]["drop"] == ["ALL"]
@@ -149,11 +158,13 @@ def test_selectors_match_the_pods(overlay: str) -> None:
     pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert selects(deployment["spec"]["selector"]["matchLabels"], pod_labels)
     assert selects(only(objects, "Service")["spec"]["selector"], pod_labels)
-    assert selects(only(objects, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"],
-                   pod_labels)
+    assert selects(
+        only(objects, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"], pod_labels
+    )
     service_labels = only(objects, "Service")["metadata"]["labels"]
-    assert selects(only(objects, "ServiceMonitor")["spec"]["selector"]["matchLabels"],
-                   service_labels)
+    assert selects(
+        only(objects, "ServiceMonitor")["spec"]["selector"]["matchLabels"], service_labels
+    )
     target = only(objects, "HorizontalPodAutoscaler")["spec"]["scaleTargetRef"]
     assert (target["kind"], target["name"]) == ("Deployment", deployment["metadata"]["name"])
 
@@ -166,8 +177,11 @@ def exported_gauges() -> set[str]:
     metrics.bind_engine(lambda: EngineSnapshot(**zeros), lambda: True)
     text = metrics.render().decode()
     assert exposition_families(text)
-    return {line.split()[2] for line in text.splitlines()
-            if line.startswith("# TYPE ") and line.split()[3] == "gauge"}
+    return {
+        line.split()[2]
+        for line in text.splitlines()
+        if line.startswith("# TYPE ") and line.split()[3] == "gauge"
+    }
 
 
 def adapter_rule(metric: str) -> Obj:
@@ -198,13 +212,19 @@ def test_autoscaler_reads_queued_tokens_through_the_adapter(overlay: str) -> Non
 
 def test_adapter_query_is_valid_promql(tmp_path: Path) -> None:
     rule = adapter_rule("poolserve_queued_tokens")
-    expr = (rule["metricsQuery"].replace("<<.Series>>", "poolserve_queued_tokens")
-            .replace("<<.LabelMatchers>>", 'namespace="default",pod=~"poolserve-a|poolserve-b"')
-            .replace("<<.GroupBy>>", "pod"))
+    expr = (
+        rule["metricsQuery"]
+        .replace("<<.Series>>", "poolserve_queued_tokens")
+        .replace("<<.LabelMatchers>>", 'namespace="default",pod=~"poolserve-a|poolserve-b"')
+        .replace("<<.GroupBy>>", "pod")
+    )
     assert "<<" not in expr, expr
     rule_file = tmp_path / "adapter_rules.yml"
-    rule_file.write_text(yaml.safe_dump(
-        {"groups": [{"name": "adapter", "rules": [{"record": "adapter:query", "expr": expr}]}]}))
+    rule_file.write_text(
+        yaml.safe_dump(
+            {"groups": [{"name": "adapter", "rules": [{"record": "adapter:query", "expr": expr}]}]}
+        )
+    )
     result = run_tool([require_tool("promtool"), "check", "rules", str(rule_file)])
     assert result.returncode == 0, result.describe()
 
@@ -217,7 +237,10 @@ def test_download_job_fills_the_deployments_cache() -> None:
     job_env = {e["name"]: e.get("value") for e in download["env"]}
     assert job_env["HF_HUB_CACHE"] == deployment_env["HF_HUB_CACHE"]
     assert "HF_HUB_OFFLINE" not in job_env
-    claims = {v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"]
-              if "persistentVolumeClaim" in v}
+    claims = {
+        v["persistentVolumeClaim"]["claimName"]
+        for v in pod["volumes"]
+        if "persistentVolumeClaim" in v
+    }
     assert claims == {only(render("gpu"), "PersistentVolumeClaim")["metadata"]["name"]}
-    assert "from models.resolve import resolve_model_path" in download["command"][-1]
+    assert "from poolserve.models.resolve import resolve_model_path" in download["command"][-1]

@@ -85,7 +85,8 @@ def prometheus(
 def first_scrape(prometheus: LiveProcess, promql: str) -> list[dict[str, Any]]:
     """The query's result once Prometheus has scraped at least one sample for it."""
     return wait_until(
-        lambda: query(prometheus, promql) or None, FIRST_SCRAPE_TIMEOUT_S,
+        lambda: query(prometheus, promql) or None,
+        FIRST_SCRAPE_TIMEOUT_S,
         f"Prometheus to return samples for {promql}",
     )
 
@@ -130,6 +131,9 @@ def test_alert_rules_evaluate_cleanly_on_live_metrics(prometheus: LiveProcess) -
         return rules if rules and all(r["health"] != "unknown" for r in rules) else None
 
     rules = wait_until(evaluated_rules, RULE_EVALUATION_TIMEOUT_S, "every alert rule's evaluation")
-    problems = {r["name"]: (r["health"], r.get("lastError"), r["state"]) for r in rules
-                if r["health"] != "ok" or r["state"] != "inactive"}
+    problems = {
+        r["name"]: (r["health"], r.get("lastError"), r["state"])
+        for r in rules
+        if r["health"] != "ok" or r["state"] != "inactive"
+    }
     assert not problems, f"rules must evaluate, and a healthy server must not alert: {problems}"

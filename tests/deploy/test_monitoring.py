@@ -64,15 +64,24 @@ def test_alert_rules_fire_as_specified() -> None:
 
 def test_every_alert_has_a_unit_test() -> None:
     defined = {r["alert"] for g in load_yaml(ALERTS)["groups"] for r in g["rules"]}
-    tested = {t["alertname"] for case in load_yaml(ALERT_TESTS)["tests"]
-              for t in case["alert_rule_test"] if t["exp_alerts"]}
+    tested = {
+        t["alertname"]
+        for case in load_yaml(ALERT_TESTS)["tests"]
+        for t in case["alert_rule_test"]
+        if t["exp_alerts"]
+    }
     assert defined == tested
 
 
 def test_alerts_cover_the_required_signals() -> None:
     exprs = " ".join(r["expr"] for g in load_yaml(ALERTS)["groups"] for r in g["rules"])
-    for signal in ("poolserve_ready", 'status=~"5.."', 'status="429"',
-                   "poolserve_queue_duration_seconds_bucket", "poolserve_kv_blocks_used"):
+    for signal in (
+        "poolserve_ready",
+        'status=~"5.."',
+        'status="429"',
+        "poolserve_queue_duration_seconds_bucket",
+        "poolserve_kv_blocks_used",
+    ):
         assert signal in exprs
 
 
@@ -115,8 +124,11 @@ def test_dashboard_panels_do_not_overlap() -> None:
     cells: set[tuple[int, int]] = set()
     for panel in panels:
         pos = panel["gridPos"]
-        covered = {(x, y) for x in range(pos["x"], pos["x"] + pos["w"])
-                   for y in range(pos["y"], pos["y"] + pos["h"])}
+        covered = {
+            (x, y)
+            for x in range(pos["x"], pos["x"] + pos["w"])
+            for y in range(pos["y"], pos["y"] + pos["h"])
+        }
         assert not cells & covered, f"panel {panel['title']!r} overlaps another"
         assert pos["x"] + pos["w"] <= 24
         cells |= covered

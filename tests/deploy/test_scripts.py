@@ -51,7 +51,10 @@ def _run_installer_without_apt(tmp_path: Path, ci: str) -> subprocess.CompletedP
     assert bash is not None
     return subprocess.run(
         [bash, str(REPO_ROOT / "scripts/install-test-tools.sh")],
-        env={"PATH": str(bin_dir), "CI": ci}, capture_output=True, text=True, timeout=60,
+        env={"PATH": str(bin_dir), "CI": ci},
+        capture_output=True,
+        text=True,
+        timeout=60,
         check=False,
     )
 

@@ -80,7 +80,12 @@ def require_tool(name: str) -> str:
 def run_tool(args: Sequence[str], stdin: str | None = None, cwd: Path = REPO_ROOT) -> ToolResult:
     """Run a tool to completion with a timeout; stdout and stderr together."""
     completed = subprocess.run(
-        list(args), input=stdin, cwd=cwd, capture_output=True, text=True, timeout=TOOL_TIMEOUT_S,
+        list(args),
+        input=stdin,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=TOOL_TIMEOUT_S,
         check=False,
     )
     return ToolResult(tuple(args), completed.returncode, completed.stdout + completed.stderr)

@@ -9,7 +9,7 @@ from typing import cast
 import pytest
 import torch
 
-from models import LoadedModel, load_model
+from poolserve.models import LoadedModel, load_model
 from tests.models.driver import PROMPT_LENGTHS, make_prompts
 from tests.tiny_models import build_hf_model
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models import LoadedModel, PagedKVCache, build_attention_metadata
+from poolserve.models import LoadedModel, PagedKVCache, build_attention_metadata
 
 PROMPT_LENGTHS = (1, 5, 37, 130, 300)
 SHORT_PROMPT_LENGTHS = (1, 5, 37)

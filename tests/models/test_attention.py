@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 import torch
 
-from models import AttentionMetadata, PagedKVCache, build_attention_metadata
-from models.attention_cpu import ReferenceAttention
-from models.attention_cuda import CudaAttention
-from models.spec import HeadKind, ModelSpec
+from poolserve.models import AttentionMetadata, PagedKVCache, build_attention_metadata
+from poolserve.models.attention_cpu import ReferenceAttention
+from poolserve.models.attention_cuda import CudaAttention
+from poolserve.models.spec import HeadKind, ModelSpec
 from tests.models.driver import assert_close
 
 CPU = torch.device("cpu")

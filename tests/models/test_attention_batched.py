@@ -8,11 +8,11 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from models import AttentionMetadata, PagedKVCache, build_attention_metadata
-from models.attention import select_attention_backend
-from models.attention_buckets import MAX_BUCKET_LEN
-from models.attention_cpu import BucketedAttention, ReferenceAttention
-from models.spec import HeadKind, ModelSpec
+from poolserve.models import AttentionMetadata, PagedKVCache, build_attention_metadata
+from poolserve.models.attention import select_attention_backend
+from poolserve.models.attention_buckets import MAX_BUCKET_LEN
+from poolserve.models.attention_cpu import BucketedAttention, ReferenceAttention
+from poolserve.models.spec import HeadKind, ModelSpec
 from tests.models.driver import assert_close
 
 CPU = torch.device("cpu")
@@ -109,7 +109,7 @@ def test_short_equal_lengths_share_one_call_and_the_rest_stay_alone() -> None:
 
 def _calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts batched bucket calls."""
-    import models.attention_cpu as cpu
+    import poolserve.models.attention_cpu as cpu
 
     calls: list[int] = []
     original = cpu._attend_bucket

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from models import LoadedModel, PagedKVCache, build_attention_metadata
+from poolserve.models import LoadedModel, PagedKVCache, build_attention_metadata
 from tests.models.driver import (
     SHORT_PROMPT_LENGTHS,
     assert_close,

@@ -12,17 +12,17 @@ import pytest
 import torch
 import transformers
 
-from models import (
+from poolserve.models import (
     HeadKind,
     LoadedModel,
     UnsupportedArchitectureError,
     build_attention_metadata,
     load_model,
 )
-from models.attention_cpu import ReferenceAttention
-from models.attention_cuda import CudaAttention
-from models.decoder_config import logits_transform
-from models.registry import DECODER_FAMILIES, supported_architectures
+from poolserve.models.attention_cpu import ReferenceAttention
+from poolserve.models.attention_cuda import CudaAttention
+from poolserve.models.decoder_config import logits_transform
+from poolserve.models.registry import DECODER_FAMILIES, supported_architectures
 from tests.models.driver import (
     SHORT_PROMPT_LENGTHS,
     assert_close,

@@ -13,13 +13,13 @@ import torch.nn.functional as F
 import transformers
 from safetensors import safe_open
 
-from models import load_model
-from models.errors import UnsupportedDtypeError
-from models.loader import resolve_dtype
-from service.app import DTYPES, _start, resolve_device
-from service.metrics import ServiceMetrics
-from service.settings import ServerSettings
-from service.state import ServiceState
+from poolserve.models import load_model
+from poolserve.models.errors import UnsupportedDtypeError
+from poolserve.models.loader import resolve_dtype
+from poolserve.service.app import DTYPES, _start, resolve_device
+from poolserve.service.metrics import ServiceMetrics
+from poolserve.service.settings import ServerSettings
+from poolserve.service.state import ServiceState
 from tests.models.driver import assert_close, make_prompts, run_chunked, run_whole
 from tests.tiny_decoders import TINY_DECODERS, build_hf_decoder, save_tiny_decoder
 from tests.tiny_encoders import TINY_ENCODERS, build_hf_encoder

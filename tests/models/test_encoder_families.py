@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from models import (
+from poolserve.models import (
     HeadKind,
     LoadedModel,
     ModelLoadError,
@@ -21,9 +21,9 @@ from models import (
     build_attention_metadata,
     load_model,
 )
-from models.attention_cpu import ReferenceAttention
-from models.attention_cuda import CudaAttention
-from models.registry import ENCODER_FAMILIES, supported_architectures
+from poolserve.models.attention_cpu import ReferenceAttention
+from poolserve.models.attention_cuda import CudaAttention
+from poolserve.models.registry import ENCODER_FAMILIES, supported_architectures
 from tests.models.driver import BLOCK_SIZE, assert_close, make_prompts
 from tests.models.test_attention import modern_varlen
 from tests.tiny_encoders import (

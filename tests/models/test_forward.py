@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from models import HeadKind, LoadedModel, load_model
+from poolserve.models import HeadKind, LoadedModel, load_model
 from tests.models.driver import assert_close, run_whole
 from tests.tiny_models import reference_remote_head
 
@@ -45,7 +45,7 @@ def test_out_buffer_receives_hidden_states(
     loaded_tiny: Callable[[str], LoadedModel], prompts: list[list[int]]
 ) -> None:
     loaded = loaded_tiny("qwen2")
-    from models import build_attention_metadata
+    from poolserve.models import build_attention_metadata
 
     prompt = prompts[2]
     meta = build_attention_metadata(

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from models import PagedKVCache, build_attention_metadata, load_model
-from models.attention_cpu import ReferenceAttention
-from models.attention_cuda import CudaAttention, find_varlen_attn
-from models.spec import HeadKind, ModelSpec
+from poolserve.models import PagedKVCache, build_attention_metadata, load_model
+from poolserve.models.attention_cpu import ReferenceAttention
+from poolserve.models.attention_cuda import CudaAttention, find_varlen_attn
+from poolserve.models.spec import HeadKind, ModelSpec
 from tests.models.driver import run_chunked, run_whole
 from tests.tiny_models import build_hf_model
 

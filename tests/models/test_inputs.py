@@ -7,7 +7,12 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from models import InvalidTokenIdError, LoadedModel, build_attention_metadata, validate_token_ids
+from poolserve.models import (
+    InvalidTokenIdError,
+    LoadedModel,
+    build_attention_metadata,
+    validate_token_ids,
+)
 
 CPU = torch.device("cpu")
 VOCAB = 30522

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from models import (
+from poolserve.models import (
     HeadKind,
     LoadedModel,
     ModelLoadError,

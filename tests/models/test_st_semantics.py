@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from models import ModelLoadError, load_model
-from models.sentence_transformers import read_sentence_transformers
+from poolserve.models import ModelLoadError, load_model
+from poolserve.models.sentence_transformers import read_sentence_transformers
 from tests.tiny_models import write_st_modules
 
 CPU = torch.device("cpu")
@@ -34,8 +34,8 @@ def _client(**settings: Any) -> Iterator[Any]:
     """A started app; imported here so the GPU check runs where the HTTP service is absent."""
     from starlette.testclient import TestClient
 
-    from service.app import create_app
-    from service.settings import ServerSettings
+    from poolserve.service.app import create_app
+    from poolserve.service.settings import ServerSettings
 
     with TestClient(create_app(ServerSettings(**settings))) as client:
         yield client

@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from models import load_model
+from poolserve.models import load_model
 from tests.models.driver import assert_close, make_prompts, run_chunked, run_whole
 from tests.tiny_models import MINILM_DIR, TINY_SPECS, TOKENIZER_FILES
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from pooling import (
+from poolserve.pooling import (
     ChunkInput,
     CloneStats,
     PoolingModelInfo,

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pooling import CloneStats, PoolingModelInfo, PoolingParams, PoolingTask, build_pooler
+from poolserve.pooling import CloneStats, PoolingModelInfo, PoolingParams, PoolingTask, build_pooler
 from tests.pooling.util import CHUNK_SIZES, SimRequest, assert_close, feed_chunked, run_steps
 from tests.tiny_models import build_hf_model, reference_remote_head, remote_head_state
 

@@ -7,9 +7,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from pooling import PoolingStateError
-from pooling.params import PoolingType
-from pooling.stats import CloneStats
+from poolserve.pooling import PoolingStateError
+from poolserve.pooling.params import PoolingType
+from poolserve.pooling.stats import CloneStats
 from tests.pooling.util import (
     CHUNK_SIZES,
     SimRequest,

@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-import pooling.methods
-from pooling import CloneStats, PoolingModelInfo, PoolingParams, PoolingTask, build_pooler
-from pooling.params import PoolingType
-from pooling.pooler import RequestPooler
+from poolserve.pooling import CloneStats, PoolingModelInfo, PoolingParams, PoolingTask, build_pooler
+from poolserve.pooling import methods as pooling_methods
+from poolserve.pooling.params import PoolingType
+from poolserve.pooling.pooler import RequestPooler
 from tests.pooling.util import (
     CHUNK_SIZES,
     GARBAGE,
@@ -81,7 +81,7 @@ def test_cached_chunks_survive_buffer_reuse(
 ) -> None:
     hidden, _ = _prompt(seed=2)
     assert all(_cached_after_overwrites(hidden, chunk_size))
-    monkeypatch.setattr(pooling.methods, "_own", lambda tensor, stats: tensor)
+    monkeypatch.setattr(pooling_methods, "_own", lambda tensor, stats: tensor)
     assert not any(_cached_after_overwrites(hidden, chunk_size))
 
 
@@ -90,7 +90,7 @@ def test_cached_chunks_survive_buffer_reuse(
 def test_removing_the_clone_corrupts_async_outputs(
     monkeypatch: pytest.MonkeyPatch, pooling_type: PoolingType, chunk_size: int | None
 ) -> None:
-    monkeypatch.setattr(pooling.methods, "_own", lambda tensor, stats: tensor)
+    monkeypatch.setattr(pooling_methods, "_own", lambda tensor, stats: tensor)
     hidden, _ = _prompt(seed=3)
     pooler = pass_through_pooler(pooling_type, async_scheduling=True, stats=CloneStats())
     output = _pool_with_overwrites(pooler, hidden, chunk_size)
@@ -114,7 +114,7 @@ def test_removing_the_clone_corrupts_batched_steps(
         return [torch.equal(o, e) for o, e in zip(outputs, expected, strict=True)]
 
     assert all(simulate())
-    monkeypatch.setattr(pooling.methods, "_own", lambda tensor, stats: tensor)
+    monkeypatch.setattr(pooling_methods, "_own", lambda tensor, stats: tensor)
     assert not all(simulate())
 
 

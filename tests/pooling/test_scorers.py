@@ -7,13 +7,13 @@ import pytest
 import torch
 from torch import nn
 
-from pooling.errors import InvalidPoolingParamsError, UnsupportedTaskError
-from pooling.model_info import PoolingModelInfo, ScoreActivation, get_supported_tasks
-from pooling.params import PoolingParams, PoolingTask, PoolingType
-from pooling.pooler import ChunkInput, pool_step
-from pooling.scorers import PairMode, cosine_score, scorer_plan
-from pooling.stats import CloneStats
-from pooling.tasks import build_pooler
+from poolserve.pooling.errors import InvalidPoolingParamsError, UnsupportedTaskError
+from poolserve.pooling.model_info import PoolingModelInfo, ScoreActivation, get_supported_tasks
+from poolserve.pooling.params import PoolingParams, PoolingTask, PoolingType
+from poolserve.pooling.pooler import ChunkInput, pool_step
+from poolserve.pooling.scorers import PairMode, cosine_score, scorer_plan
+from poolserve.pooling.stats import CloneStats
+from poolserve.pooling.tasks import build_pooler
 
 HIDDEN = 16
 T = PoolingTask

@@ -12,7 +12,7 @@ from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer.modules import Dense, Normalize
 from torch import nn
 
-from pooling import CloneStats, PoolingModelInfo, PoolingParams, PoolingTask, build_pooler
+from poolserve.pooling import CloneStats, PoolingModelInfo, PoolingParams, PoolingTask, build_pooler
 from tests.pooling.util import CHUNK_SIZES, assert_close, feed_chunked
 
 SENTENCES = (

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pooling.heads import TokenEmbeddingHead
-from pooling.methods import build_method
-from pooling.params import PoolingType
-from pooling.pooler import RequestPooler
-from pooling.stats import CloneStats
+from poolserve.pooling.heads import TokenEmbeddingHead
+from poolserve.pooling.methods import build_method
+from poolserve.pooling.params import PoolingType
+from poolserve.pooling.pooler import RequestPooler
+from poolserve.pooling.stats import CloneStats
 from tests.pooling.util import CHUNK_SIZES, assert_close, feed_chunked
 
 NUM_TOKENS = 20

@@ -10,9 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-import pooling.sparse
-from models import LoadedModel, build_attention_metadata, load_model
-from pooling import (
+from poolserve.models import LoadedModel, build_attention_metadata, load_model
+from poolserve.pooling import (
     CloneStats,
     InvalidPoolingParamsError,
     PoolingConfigError,
@@ -24,9 +23,10 @@ from pooling import (
     get_supported_tasks,
     pool_step,
 )
-from pooling.pooler import ChunkInput
-from pooling.sparse import kept_runs
-from scheduler.bridge import pooling_info_from
+from poolserve.pooling import sparse as pooling_sparse
+from poolserve.pooling.pooler import ChunkInput
+from poolserve.pooling.sparse import kept_runs
+from poolserve.scheduler.bridge import pooling_info_from
 from tests.pooling.util import CHUNK_SIZES, SimRequest, assert_close, feed_chunked, run_steps
 from tests.tiny_encoders import build_hf_encoder, save_tiny_encoder
 from tests.tiny_models import SPECIAL_TOKENS
@@ -116,7 +116,7 @@ def test_logits_are_computed_in_bounded_row_blocks(monkeypatch: pytest.MonkeyPat
             calls.append(x.shape[0])
             return self.inner(x)
 
-    monkeypatch.setattr(pooling.sparse, "BLOCK_ELEMENTS", 7 * VOCAB)
+    monkeypatch.setattr(pooling_sparse, "BLOCK_ELEMENTS", 7 * VOCAB)
     head, (hidden, ids) = _head(1), _prompt(100, seed=4)
     ids[40:80] = [5] * 40  # one long run of kept tokens: several full blocks
     info = _info(Recording(head))

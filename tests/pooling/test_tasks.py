@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from pooling import (
+from poolserve.pooling import (
     SUPPORTED_TASKS,
     CloneStats,
     InvalidPoolingParamsError,

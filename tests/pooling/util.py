@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
-from pooling.heads import TokenEmbeddingHead
-from pooling.methods import build_method
-from pooling.params import PoolingType
-from pooling.pooler import ChunkInput, RequestPooler, pool_step
-from pooling.stats import CloneStats
+from poolserve.pooling.heads import TokenEmbeddingHead
+from poolserve.pooling.methods import build_method
+from poolserve.pooling.params import PoolingType
+from poolserve.pooling.pooler import ChunkInput, RequestPooler, pool_step
+from poolserve.pooling.stats import CloneStats
 
 CHUNK_SIZES = (1, 7, 64, None)  # None: the whole prompt in one chunk
 GARBAGE = 12345.0  # what "the next step" writes over the persistent buffer

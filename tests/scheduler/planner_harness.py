@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from scheduler.config import SchedulerConfig
-from scheduler.kv_blocks import BlockAllocator
-from scheduler.planner import BatchPlan, PlannerSeq, ScheduledChunk, plan_step
+from poolserve.scheduler.config import SchedulerConfig
+from poolserve.scheduler.kv_blocks import BlockAllocator
+from poolserve.scheduler.planner import BatchPlan, PlannerSeq, ScheduledChunk, plan_step
 
 
 @dataclass(frozen=True)
@@ -31,9 +31,14 @@ class LiveRequest:
     spans: list[tuple[int, int]] = field(default_factory=list)
 
     def view(self) -> PlannerSeq:
-        return PlannerSeq(self.arrival.request_id, self.arrival.num_prompt_tokens,
-                          self.num_computed_tokens, len(self.block_ids),
-                          self.arrival.priority, self.arrival_index)
+        return PlannerSeq(
+            self.arrival.request_id,
+            self.arrival.num_prompt_tokens,
+            self.num_computed_tokens,
+            len(self.block_ids),
+            self.arrival.priority,
+            self.arrival_index,
+        )
 
 
 class Harness:
@@ -52,8 +57,12 @@ class Harness:
         self.num_arrived += 1
 
     def step(self) -> BatchPlan:
-        plan = plan_step([r.view() for r in self.waiting], [r.view() for r in self.running],
-                         self.config, self.allocator.num_free)
+        plan = plan_step(
+            [r.view() for r in self.waiting],
+            [r.view() for r in self.running],
+            self.config,
+            self.allocator.num_free,
+        )
         by_id = {r.arrival.request_id: r for r in self.waiting + self.running}
         for chunk in plan.chunks:
             live = by_id[chunk.request_id]

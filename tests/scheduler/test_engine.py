@@ -13,14 +13,19 @@ import numpy as np
 import pytest
 import torch
 
-import pooling.methods as pooling_methods
-from models.loader import load_model
-from models.spec import LoadedModel
-from pooling.params import PoolingParams, PoolingTask
-from scheduler.config import SchedulerConfig
-from scheduler.engine import Engine
-from scheduler.errors import DrainingError, EngineDeadError, OverloadedError, StepFailedError
-from scheduler.request import PoolingOutput
+import poolserve.pooling.methods as pooling_methods
+from poolserve.models.loader import load_model
+from poolserve.models.spec import LoadedModel
+from poolserve.pooling.params import PoolingParams, PoolingTask
+from poolserve.scheduler.config import SchedulerConfig
+from poolserve.scheduler.engine import Engine
+from poolserve.scheduler.errors import (
+    DrainingError,
+    EngineDeadError,
+    OverloadedError,
+    StepFailedError,
+)
+from poolserve.scheduler.request import PoolingOutput
 
 CPU = torch.device("cpu")
 TASKS = (PoolingTask.EMBED, PoolingTask.TOKEN_EMBED)

@@ -15,13 +15,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from models.loader import load_model
-from models.spec import LoadedModel
-from pooling.methods import AllPool
-from pooling.params import PoolingParams, PoolingTask
-from scheduler.engine import Engine
-from scheduler.errors import StepFailedError
-from scheduler.request import PoolingOutput
+from poolserve.models.loader import load_model
+from poolserve.models.spec import LoadedModel
+from poolserve.pooling.methods import AllPool
+from poolserve.pooling.params import PoolingParams, PoolingTask
+from poolserve.scheduler.engine import Engine
+from poolserve.scheduler.errors import StepFailedError
+from poolserve.scheduler.request import PoolingOutput
 from tests.scheduler.test_engine import CPU, _close, _config, _run_all
 from tests.scheduler.test_faults import POISON, StepFaults, assert_idle, wait_idle
 

@@ -11,17 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.errors import InvalidTokenIdError
-from models.loader import load_model
-from models.spec import LoadedModel
-from pooling.methods import AllPool
-from pooling.params import PoolingParams, PoolingTask
-from scheduler.config import SchedulerConfig
-from scheduler.engine import Engine
-from scheduler.errors import StepFailedError
-from scheduler.request import PoolingOutput
-from scheduler.runner import PreparedStep, StepResult
-from service.metrics import ServiceMetrics
+from poolserve.models.errors import InvalidTokenIdError
+from poolserve.models.loader import load_model
+from poolserve.models.spec import LoadedModel
+from poolserve.pooling.methods import AllPool
+from poolserve.pooling.params import PoolingParams, PoolingTask
+from poolserve.scheduler.config import SchedulerConfig
+from poolserve.scheduler.engine import Engine
+from poolserve.scheduler.errors import StepFailedError
+from poolserve.scheduler.request import PoolingOutput
+from poolserve.scheduler.runner import PreparedStep, StepResult
+from poolserve.service.metrics import ServiceMetrics
 from tests.scheduler.test_engine import CPU, _close, _config, _run_all
 
 EMBED = PoolingParams(task=PoolingTask.EMBED)

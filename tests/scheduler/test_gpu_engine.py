@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from models.loader import load_model
-from pooling.params import PoolingParams, PoolingTask
-from scheduler.config import SchedulerConfig
-from scheduler.engine import Engine
-from scheduler.request import PoolingOutput
+from poolserve.models.loader import load_model
+from poolserve.pooling.params import PoolingParams, PoolingTask
+from poolserve.scheduler.config import SchedulerConfig
+from poolserve.scheduler.engine import Engine
+from poolserve.scheduler.request import PoolingOutput
 from tests.models.test_gpu import bf16_bound, hf_bf16_hidden, relative_errors
 from tests.tiny_models import build_hf_model
 
@@ -79,7 +79,9 @@ def test_cuda_prefix_caching_matches_cpu(
     ]
     path = str(tiny_model_dir("qwen3"))
     config = SchedulerConfig(
-        max_num_batched_tokens=128, block_size=16, num_kv_blocks=512,
+        max_num_batched_tokens=128,
+        block_size=16,
+        num_kv_blocks=512,
         async_scheduling=async_scheduling,
     )
     cuda = Engine(load_model(path, device=torch.device("cuda")), config, torch.device("cuda"))

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from scheduler.errors import BlockFreeError, NoFreeBlocksError
-from scheduler.kv_blocks import BlockAllocator
+from poolserve.scheduler.errors import BlockFreeError, NoFreeBlocksError
+from poolserve.scheduler.kv_blocks import BlockAllocator
 
 
 def test_fresh_pool_counts_and_allocate() -> None:

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from scheduler.config import SchedulerConfig
-from scheduler.errors import PromptTooLongError
-from scheduler.planner import (
+from poolserve.scheduler.config import SchedulerConfig
+from poolserve.scheduler.errors import PromptTooLongError
+from poolserve.scheduler.planner import (
     BatchPlan,
     PlannerSeq,
     ScheduledChunk,
@@ -27,28 +27,50 @@ def _cfg(**kwargs: object) -> SchedulerConfig:
 
 MULTI_STEP_CASES = {
     "95_tokens_budget_10": (
-        _cfg(max_num_batched_tokens=10), [Arrival(0, 95)],
-        [[C(0, 0, 10, False, 6)], [C(0, 10, 10, False, 0)], [C(0, 20, 10, False, 0)],
-         [C(0, 30, 10, False, 0)], [C(0, 40, 10, False, 0)], [C(0, 50, 10, False, 0)],
-         [C(0, 60, 10, False, 0)], [C(0, 70, 10, False, 0)], [C(0, 80, 10, False, 0)],
-         [C(0, 90, 5, True, 0)]],
+        _cfg(max_num_batched_tokens=10),
+        [Arrival(0, 95)],
+        [
+            [C(0, 0, 10, False, 6)],
+            [C(0, 10, 10, False, 0)],
+            [C(0, 20, 10, False, 0)],
+            [C(0, 30, 10, False, 0)],
+            [C(0, 40, 10, False, 0)],
+            [C(0, 50, 10, False, 0)],
+            [C(0, 60, 10, False, 0)],
+            [C(0, 70, 10, False, 0)],
+            [C(0, 80, 10, False, 0)],
+            [C(0, 90, 5, True, 0)],
+        ],
     ),
     "threshold_lets_short_prompts_run_beside_a_long_one": (
         _cfg(max_num_batched_tokens=10, long_prefill_token_threshold=4),
         [Arrival(0, 20), Arrival(1, 3), Arrival(2, 2)],
-        [[C(0, 0, 4, False, 2), C(1, 0, 3, True, 0), C(2, 0, 2, True, 0)],
-         [C(0, 4, 4, False, 0)], [C(0, 8, 4, False, 0)], [C(0, 12, 4, False, 0)],
-         [C(0, 16, 4, True, 0)]],
+        [
+            [C(0, 0, 4, False, 2), C(1, 0, 3, True, 0), C(2, 0, 2, True, 0)],
+            [C(0, 4, 4, False, 0)],
+            [C(0, 8, 4, False, 0)],
+            [C(0, 12, 4, False, 0)],
+            [C(0, 16, 4, True, 0)],
+        ],
     ),
     "no_threshold_short_prompts_wait_for_the_long_one": (
-        _cfg(max_num_batched_tokens=10), [Arrival(0, 20), Arrival(1, 3), Arrival(2, 2)],
-        [[C(0, 0, 10, False, 2)], [C(0, 10, 10, True, 0)],
-         [C(1, 0, 3, True, 0), C(2, 0, 2, True, 0)]],
+        _cfg(max_num_batched_tokens=10),
+        [Arrival(0, 20), Arrival(1, 3), Arrival(2, 2)],
+        [
+            [C(0, 0, 10, False, 2)],
+            [C(0, 10, 10, True, 0)],
+            [C(1, 0, 3, True, 0), C(2, 0, 2, True, 0)],
+        ],
     ),
     "partial_prefill_continues_before_a_higher_priority_arrival": (
-        _cfg(max_num_batched_tokens=8), [Arrival(0, 20), Arrival(1, 6, priority=-1, at_step=1)],
-        [[C(0, 0, 8, False, 2)], [C(0, 8, 8, False, 0)],
-         [C(0, 16, 4, True, 0), C(1, 0, 4, False, 1)], [C(1, 4, 2, True, 0)]],
+        _cfg(max_num_batched_tokens=8),
+        [Arrival(0, 20), Arrival(1, 6, priority=-1, at_step=1)],
+        [
+            [C(0, 0, 8, False, 2)],
+            [C(0, 8, 8, False, 0)],
+            [C(0, 16, 4, True, 0), C(1, 0, 4, False, 1)],
+            [C(1, 4, 2, True, 0)],
+        ],
     ),
     "encoder_prompts_run_whole_in_arrival_order": (
         _cfg(max_num_batched_tokens=10, enable_chunked_prefill=False),
@@ -61,18 +83,24 @@ MULTI_STEP_CASES = {
         [[C(0, 0, 10, True, 0)], [C(1, 0, 1, True, 0)]],
     ),
     "encoder_ignores_the_chunk_threshold": (
-        _cfg(max_num_batched_tokens=10, long_prefill_token_threshold=2,
-             enable_chunked_prefill=False),
+        _cfg(
+            max_num_batched_tokens=10, long_prefill_token_threshold=2, enable_chunked_prefill=False
+        ),
         [Arrival(0, 6), Arrival(1, 4)],
         [[C(0, 0, 6, True, 0), C(1, 0, 4, True, 0)]],
     ),
     "max_num_seqs_bounds_a_step": (
-        _cfg(max_num_batched_tokens=100, max_num_seqs=2), [Arrival(i, 1) for i in range(5)],
-        [[C(0, 0, 1, True, 0), C(1, 0, 1, True, 0)], [C(2, 0, 1, True, 0), C(3, 0, 1, True, 0)],
-         [C(4, 0, 1, True, 0)]],
+        _cfg(max_num_batched_tokens=100, max_num_seqs=2),
+        [Arrival(i, 1) for i in range(5)],
+        [
+            [C(0, 0, 1, True, 0), C(1, 0, 1, True, 0)],
+            [C(2, 0, 1, True, 0), C(3, 0, 1, True, 0)],
+            [C(4, 0, 1, True, 0)],
+        ],
     ),
     "max_num_seqs_counts_the_running_prefill": (
-        _cfg(max_num_batched_tokens=10, max_num_seqs=1), [Arrival(0, 15), Arrival(1, 3)],
+        _cfg(max_num_batched_tokens=10, max_num_seqs=1),
+        [Arrival(0, 15), Arrival(1, 3)],
         [[C(0, 0, 10, False, 1)], [C(0, 10, 5, True, 0)], [C(1, 0, 3, True, 0)]],
     ),
     "priority_orders_the_waiting_queue_then_arrival": (
@@ -81,9 +109,14 @@ MULTI_STEP_CASES = {
         [[C(1, 0, 5, True, 0), C(2, 0, 5, True, 0)], [C(0, 0, 5, True, 0), C(3, 0, 5, True, 0)]],
     ),
     "blocks_needed_rounds_up_over_all_but_the_last_token": (
-        _cfg(max_num_batched_tokens=10), [Arrival(0, 17), Arrival(1, 18, at_step=2)],
-        [[C(0, 0, 10, False, 1)], [C(0, 10, 7, True, 0)], [C(1, 0, 10, False, 2)],
-         [C(1, 10, 8, True, 0)]],
+        _cfg(max_num_batched_tokens=10),
+        [Arrival(0, 17), Arrival(1, 18, at_step=2)],
+        [
+            [C(0, 0, 10, False, 1)],
+            [C(0, 10, 7, True, 0)],
+            [C(1, 0, 10, False, 2)],
+            [C(1, 10, 8, True, 0)],
+        ],
     ),
 }
 
@@ -100,39 +133,62 @@ def _seq(rid: int, prompt: int, computed: int = 0, held: int = 0, arrival: int =
 
 SINGLE_STEP_CASES = {
     "running_first_takes_the_whole_budget": (
-        _cfg(max_num_batched_tokens=12), 64, [_seq(1, 8, arrival=1)],
-        [_seq(5, 30, computed=10, held=2, arrival=5)], [C(5, 10, 12, False, 0)],
+        _cfg(max_num_batched_tokens=12),
+        64,
+        [_seq(1, 8, arrival=1)],
+        [_seq(5, 30, computed=10, held=2, arrival=5)],
+        [C(5, 10, 12, False, 0)],
     ),
     "running_finishes_then_waiting_starts_a_chunk": (
-        _cfg(max_num_batched_tokens=24), 64, [_seq(1, 8, arrival=1)],
+        _cfg(max_num_batched_tokens=24),
+        64,
+        [_seq(1, 8, arrival=1)],
         [_seq(5, 30, computed=10, held=2, arrival=5)],
         [C(5, 10, 20, True, 0), C(1, 0, 4, False, 1)],
     ),
     "running_tops_up_a_short_reservation": (
-        _cfg(max_num_batched_tokens=8), 64, [], [_seq(3, 40, computed=8, held=1)],
+        _cfg(max_num_batched_tokens=8),
+        64,
+        [],
+        [_seq(3, 40, computed=8, held=1)],
         [C(3, 8, 8, False, 2)],
     ),
     "whole_prompt_needs_no_blocks": (
-        _cfg(max_num_batched_tokens=10), 0, [_seq(0, 10)], [], [C(0, 0, 10, True, 0)],
+        _cfg(max_num_batched_tokens=10),
+        0,
+        [_seq(0, 10)],
+        [],
+        [C(0, 0, 10, True, 0)],
     ),
     "chunked_prompt_without_enough_blocks_waits_and_blocks_those_behind": (
-        _cfg(max_num_batched_tokens=10, block_size=4, num_kv_blocks=8), 4,
-        [_seq(0, 8, arrival=0), _seq(1, 20, arrival=1), _seq(2, 1, arrival=2)], [],
+        _cfg(max_num_batched_tokens=10, block_size=4, num_kv_blocks=8),
+        4,
+        [_seq(0, 8, arrival=0), _seq(1, 20, arrival=1), _seq(2, 1, arrival=2)],
+        [],
         [C(0, 0, 8, True, 0)],
     ),
     "chunked_prompt_with_enough_blocks_starts": (
-        _cfg(max_num_batched_tokens=10, block_size=4, num_kv_blocks=8), 5,
-        [_seq(0, 8, arrival=0), _seq(1, 20, arrival=1), _seq(2, 1, arrival=2)], [],
+        _cfg(max_num_batched_tokens=10, block_size=4, num_kv_blocks=8),
+        5,
+        [_seq(0, 8, arrival=0), _seq(1, 20, arrival=1), _seq(2, 1, arrival=2)],
+        [],
         [C(0, 0, 8, True, 0), C(1, 0, 2, False, 5)],
     ),
     "head_waiting_for_blocks_stops_a_prompt_that_would_fit": (
-        _cfg(max_num_batched_tokens=10, block_size=4, num_kv_blocks=8), 0,
-        [_seq(0, 20, arrival=0), _seq(1, 3, arrival=1)], [], [],
+        _cfg(max_num_batched_tokens=10, block_size=4, num_kv_blocks=8),
+        0,
+        [_seq(0, 20, arrival=0), _seq(1, 3, arrival=1)],
+        [],
+        [],
     ),
     "two_new_prefills_do_not_share_the_same_free_blocks": (
-        _cfg(max_num_batched_tokens=10, long_prefill_token_threshold=5, block_size=4,
-             num_kv_blocks=8), 5,
-        [_seq(0, 13, arrival=0), _seq(1, 13, arrival=1)], [], [C(0, 0, 5, False, 3)],
+        _cfg(
+            max_num_batched_tokens=10, long_prefill_token_threshold=5, block_size=4, num_kv_blocks=8
+        ),
+        5,
+        [_seq(0, 13, arrival=0), _seq(1, 13, arrival=1)],
+        [],
+        [C(0, 0, 5, False, 3)],
     ),
 }
 
@@ -178,10 +234,17 @@ def test_max_prompt_tokens(config: SchedulerConfig, expected: int) -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"max_num_batched_tokens": 0}, {"max_num_seqs": -1}, {"block_size": 0},
-     {"num_kv_blocks": 0}, {"max_num_queued_tokens": 0}, {"max_num_queued_requests": 0},
-     {"long_prefill_token_threshold": 0}, {"long_prefill_token_threshold": 4097},
-     {"max_num_batched_tokens": 2.5}],
+    [
+        {"max_num_batched_tokens": 0},
+        {"max_num_seqs": -1},
+        {"block_size": 0},
+        {"num_kv_blocks": 0},
+        {"max_num_queued_tokens": 0},
+        {"max_num_queued_requests": 0},
+        {"long_prefill_token_threshold": 0},
+        {"long_prefill_token_threshold": 4097},
+        {"max_num_batched_tokens": 2.5},
+    ],
 )
 def test_config_rejects_bad_values(kwargs: dict[str, object]) -> None:
     with pytest.raises(ValueError, match="SchedulerConfig"):
@@ -189,7 +252,8 @@ def test_config_rejects_bad_values(kwargs: dict[str, object]) -> None:
 
 
 @pytest.mark.parametrize(
-    "args", [(0, 0, 0, 0), (0, 5, 5, 0), (0, 5, -1, 0), (0, 5, 0, -1)],
+    "args",
+    [(0, 0, 0, 0), (0, 5, 5, 0), (0, 5, -1, 0), (0, 5, 0, -1)],
 )
 def test_planner_seq_rejects_impossible_states(args: tuple[int, int, int, int]) -> None:
     with pytest.raises(ValueError):
@@ -208,8 +272,9 @@ def _random_config(rng: random.Random) -> SchedulerConfig:
     )
 
 
-def _check_step(harness: Harness, plan: BatchPlan, before: list[PlannerSeq],
-                num_running: int) -> None:
+def _check_step(
+    harness: Harness, plan: BatchPlan, before: list[PlannerSeq], num_running: int
+) -> None:
     """Invariants of one applied plan, checked against the rules."""
     config = harness.config
     assert plan.num_tokens == sum(c.num_tokens for c in plan.chunks)
@@ -236,8 +301,9 @@ def _check_step(harness: Harness, plan: BatchPlan, before: list[PlannerSeq],
             assert chunk.end <= held * config.block_size
             assert held == blocks_needed(seq.num_prompt_tokens, config.block_size)
     for request in harness.running:
-        assert len(request.block_ids) <= blocks_needed(request.arrival.num_prompt_tokens,
-                                                       config.block_size)
+        assert len(request.block_ids) <= blocks_needed(
+            request.arrival.num_prompt_tokens, config.block_size
+        )
     allocator = harness.allocator
     assert allocator.num_used == sum(len(r.block_ids) for r in harness.running)
     assert allocator.num_used + allocator.num_free == allocator.num_total

@@ -5,16 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from scheduler.config import SchedulerConfig
-from scheduler.errors import BlockFreeError, NoFreeBlocksError
-from scheduler.planner import (
+from poolserve.scheduler.config import SchedulerConfig
+from poolserve.scheduler.errors import BlockFreeError, NoFreeBlocksError
+from poolserve.scheduler.planner import (
     PlannerSeq,
     ScheduledChunk,
     max_hit_blocks,
     num_cacheable_blocks,
     plan_step,
 )
-from scheduler.prefix_cache import PrefixCache, extend_block_hashes
+from poolserve.scheduler.prefix_cache import PrefixCache, extend_block_hashes
 
 C = ScheduledChunk  # C(request_id, start, num_tokens, is_last, new_blocks, donated_tokens)
 
@@ -151,8 +151,15 @@ def _cfg(**kwargs: object) -> SchedulerConfig:
 
 
 def _sharing(rid: int, tokens: int, hits: int = 0, reused: int = 0) -> PlannerSeq:
-    return PlannerSeq(rid, tokens, hits * 4, hits, arrival_index=rid, caches_prefix=True,
-                      num_reused_free_blocks=reused)
+    return PlannerSeq(
+        rid,
+        tokens,
+        hits * 4,
+        hits,
+        arrival_index=rid,
+        caches_prefix=True,
+        num_reused_free_blocks=reused,
+    )
 
 
 def test_a_sharing_prompt_starts_after_its_hits_and_stores_its_full_blocks() -> None:

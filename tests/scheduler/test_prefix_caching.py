@@ -10,14 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from models.loader import load_model
-from models.spec import LoadedModel
-from pooling.params import PoolingParams, PoolingTask, PoolingType
-from scheduler.engine import Engine
-from scheduler.errors import StepFailedError
-from scheduler.prefix_cache import CacheUse
-from scheduler.request import PoolingOutput
-from service.metrics import ServiceMetrics
+from poolserve.models.loader import load_model
+from poolserve.models.spec import LoadedModel
+from poolserve.pooling.params import PoolingParams, PoolingTask, PoolingType
+from poolserve.scheduler.engine import Engine
+from poolserve.scheduler.errors import StepFailedError
+from poolserve.scheduler.prefix_cache import CacheUse
+from poolserve.scheduler.request import PoolingOutput
+from poolserve.service.metrics import ServiceMetrics
 from tests.scheduler.test_engine import CPU, _close, _config
 from tests.scheduler.test_faults import StepFaults, assert_idle, nth_step_holding, wait_idle
 
@@ -145,15 +145,20 @@ def test_prompts_short_of_blocks_run_without_storing(
 ) -> None:
     """A chunked prompt holds all 7 blocks: the one-chunk ones beside it cannot store theirs."""
     long, short, other = _tokens(56), _tokens(8), _tokens(8)
-    config: dict[str, object] = {"num_kv_blocks": num_kv_blocks, "max_num_batched_tokens": 40,
-                                 "long_prefill_token_threshold": 8}
+    config: dict[str, object] = {
+        "num_kv_blocks": num_kv_blocks,
+        "max_num_batched_tokens": 40,
+        "long_prefill_token_threshold": 8,
+    }
 
     async def scenario(**overrides: object) -> tuple[list[np.ndarray], Engine]:
         engine = Engine(llama, _config(block_size=BLOCK, **{**config, **overrides}), CPU)
         engine.start()
         try:
-            futures = [*engine.submit_many([long], TOKEN_EMBED),
-                       *engine.submit_many([short, other], EMBED)]
+            futures = [
+                *engine.submit_many([long], TOKEN_EMBED),
+                *engine.submit_many([short, other], EMBED),
+            ]
             outputs = list(await asyncio.gather(*futures))
             outputs.append(await engine.submit([*short, 5], EMBED))
             await wait_idle(engine)
@@ -244,7 +249,8 @@ def test_blocks_written_by_a_step_in_flight_are_not_hits(
     """FIRST fills step 0; under async scheduling step 1 is planned before step 0 is delivered."""
     follower = [*PREFIX, 11]
     config: dict[str, object] = {
-        "max_num_batched_tokens": len(FIRST), "async_scheduling": async_scheduling
+        "max_num_batched_tokens": len(FIRST),
+        "async_scheduling": async_scheduling,
     }
     on, engine = _run(llama, [[FIRST, follower]], config)
     off, _ = _run(llama, [[FIRST, follower]], {**config, "enable_prefix_caching": False})
@@ -260,14 +266,16 @@ def test_a_failed_step_caches_nothing_it_wrote(
     """FIRST runs in 16-token chunks and its second step fails: only its first chunk is cached."""
 
     async def scenario() -> tuple[BaseException | PoolingOutput, PoolingOutput, Engine]:
-        config = _config(block_size=BLOCK, max_num_batched_tokens=16,
-                         async_scheduling=async_scheduling)
+        config = _config(
+            block_size=BLOCK, max_num_batched_tokens=16, async_scheduling=async_scheduling
+        )
         engine = Engine(llama, config, CPU)
         StepFaults(engine, nth_step_holding(0, 1), where)
         engine.start()
         try:
-            (failed,) = await asyncio.gather(*engine.submit_many([FIRST], EMBED),
-                                             return_exceptions=True)
+            (failed,) = await asyncio.gather(
+                *engine.submit_many([FIRST], EMBED), return_exceptions=True
+            )
             await wait_idle(engine)
             assert engine.blocks.num_cached == 2  # blocks 0 and 1, from the delivered step
             later = await engine.submit([*PREFIX, 11], EMBED)

@@ -19,14 +19,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from models.loader import load_model
-from models.spec import LoadedModel
-from pooling.methods import AllPool
-from pooling.params import PoolingParams, PoolingTask
-from scheduler.engine import Engine
-from scheduler.errors import StepFailedError
-from scheduler.planner import blocks_needed
-from scheduler.request import PoolingOutput
+from poolserve.models.loader import load_model
+from poolserve.models.spec import LoadedModel
+from poolserve.pooling.methods import AllPool
+from poolserve.pooling.params import PoolingParams, PoolingTask
+from poolserve.scheduler.engine import Engine
+from poolserve.scheduler.errors import StepFailedError
+from poolserve.scheduler.planner import blocks_needed
+from poolserve.scheduler.request import PoolingOutput
 from tests.scheduler.test_engine import CPU, _close, _config, _run_all
 from tests.scheduler.test_engine_properties import _poisoned_add_chunk
 from tests.scheduler.test_faults import POISON, StepFaults, wait_idle
@@ -100,9 +100,13 @@ def cases(draw: st.DrawFn) -> Case:
         async_scheduling=draw(st.booleans()),
         failed_steps=frozenset(draw(st.sets(st.integers(0, 12), max_size=3))),
         fail_where=draw(st.sampled_from(("execute", "forward"))),
-        cancels=tuple(draw(st.lists(
-            st.tuples(st.integers(1, n - 1), st.floats(0, 0.03)), max_size=min(n - 1, 2)
-        ))),
+        cancels=tuple(
+            draw(
+                st.lists(
+                    st.tuples(st.integers(1, n - 1), st.floats(0, 0.03)), max_size=min(n - 1, 2)
+                )
+            )
+        ),
     )
 
 
@@ -116,10 +120,13 @@ class Run:
 
 
 async def _scenario(llama: LoadedModel, case: Case) -> tuple[Run, Engine]:
-    config = _config(max_num_batched_tokens=case.max_num_batched_tokens,
-                     long_prefill_token_threshold=case.long_prefill_token_threshold,
-                     block_size=case.block_size, num_kv_blocks=case.num_kv_blocks,
-                     async_scheduling=case.async_scheduling)
+    config = _config(
+        max_num_batched_tokens=case.max_num_batched_tokens,
+        long_prefill_token_threshold=case.long_prefill_token_threshold,
+        block_size=case.block_size,
+        num_kv_blocks=case.num_kv_blocks,
+        async_scheduling=case.async_scheduling,
+    )
     engine = Engine(llama, config, CPU)
     faults = StepFaults(engine, lambda step: step.step_index in case.failed_steps, case.fail_where)
     params = [PoolingParams(task=t) for t in case.tasks]
@@ -127,8 +134,10 @@ async def _scenario(llama: LoadedModel, case: Case) -> tuple[Run, Engine]:
     try:
         (first,) = engine.submit_many([list(case.prompts[0])], params[0])
         outcomes = list(await asyncio.gather(first, return_exceptions=True))
-        futures = [engine.submit_many([list(p)], q)[0]
-                   for p, q in zip(case.prompts[1:], params[1:], strict=True)]
+        futures = [
+            engine.submit_many([list(p)], q)[0]
+            for p, q in zip(case.prompts[1:], params[1:], strict=True)
+        ]
         cancelled_pending, elapsed = set(), 0.0
         for index, at in sorted(case.cancels, key=lambda c: c[1]):
             await asyncio.sleep(at - elapsed)
@@ -150,10 +159,14 @@ def _fill_references(llama: LoadedModel, case: Case, references: References) -> 
     keys = list(zip(case.prompts, case.tasks, strict=True))
     missing = list(dict.fromkeys(k for k in keys if k not in references and POISON not in k[0]))
     if missing:
-        outputs = asyncio.run(_run_all(
-            llama, _config(max_num_batched_tokens=256, enable_prefix_caching=False),
-            [list(p) for p, _ in missing], [PoolingParams(task=t) for _, t in missing],
-        ))
+        outputs = asyncio.run(
+            _run_all(
+                llama,
+                _config(max_num_batched_tokens=256, enable_prefix_caching=False),
+                [list(p) for p, _ in missing],
+                [PoolingParams(task=t) for _, t in missing],
+            )
+        )
         references.update({k: out.data for k, out in zip(missing, outputs, strict=True)})
 
 
@@ -182,7 +195,8 @@ def test_shared_prefixes_end_correctly_and_the_pool_rests_at_idle(
     _fill_references(llama, case, references)
     for index in range(len(case.prompts)):
         _check(index, case, run, references)
-    sharing = sum(len(p) for p, t in zip(case.prompts, case.tasks, strict=True)
-                  if t is PoolingTask.EMBED)
+    sharing = sum(
+        len(p) for p, t in zip(case.prompts, case.tasks, strict=True) if t is PoolingTask.EMBED
+    )
     blocks = engine.blocks
     assert blocks.num_hit_tokens + blocks.num_miss_tokens <= sharing

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.loader import load_model
-from models.spec import LoadedModel
-from pooling.params import PoolingParams, PoolingTask
-from scheduler.config import SchedulerConfig
-from scheduler.engine import Engine
-from scheduler.request import PoolingOutput
+from poolserve.models.loader import load_model
+from poolserve.models.spec import LoadedModel
+from poolserve.pooling.params import PoolingParams, PoolingTask
+from poolserve.scheduler.config import SchedulerConfig
+from poolserve.scheduler.engine import Engine
+from poolserve.scheduler.request import PoolingOutput
 
 CPU = torch.device("cpu")
 BUDGET = 64

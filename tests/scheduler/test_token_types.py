@@ -12,13 +12,13 @@ import pytest
 import torch
 import transformers
 
-from models.errors import InvalidTokenTypeError
-from models.loader import load_model
-from models.spec import LoadedModel
-from pooling.params import PoolingParams, PoolingTask
-from scheduler.config import SchedulerConfig
-from scheduler.engine import Engine
-from scheduler.request import PoolingOutput
+from poolserve.models.errors import InvalidTokenTypeError
+from poolserve.models.loader import load_model
+from poolserve.models.spec import LoadedModel
+from poolserve.pooling.params import PoolingParams, PoolingTask
+from poolserve.scheduler.config import SchedulerConfig
+from poolserve.scheduler.engine import Engine
+from poolserve.scheduler.request import PoolingOutput
 from tests.models.driver import assert_close
 
 CPU = torch.device("cpu")

@@ -11,8 +11,8 @@ import pytest
 import torch
 from starlette.testclient import TestClient
 
-from service.app import create_app
-from service.settings import ServerSettings
+from poolserve.service.app import create_app
+from poolserve.service.settings import ServerSettings
 from tests.tiny_models import build_hf_model
 
 ClientFactory = Callable[..., "contextmanager[TestClient]"]

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from service.cli import parse_settings
-from service.settings import ServerSettings
+from poolserve.service.cli import parse_settings
+from poolserve.service.settings import ServerSettings
 from tests.deploy.tools import REPO_ROOT
 
 
 def test_help_documents_every_setting() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "service.cli", "serve", "--help"],
+        [sys.executable, "-m", "poolserve.service.cli", "serve", "--help"],
         capture_output=True,
         text=True,
         check=True,
@@ -135,9 +135,7 @@ def test_revision_and_root_path(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (settings.revision, settings.root_path) == ("v1.0", "/poolserve")
 
 
-def test_tls_files_checked_at_startup(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_tls_files_checked_at_startup(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
     key.write_text("k")
     cert.write_text("c")
@@ -173,7 +171,7 @@ def test_bad_operator_values_exit_2(argv: list[str]) -> None:
 
 def test_version_flag_prints_the_package_version() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "service.cli", "--version"],
+        [sys.executable, "-m", "poolserve.service.cli", "--version"],
         capture_output=True,
         text=True,
         check=True,

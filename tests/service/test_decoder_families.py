@@ -10,8 +10,8 @@ import pytest
 import torch
 from starlette.testclient import TestClient
 
-from service.app import create_app
-from service.settings import ServerSettings
+from poolserve.service.app import create_app
+from poolserve.service.settings import ServerSettings
 from tests.service.conftest import assert_close
 from tests.tiny_decoders import build_hf_decoder, decoder_dirs
 

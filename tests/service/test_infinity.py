@@ -12,9 +12,9 @@ import torch
 from sentence_transformers import CrossEncoder
 from starlette.testclient import TestClient
 
-from service.app import create_app
-from service.compat.infinity import UNNAMED_MODEL
-from service.settings import ServerSettings
+from poolserve.service.app import create_app
+from poolserve.service.compat.infinity import UNNAMED_MODEL
+from poolserve.service.settings import ServerSettings
 from tests.tiny_rerankers import save_cross_encoder
 
 TEXTS = ["hello world", "the cat sat on the mat", "poolserve serves pooled outputs"]

@@ -18,13 +18,13 @@ from starlette.testclient import TestClient
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from scheduler.admission import CharBudget
-from scheduler.errors import OverloadedError, RequestTooLargeError
-from service.app import create_app
-from service.cli import parse_settings
-from service.settings import ServerSettings
-from service.state import TextLimits
-from service.windows import content_windows, special_tokens
+from poolserve.scheduler.admission import CharBudget
+from poolserve.scheduler.errors import OverloadedError, RequestTooLargeError
+from poolserve.service.app import create_app
+from poolserve.service.cli import parse_settings
+from poolserve.service.settings import ServerSettings
+from poolserve.service.state import TextLimits
+from poolserve.service.windows import content_windows, special_tokens
 from tests.service.conftest import assert_close
 from tests.tiny_models import MINILM_DIR
 

@@ -19,8 +19,8 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from models.resolve import resolve_model_path
-from service.inputs import Truncation, truncation_for
+from poolserve.models.resolve import resolve_model_path
+from poolserve.service.inputs import Truncation, truncation_for
 from tests.deploy.live import (
     SERVER_READY_TIMEOUT_S,
     LiveProcess,
@@ -55,10 +55,24 @@ def self_signed_pair(directory: Path) -> tuple[Path, Path]:
     key, cert = directory / "key.pem", directory / "cert.pem"
     subprocess.run(
         [
-            require_tool("openssl"), "req", "-x509", "-newkey", "ec",
-            "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1",
-            "-keyout", str(key), "-out", str(cert),
-            "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+            require_tool("openssl"),
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-days",
+            "1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
         ],
         check=True,
         capture_output=True,
@@ -74,9 +88,19 @@ def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TLSServer]:
     key, cert = self_signed_pair(workdir)
     port = free_port()
     args = [
-        *server_command(port), "--ssl-keyfile", str(key), "--ssl-certfile", str(cert),
-        "--root-path", PREFIX, "--served-model-name", *NAMES,
-        "--allowed-origins", f'["{ALLOWED}"]', "--api-key", API_KEY,
+        *server_command(port),
+        "--ssl-keyfile",
+        str(key),
+        "--ssl-certfile",
+        str(cert),
+        "--root-path",
+        PREFIX,
+        "--served-model-name",
+        *NAMES,
+        "--allowed-origins",
+        f'["{ALLOWED}"]',
+        "--api-key",
+        API_KEY,
     ]
     log = workdir / "poolserve.log"
     trusting = ssl.create_default_context(cafile=str(cert))
@@ -158,8 +182,11 @@ def test_version_route_and_flag_report_the_package_version(tls_server: TLSServer
     answer = httpx.get(tls_server.base_url + "/version", verify=tls_server.trusting)  # open
     assert answer.json() == {"version": version("poolserve")}
     printed = subprocess.run(
-        [sys.executable, "-m", "service.cli", "--version"],
-        capture_output=True, text=True, check=True, timeout=60,
+        [sys.executable, "-m", "poolserve.service.cli", "--version"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
     )
     assert printed.stdout.strip() == version("poolserve")
 

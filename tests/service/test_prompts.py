@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from starlette.testclient import TestClient
 
-from service.app import create_app
-from service.settings import ServerSettings
+from poolserve.service.app import create_app
+from poolserve.service.settings import ServerSettings
 from tests.tiny_models import write_st_modules
 
 PROMPTS = {"query": "query: ", "passage": "passage: ", "empty": ""}

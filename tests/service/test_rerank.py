@@ -13,8 +13,8 @@ from sentence_transformers import CrossEncoder
 from starlette.testclient import TestClient
 from transformers import AutoTokenizer
 
-from service.app import create_app
-from service.settings import ServerSettings
+from poolserve.service.app import create_app
+from poolserve.service.settings import ServerSettings
 from tests.tiny_rerankers import build_cross_encoder, save_cross_encoder
 
 QUERY = "what is the capital of france"

@@ -27,7 +27,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from transformers import AutoTokenizer
 
-from service.cli import parse_settings
+from poolserve.service.cli import parse_settings
 from tests.deploy.live import (
     SERVER_READY_TIMEOUT_S,
     LiveProcess,
@@ -192,9 +192,7 @@ def _check_engine(spans: list[Received], num_inputs: int, num_tokens: int) -> No
 
 
 @pytest.mark.slow
-def test_a_request_is_traced_end_to_end_and_logged_as_json(
-    tmp_path: Path, tokenizer: Any
-) -> None:
+def test_a_request_is_traced_end_to_end_and_logged_as_json(tmp_path: Path, tokenizer: Any) -> None:
     num_tokens = sum(len(ids) for ids in tokenizer(TEXTS)["input_ids"])
     with collector() as receiver:
         # a bare host:port endpoint: the server posts to its /v1/traces
@@ -280,7 +278,7 @@ def test_the_flag_without_the_packages_is_a_clear_startup_error(
 ) -> None:
     # None in sys.modules makes the import fail as if the package were not installed
     monkeypatch.setitem(sys.modules, "opentelemetry.sdk.trace", None)
-    monkeypatch.delitem(sys.modules, "service.otel", raising=False)
+    monkeypatch.delitem(sys.modules, "poolserve.service.otel", raising=False)
     with pytest.raises(SystemExit) as exited:
         parse_settings(["serve", "--otlp-traces-endpoint", "http://localhost:4318"])
     assert exited.value.code == 2
@@ -294,4 +292,3 @@ def test_the_endpoint_must_be_an_http_url(capsys: pytest.CaptureFixture[str]) ->
     with pytest.raises(SystemExit):
         parse_settings(["serve", "--otlp-traces-endpoint", "localhost:4318"])
     assert "must be an http:// or https:// URL" in capsys.readouterr().err
-

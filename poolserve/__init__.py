@@ -1,0 +1,1 @@
+"""poolserve: a pooling microservice for language models (embed, classify, token-level, reward)."""

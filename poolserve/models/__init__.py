@@ -1,0 +1,40 @@
+"""Model loading and native forwards over packed tokens; attention backends."""
+
+from poolserve.models.attention import AttentionBackend, AttentionMetadata, build_attention_metadata
+from poolserve.models.errors import (
+    InvalidTokenIdError,
+    ModelError,
+    ModelLoadError,
+    UnsafeCheckpointError,
+    UnsupportedArchitectureError,
+)
+from poolserve.models.kv_cache import PagedKVCache
+from poolserve.models.loader import load_model
+from poolserve.models.packed import PackedModel, validate_token_ids
+from poolserve.models.spec import (
+    HeadKind,
+    LoadedModel,
+    ModelHeads,
+    ModelSpec,
+    SentenceTransformersConfig,
+)
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "HeadKind",
+    "InvalidTokenIdError",
+    "LoadedModel",
+    "ModelError",
+    "ModelHeads",
+    "ModelLoadError",
+    "ModelSpec",
+    "PackedModel",
+    "PagedKVCache",
+    "SentenceTransformersConfig",
+    "UnsafeCheckpointError",
+    "UnsupportedArchitectureError",
+    "build_attention_metadata",
+    "load_model",
+    "validate_token_ids",
+]

@@ -1,0 +1,259 @@
+"""One packed encoder forward for every encoder family, with per-family switches."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from transformers import PretrainedConfig
+
+from poolserve.models.attention import AttentionBackend, AttentionMetadata
+from poolserve.models.encoder_config import (
+    EncoderGeometry,
+    encoder_geometry,
+    layer_rope_types,
+    layer_windows,
+)
+from poolserve.models.encoder_embeddings import EncoderEmbeddings, layer_norm
+from poolserve.models.encoder_relative import (
+    BucketScores,
+    DisentangledScores,
+    LayerBiases,
+    RelativeScores,
+)
+from poolserve.models.encoder_weights import LAYOUTS, LayerNames, layer_state, layer_tensors
+from poolserve.models.errors import ModelLoadError
+from poolserve.models.kv_cache import PagedKVCache
+from poolserve.models.layers import activation, to_device
+from poolserve.models.packed import PackedModel
+from poolserve.models.registry import EncoderFamily, Positions, Relative
+from poolserve.models.rope import Rotary, apply_rotary
+
+
+@dataclass(frozen=True)
+class EncoderStep:
+    """What every layer needs in one forward."""
+
+    backend: AttentionBackend
+    meta: AttentionMetadata
+    ropes: list[tuple[torch.Tensor, torch.Tensor]]  # cos, sin [num_tokens, 1, head_dim] per rope
+    biases: LayerBiases | None
+
+
+class EncoderLayer(torch.nn.Module):
+    """Self-attention + MLP, each with a residual; LayerNorm after each (post-LN) or before."""
+
+    qkv_weight: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o_weight: torch.Tensor
+    o_bias: torch.Tensor | None
+    attn_norm_weight: torch.Tensor | None
+    attn_norm_bias: torch.Tensor | None
+    up_weight: torch.Tensor
+    up_bias: torch.Tensor | None
+    down_weight: torch.Tensor
+    down_bias: torch.Tensor | None
+    mlp_norm_weight: torch.Tensor
+    mlp_norm_bias: torch.Tensor | None
+
+    def __init__(
+        self,
+        tensors: dict[str, torch.Tensor | None],
+        family: EncoderFamily,
+        geometry: EncoderGeometry,
+        act: Callable[[torch.Tensor], torch.Tensor],
+        placement: tuple[torch.device, torch.dtype],
+        position: tuple[int, int | None, int | None],
+    ) -> None:
+        super().__init__()
+        self.geometry = geometry
+        self.act = act
+        self.pre_norm = family.pre_norm
+        self.gated = family.gated_mlp
+        # layer index, window (None: global attention), index of its rope (None: no rotary)
+        self.index, self.window, self.rope_index = position
+        for name, tensor in tensors.items():
+            self.register_buffer(name, to_device(tensor, *placement))
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        step: EncoderStep,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        """One layer over the packed stream."""
+        eps = self.geometry.eps
+        if self.pre_norm:
+            x = x + self._attention(
+                layer_norm(x, self.attn_norm_weight, self.attn_norm_bias, eps), step
+            )
+            return x + self._mlp(layer_norm(x, self.mlp_norm_weight, self.mlp_norm_bias, eps))
+        x = layer_norm(
+            x + self._attention(x, step), self.attn_norm_weight, self.attn_norm_bias, eps
+        )
+        return layer_norm(x + self._mlp(x), self.mlp_norm_weight, self.mlp_norm_bias, eps)
+
+    def _attention(
+        self,
+        h: torch.Tensor,  # [num_tokens, hidden]
+        step: EncoderStep,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        """Bidirectional self-attention, output projection included."""
+        g = self.geometry
+        num_tokens = h.shape[0]
+        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)  # [num_tokens, 3 * H * D]
+        q, k, v = qkv.view(num_tokens, 3, g.num_heads, g.head_dim).unbind(1)  # [num_tokens, H, D]
+        if self.rope_index is not None:
+            q = apply_rotary(q, *step.ropes[self.rope_index])
+            k = apply_rotary(k, *step.ropes[self.rope_index])
+        bias = None if step.biases is None else step.biases.for_layer(self.index, q, k)
+        attended = step.backend.attend(
+            q,
+            k,
+            v,
+            layer=self.index,
+            meta=step.meta,
+            kv_cache=None,
+            sliding_window=self.window,
+            scale=g.scale,
+            bias=bias,
+        )  # [num_tokens, H, D]
+        return F.linear(attended.reshape(num_tokens, -1), self.o_weight, self.o_bias)
+
+    def _mlp(self, h: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
+        """act(up) or, gated, act(first half) * second half; then down."""
+        up = F.linear(h, self.up_weight, self.up_bias)  # [num_tokens, (2 x) intermediate]
+        if self.gated:
+            gate, linear = up.chunk(2, dim=-1)  # [num_tokens, intermediate] each
+            up = self.act(gate).mul_(linear)
+        else:
+            up = self.act(up)
+        return F.linear(up, self.down_weight, self.down_bias)
+
+
+def _relative_scores(
+    config: PretrainedConfig,
+    state: dict[str, torch.Tensor],
+    family: EncoderFamily,
+    geometry: EncoderGeometry,
+    placement: tuple[torch.device, torch.dtype],
+) -> RelativeScores | None:
+    """MPNet's bucket bias, DeBERTa's disentangled terms (when relative_attention), or None."""
+    if family.relative is Relative.BUCKETS:
+        return BucketScores(state, placement)
+    if family.relative is Relative.DISENTANGLED and getattr(config, "relative_attention", False):
+        shape = (int(config.num_hidden_layers), geometry.num_heads, geometry.head_dim)
+        return DisentangledScores(config, state, shape, geometry.scale, placement)
+    return None
+
+
+def _refuse_unsupported(config: PretrainedConfig) -> None:
+    """Config switches the forward does not implement."""
+    if getattr(config, "position_embedding_type", "absolute") != "absolute":
+        raise ModelLoadError("only absolute position embeddings are supported for BERT encoders")
+    if int(getattr(config, "conv_kernel_size", 0) or 0) > 0:
+        raise ModelLoadError("DeBERTa-v2's convolution layer (conv_kernel_size) is not supported")
+
+
+def _layers(
+    config: PretrainedConfig,
+    state: dict[str, torch.Tensor],
+    family: EncoderFamily,
+    geometry: EncoderGeometry,
+    placement: tuple[torch.device, torch.dtype],
+    rope_index: list[int | None],
+) -> torch.nn.ModuleList:
+    """Every layer, with its window and rope."""
+    names: LayerNames = LAYOUTS[family.layout][1]
+    windows = layer_windows(config)
+    act = activation(getattr(config, family.activation_key))
+    return torch.nn.ModuleList(
+        EncoderLayer(
+            layer_tensors(layer_state(state, names, i), names, family.pre_norm),
+            family,
+            geometry,
+            act,
+            placement,
+            (i, windows[i], rope_index[i]),
+        )
+        for i in range(config.num_hidden_layers)
+    )
+
+
+class EncoderModel(PackedModel):
+    """Encoder over packed tokens (every family in ENCODER_FAMILIES); returns the last states."""
+
+    final_norm_weight: torch.Tensor | None
+    final_norm_bias: torch.Tensor | None
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        state: dict[str, torch.Tensor],
+        family: EncoderFamily,
+        backend: AttentionBackend,
+        placement: tuple[torch.device, torch.dtype],
+    ) -> None:
+        super().__init__()
+        _refuse_unsupported(config)
+        geometry = encoder_geometry(config, family)
+        self.vocab_size = int(config.vocab_size)
+        self.eps = geometry.eps
+        self.backend = backend
+        self.embeddings = EncoderEmbeddings(config, state, family, geometry.eps, placement)
+        num_types = self.embeddings.token_type
+        self.num_token_types = 0 if num_types is None else int(num_types.shape[0])
+        self.relative = _relative_scores(config, state, family, geometry, placement)
+        final = LAYOUTS[family.layout][0].final_norm  # ModernBERT's norm after the last layer
+        for slot, suffix in (("final_norm_weight", "weight"), ("final_norm_bias", "bias")):
+            tensor = None if final is None else state.get(f"{final}.{suffix}")
+            self.register_buffer(slot, to_device(tensor, *placement))
+        rope_types = layer_rope_types(config, family)
+        distinct = list(dict.fromkeys(rope_types))  # one Rotary per distinct rope, in layer order
+        rotary = family.positions is Positions.ROTARY
+        self.rotary = torch.nn.ModuleList(
+            Rotary(config, geometry.head_dim, kind) for kind in (distinct if rotary else [])
+        ).to(placement[0])
+        rope_index = [distinct.index(kind) if rotary else None for kind in rope_types]
+        self.layers = _layers(config, state, family, geometry, placement, rope_index)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        attn: AttentionMetadata,
+        kv_cache: PagedKVCache | None,
+        out: torch.Tensor | None = None,  # [>= num_tokens, hidden]
+        token_type_ids: torch.Tensor | None = None,  # [num_tokens] int64 segment ids (BERT pairs)
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        """Embeds and runs every layer bidirectionally over whole prompts."""
+        self.check_inputs(input_ids)
+        self._check_token_types(token_type_ids, input_ids.shape[0])
+        if attn.causal or attn.has_context:
+            raise ValueError("encoder attention is bidirectional and never chunked")
+        x = self.embeddings(input_ids, positions, token_type_ids)  # [num_tokens, hidden]
+        ropes = [cast(Rotary, rotary).cos_sin(positions, x.dtype) for rotary in self.rotary]
+        biases = None if self.relative is None else self.relative.begin()
+        step = EncoderStep(self.backend, attn, ropes, biases)
+        for layer in self.layers:
+            x = layer(x, step)
+        x = layer_norm(x, self.final_norm_weight, self.final_norm_bias, self.eps)
+        return self.deliver(x, out)
+
+    def _check_token_types(self, token_type_ids: torch.Tensor | None, num_tokens: int) -> None:
+        """One type id per token, each below type_vocab_size (checked while on the host).
+
+        Models without a type table ignore the ids, as transformers' DeBERTa-v3 does with the
+        0/1 ids its tokenizer gives pairs.
+        """
+        if token_type_ids is None:
+            return
+        if token_type_ids.shape != (num_tokens,):
+            raise ValueError(f"token_type_ids must have shape ({num_tokens},)")
+        if self.num_token_types and token_type_ids.device.type == "cpu" and num_tokens:
+            low, high = int(token_type_ids.min()), int(token_type_ids.max())
+            if low < 0 or high >= self.num_token_types:
+                raise ValueError(f"token type ids must lie in [0, {self.num_token_types})")

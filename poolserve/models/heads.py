@@ -1,0 +1,267 @@
+"""Builds the checkpoint's head modules (score, classifier, PRM, reward, MLM) in float32."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import PretrainedConfig
+
+from poolserve.models.decoder_config import LogitsTransform, logits_transform
+from poolserve.models.errors import ModelLoadError
+from poolserve.models.late_interaction import colbert_projection
+from poolserve.models.layers import activation
+from poolserve.models.masked_lm import MASKED_LM_LAYOUTS, MaskedLMHead
+from poolserve.models.registry import DECODER_FAMILIES, ArchitectureEntry, HeadTransform
+from poolserve.models.spec import HeadKind, ModelHeads
+from poolserve.models.weights import take
+
+logger = logging.getLogger(__name__)
+
+
+def _linear(state: dict[str, torch.Tensor], prefix: str) -> torch.nn.Linear:
+    """A float32 Linear from `{prefix}weight` and an optional `{prefix}bias`."""
+    return _linear_of(take(state, f"{prefix}weight"), state.get(f"{prefix}bias"))
+
+
+def _linear_of(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.nn.Linear:
+    """A float32 Linear holding copies of `weight` `[out, in]` and `bias` `[out]`."""
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    with torch.no_grad():
+        linear.weight.copy_(weight.float())
+        if bias is not None:
+            linear.bias.copy_(bias.float())
+    return linear
+
+
+def _head_prefix(entry: ArchitectureEntry) -> str:
+    """The head's weight prefix; registry entries with a head always name one."""
+    if entry.head_prefix is None:
+        raise ModelLoadError("architecture entry has a head kind but no head prefix")
+    return entry.head_prefix
+
+
+class _Activation(torch.nn.Module):
+    """A named activation as a module, so head chains stay plain Sequentials."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+        self.fn = torch.tanh if name == "tanh" else activation(name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """fn(x)."""
+        return self.fn(x)
+
+    def extra_repr(self) -> str:
+        """The activation's name, for printed head chains."""
+        return self.name
+
+
+def _layer_norm(state: dict[str, torch.Tensor], prefix: str, eps: float) -> torch.nn.LayerNorm:
+    """A float32 LayerNorm from `{prefix}weight` and an optional `{prefix}bias`."""
+    weight = take(state, f"{prefix}weight")
+    bias = state.get(f"{prefix}bias")
+    norm = torch.nn.LayerNorm(weight.shape[0], eps=eps, bias=bias is not None)
+    with torch.no_grad():
+        norm.weight.copy_(weight.float())
+        if bias is not None:
+            norm.bias.copy_(bias.float())
+    return norm
+
+
+def _transform(
+    transform: HeadTransform, state: dict[str, torch.Tensor], config: PretrainedConfig
+) -> list[torch.nn.Module]:
+    """Dense, activation and optional LayerNorm, as the checkpoint's head applies them."""
+    name = transform.activation
+    if transform.activation_key is not None:
+        name = str(getattr(config, transform.activation_key))
+    modules = [_linear(state, transform.dense_prefix), _Activation(name)]
+    if transform.norm_prefix is not None:
+        eps = (
+            transform.eps
+            if transform.eps is not None
+            else float(getattr(config, transform.eps_key))
+        )
+        modules.append(_layer_norm(state, transform.norm_prefix, eps))
+    return modules
+
+
+def _classifier(
+    entry: ArchitectureEntry, state: dict[str, torch.Tensor], config: PretrainedConfig
+) -> torch.nn.Module:
+    """score / classifier Linear, after the transform encoder heads apply (BERT's pooler...)."""
+    classifier = _linear(state, _head_prefix(entry))
+    if entry.transform is None:
+        return classifier
+    return torch.nn.Sequential(*_transform(entry.transform, state, config), classifier)
+
+
+def _mlp_head(
+    entry: ArchitectureEntry, state: dict[str, torch.Tensor], config: PretrainedConfig
+) -> torch.nn.Module:
+    """Linear(h, h) - ReLU - Linear(h, n), saved as score.0 / score.2."""
+    prefix = _head_prefix(entry)
+    return torch.nn.Sequential(
+        _linear(state, f"{prefix}0."), torch.nn.ReLU(), _linear(state, f"{prefix}2.")
+    )
+
+
+def _masked_lm(
+    entry: ArchitectureEntry, state: dict[str, torch.Tensor], config: PretrainedConfig
+) -> torch.nn.Module:
+    """The MLM head: transform, then the vocabulary decoder, `[..., hidden] -> [..., vocab]`."""
+    layout = _masked_lm_layout(state, config)
+    if layout is None:
+        raise ModelLoadError(f"the checkpoint holds no {config.model_type} MLM head weights")
+    transform = _transform(layout.transform, state, config)
+    return torch.nn.Sequential(*transform, _decoder(layout, state, config))
+
+
+def _masked_lm_layout(
+    state: dict[str, torch.Tensor], config: PretrainedConfig
+) -> MaskedLMHead | None:
+    """The family's first MLM layout whose dense weight the checkpoint holds."""
+    layouts = MASKED_LM_LAYOUTS.get(str(config.model_type), ())
+    return next((x for x in layouts if f"{x.transform.dense_prefix}weight" in state), None)
+
+
+def _decoder(
+    layout: MaskedLMHead, state: dict[str, torch.Tensor], config: PretrainedConfig
+) -> torch.nn.Linear:
+    """The vocabulary Linear: tied to the word embeddings unless the config unties it, as in HF.
+
+    Tying also ties the decoder's bias to the head's own (BERT's cls.predictions.bias); an untied
+    decoder keeps its own weight and bias.
+    """
+    own = layout.decoder_prefix
+    untied = not getattr(config, "tie_word_embeddings", True) and f"{own}weight" in state
+    weight = take(state, f"{own}weight" if untied else layout.embeddings)
+    biases = (f"{own}bias", layout.bias) if untied else (layout.bias, f"{own}bias")
+    bias = next((state[key] for key in biases if key is not None and key in state), None)
+    return _linear_of(weight, bias)
+
+
+# vLLM's hf-overrides `method`s that read a causal LM as a classifier from LM-head rows.
+FROM_2_WAY_SOFTMAX = "from_2_way_softmax"  # rows (false, true): one logit, true minus false
+NO_POST_PROCESSING = "no_post_processing"  # one logit per row, as the LM head gives it
+LM_HEAD_METHODS = (FROM_2_WAY_SOFTMAX, NO_POST_PROCESSING)
+# Where a tied LM head's weights live: the decoder's input embeddings.
+TIED_LM_HEADS = ("model.embed_tokens.weight", "embed_tokens.weight")
+
+
+@dataclass(frozen=True)
+class LMHeadRows:
+    """A causal LM scored through the LM-head rows of a few tokens (`classifier_from_token`)."""
+
+    method: str
+    token_ids: tuple[int, ...]
+
+
+class _Logits(torch.nn.Module):
+    """The causal LM's logits transform (Granite's scaling, Gemma's soft-cap) as a module."""
+
+    def __init__(self, transform: LogitsTransform) -> None:
+        super().__init__()
+        self.transform = transform
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        """transform(logits)."""
+        return self.transform(logits)
+
+
+def lm_head_method(config: PretrainedConfig) -> str | None:
+    """How the config reads its causal LM as a classifier (vLLM's names); None: it does not."""
+    method = getattr(config, "method", None)
+    if method is None and getattr(config, "is_original_qwen3_reranker", False):
+        method = FROM_2_WAY_SOFTMAX  # what vLLM derives from the flag
+    if method is None:
+        return None
+    tokens = getattr(config, "classifier_from_token", None)
+    if method not in LM_HEAD_METHODS:
+        raise ModelLoadError(f"method {method!r} is not supported (known: {LM_HEAD_METHODS})")
+    wanted = 2 if method == FROM_2_WAY_SOFTMAX else None
+    if not isinstance(tokens, list) or not tokens or (wanted and len(tokens) != wanted):
+        raise ModelLoadError(
+            f"method {method} needs classifier_from_token: a list of "
+            f'{wanted or "one or more"} tokens, e.g. ["no", "yes"]'
+        )
+    return str(method)
+
+
+def _lm_head_rows(
+    rows: LMHeadRows, state: dict[str, torch.Tensor], config: PretrainedConfig
+) -> torch.nn.Module:
+    """Only the tokens' rows of the LM head (or tied embeddings), then the logits transform."""
+    name = "lm_head.weight"
+    if getattr(config, "tie_word_embeddings", False):
+        name = next((k for k in TIED_LM_HEADS if k in state), TIED_LM_HEADS[0])
+    weight = take(state, name)[list(rows.token_ids)]  # [num_tokens, hidden], a copy of the rows
+    family = DECODER_FAMILIES[str(config.model_type)]
+    modules = [_linear_of(weight, None), _Logits(logits_transform(config, family))]
+    if rows.method == FROM_2_WAY_SOFTMAX:
+        # softmax over (false, true) at true = sigmoid(true - false): one logit, as in vLLM
+        modules.append(_linear_of(torch.tensor([[-1.0, 1.0]]), None))
+    return torch.nn.Sequential(*modules)
+
+
+_BUILDERS: dict[
+    HeadKind,
+    Callable[[ArchitectureEntry, dict[str, torch.Tensor], PretrainedConfig], torch.nn.Module],
+] = {
+    HeadKind.SEQUENCE_CLASSIFIER: _classifier,
+    HeadKind.TOKEN_CLASSIFIER: _classifier,
+    HeadKind.PROCESS_REWARD: _mlp_head,
+    HeadKind.TOKEN_REWARD: _mlp_head,
+    HeadKind.MASKED_LM: _masked_lm,
+    HeadKind.LATE_INTERACTION: lambda entry, state, config: colbert_projection(state, config),
+}
+_FIELDS = {
+    HeadKind.SEQUENCE_CLASSIFIER: "seq_classifier",
+    HeadKind.TOKEN_CLASSIFIER: "token_classifier",
+    HeadKind.PROCESS_REWARD: "process_reward",
+    HeadKind.TOKEN_REWARD: "token_reward",
+    HeadKind.MASKED_LM: "masked_lm",
+    HeadKind.LATE_INTERACTION: "token_projection",
+}
+
+
+def build_heads(
+    entry: ArchitectureEntry,
+    state: dict[str, torch.Tensor],
+    device: torch.device,
+    config: PretrainedConfig,
+    lm_head_rows: LMHeadRows | None = None,
+) -> ModelHeads:
+    """The head modules of a checkpoint (full state dict, original key names)."""
+    if entry.head_kind is HeadKind.NONE:
+        return ModelHeads()
+    if lm_head_rows is not None:
+        module = _lm_head_rows(lm_head_rows, state, config).to(device).eval()
+        module.requires_grad_(False)
+        return ModelHeads(seq_classifier=module)
+    if entry.head_kind is HeadKind.MASKED_LM and _masked_lm_layout(state, config) is None:
+        # a dense embedder fine-tuned from an MLM may be saved without the head (sentence-
+        # transformers saves the backbone alone): it still serves embed and token_embed
+        logger.warning("no MLM head weights in the checkpoint: sparse embeddings are off")
+        return ModelHeads()
+    module = _BUILDERS[entry.head_kind](entry, state, config).float().to(device).eval()
+    module.requires_grad_(False)
+    return ModelHeads(**{_FIELDS[entry.head_kind]: module})
+
+
+def head_out_features(heads: ModelHeads) -> int | None:
+    """Output width of whichever labelled head is set (the number of labels), None without."""
+    for module in (
+        heads.seq_classifier,
+        heads.token_classifier,
+        heads.process_reward,
+        heads.token_reward,
+    ):
+        if module is not None:
+            linears = [m for m in module.modules() if isinstance(m, torch.nn.Linear)]
+            return linears[-1].out_features
+    return None

@@ -1,0 +1,93 @@
+"""ColBERT checkpoints: the token projection stored beside the backbone, and what we refuse."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig
+
+from poolserve.models.errors import ModelLoadError
+
+# Where checkpoints keep the projection `[dim, hidden]` (no bias): Stanford ColBERT's HF_ColBERT
+# saves `linear.weight` at the root; other exports name it `colbert_linear`, some under the
+# backbone's prefix (the names vLLM's ColBERT loader accepts).
+PROJECTION_NAMES = (
+    "linear.weight",
+    "colbert_linear.weight",
+    "bert.linear.weight",
+    "bert.colbert_linear.weight",
+    "model.linear.weight",
+    "model.colbert_linear.weight",
+)
+# Config fields that may state the projection's width (checked against the weight).
+DIM_FIELDS = ("colbert_dim", "dim", "projection_dim")
+# Stanford ColBERT's training record: its presence means the model was trained with query and
+# document marker tokens, [MASK] query augmentation and punctuation masking.
+STANFORD_METADATA = "artifact.metadata"
+# PyLate's sentence-transformers config fields that change how texts become prompts.
+PYLATE_PROMPT_FIELDS = ("query_prefix", "document_prefix", "do_query_expansion")
+
+
+def colbert_projection(state: dict[str, torch.Tensor], config: PretrainedConfig) -> torch.nn.Module:
+    """The bias-free float32 Linear `[..., hidden] -> [..., dim]` every token goes through."""
+    name = next((n for n in PROJECTION_NAMES if n in state), None)
+    if name is None:
+        raise ModelLoadError(
+            f"a ColBERT checkpoint needs its projection as one of {list(PROJECTION_NAMES)}"
+        )
+    if any(n.removesuffix("weight") + "bias" in state for n in PROJECTION_NAMES):
+        raise ModelLoadError("a ColBERT projection has no bias; this checkpoint stores one")
+    weight = state[name]  # [dim, hidden]
+    hidden = int(config.hidden_size)
+    if weight.dim() != 2 or weight.shape[1] != hidden:
+        raise ModelLoadError(
+            f"ColBERT projection {name} has shape {list(weight.shape)}, expected [dim, {hidden}]"
+        )
+    stated = next((getattr(config, f) for f in DIM_FIELDS if getattr(config, f, None)), None)
+    if stated is not None and int(stated) != weight.shape[0]:
+        raise ModelLoadError(
+            f"config states ColBERT dim {stated} but {name} projects to {weight.shape[0]}"
+        )
+    linear = torch.nn.Linear(hidden, weight.shape[0], bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(weight.float())
+    return linear
+
+
+def check_plain_prompts(path: Path) -> None:
+    """Refuse checkpoints whose config asks for query/document handling we do not reproduce."""
+    # Each text is served as its own plain prompt (the tokenizer's specials, every token kept),
+    # as vLLM scores ColBERT models; marker tokens, [MASK] query augmentation to a fixed length
+    # and punctuation masking would change every score, so serving without them would mislead.
+    if (path / STANFORD_METADATA).is_file():
+        metadata = _json(path / STANFORD_METADATA)
+        raise ModelLoadError(
+            f"{STANFORD_METADATA} records a Stanford ColBERT training setup (query/document "
+            f"markers {metadata.get('query_token_id', '[unused0]')}/"
+            f"{metadata.get('doc_token_id', '[unused1]')}, [MASK] query augmentation to "
+            f"query_maxlen {metadata.get('query_maxlen', 32)}, punctuation masking): poolserve "
+            "scores each text as its plain prompt and does not reproduce these; remove the file "
+            "to serve the model without them"
+        )
+    st_config = path / "config_sentence_transformers.json"
+    if st_config.is_file():
+        asked = [f for f in PYLATE_PROMPT_FIELDS if _json(st_config).get(f)]
+        if asked:
+            raise ModelLoadError(
+                f"config_sentence_transformers.json asks for {', '.join(asked)} (PyLate query/"
+                "document prompts or query expansion), which poolserve does not reproduce"
+            )
+
+
+def _json(path: Path) -> dict[str, Any]:
+    """A JSON object file; anything else is a load error."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {path.name}: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ModelLoadError(f"{path.name} is not a JSON object")
+    return value

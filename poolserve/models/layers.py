@@ -1,0 +1,64 @@
+"""Small numeric building blocks shared by the decoder and encoder forwards."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from poolserve.models.errors import ModelLoadError
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_new": functools.partial(F.gelu, approximate="tanh"),
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The activation function a config names."""
+    if name not in ACTIVATIONS:
+        raise ModelLoadError(f"unsupported activation {name!r}")
+    return ACTIVATIONS[name]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in float32; a model-dtype weight scales after the cast back, a float32 one before.
+
+    Llama-style norms cast to the model dtype and then scale; Gemma scales by (1 + weight) in
+    float32 and casts last. norm_weight() stores Gemma's folded weight in float32, so the weight's
+    dtype picks the order (both orders are the same computation in a float32 model).
+    """
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype == torch.float32:
+        return (x32 * weight).to(x.dtype)
+    return weight * x32.to(x.dtype)
+
+
+def norm_weight(
+    weight: torch.Tensor, offset: bool, placement: tuple[torch.device, torch.dtype]
+) -> torch.Tensor:
+    """An RMSNorm weight placed for rms_norm(); Gemma's (1 + weight) is folded in float32."""
+    if offset:
+        return (weight.float() + 1.0).to(placement[0]).contiguous()
+    return weight.to(device=placement[0], dtype=placement[1]).contiguous()
+
+
+def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(x / cap), Gemma2's soft-capping of logits; identity without a cap."""
+    if cap is None:
+        return x
+    return torch.tanh(x / cap) * cap
+
+
+def to_device(
+    tensor: torch.Tensor | None, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor | None:
+    """Moves an optional weight to the model's device and dtype."""
+    return None if tensor is None else tensor.to(device=device, dtype=dtype).contiguous()

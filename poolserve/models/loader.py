@@ -1,0 +1,333 @@
+"""load_model(): config, weights, tokenizer, heads -> LoadedModel."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from tokenizers.normalizers import Lowercase, Normalizer
+from tokenizers.normalizers import Sequence as NormalizerSequence
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+from poolserve.models.attention import AttentionBackend, select_attention_backend
+from poolserve.models.decoder import DecoderModel
+from poolserve.models.decoder_config import decoder_head_dim, decoder_is_causal
+from poolserve.models.encoder import EncoderModel
+from poolserve.models.encoder_config import adopt_remote_nomic_fields, encoder_max_len
+from poolserve.models.errors import (
+    ModelLoadError,
+    UnsafeCheckpointError,
+    UnsupportedArchitectureError,
+    UnsupportedDtypeError,
+)
+from poolserve.models.heads import LMHeadRows, build_heads, head_out_features, lm_head_method
+from poolserve.models.late_interaction import check_plain_prompts
+from poolserve.models.packed import PackedModel
+from poolserve.models.registry import (
+    ARCHITECTURES,
+    DECODER_FAMILIES,
+    ENCODER_FAMILIES,
+    ArchitectureEntry,
+    Backbone,
+    supported_architectures,
+)
+from poolserve.models.resolve import resolve_model_path
+from poolserve.models.sentence_transformers import read_sentence_transformers
+from poolserve.models.spec import HeadKind, LoadedModel, ModelHeads, ModelSpec
+from poolserve.models.weights import load_state_dict, strip_prefix
+
+logger = logging.getLogger(__name__)
+
+# What `dtype=None` (--dtype auto) runs in, whatever the checkpoint stores: float32 unless named.
+DEFAULT_DTYPES = {"cuda": torch.bfloat16}
+# A CUDA device without native bfloat16 (before Ampere) runs auto in float16 instead.
+CUDA_FALLBACK_DTYPE = torch.float16
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_CLASSIFIER_KINDS = frozenset({HeadKind.SEQUENCE_CLASSIFIER, HeadKind.TOKEN_CLASSIFIER})
+
+
+def load_model(
+    model: str | None,
+    *,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+    hf_overrides: Mapping[str, Any] | None = None,
+    revision: str | None = None,
+) -> LoadedModel:
+    """Loads a checkpoint (local dir, Hub id, or None = all-MiniLM-L6-v2) for packed forwards.
+
+    `hf_overrides` are config.json fields that win over the checkpoint's (vLLM's --hf-overrides);
+    `revision` picks the Hub commit, branch or tag of a Hub id.
+    """
+    dtype = resolve_dtype(dtype, device)  # first: a refused dtype should not wait for a download
+    path = resolve_model_path(model, revision)
+    overrides = dict(hf_overrides or {})
+    architecture = _check_architecture({**_read_raw_config(path), **overrides})
+    entry = ARCHITECTURES[architecture]
+    config = _load_config(path)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    state = load_state_dict(path)
+    backbone_state = strip_prefix(state, _backbone_prefix(entry, state))
+    placement = (device, dtype)
+    packed = _BACKBONES[entry.backbone](
+        config, backbone_state, select_attention_backend(device), placement
+    )
+    tokenizer = _load_tokenizer(path)
+    heads = build_heads(entry, state, device, config, _lm_head_rows(entry, config, tokenizer))
+    if entry.head_kind is HeadKind.LATE_INTERACTION:
+        check_plain_prompts(path)
+    st_config = read_sentence_transformers(path, device)
+    if st_config is not None and st_config.do_lower_case:
+        _lower_case_first(tokenizer)
+    logger.info(
+        "loaded %s (%s) from %s on %s: stored as %s, runs as %s",
+        architecture,
+        config.model_type,
+        path,
+        device,
+        _stored_dtype(state),
+        dtype,
+    )
+    return LoadedModel(
+        path=path,
+        spec=_spec(architecture, entry, config, heads, dtype),
+        model=packed,
+        heads=heads,
+        tokenizer=tokenizer,
+        sentence_transformers=st_config,
+    )
+
+
+def resolve_dtype(dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
+    """The dtype the backbone runs in (None: the device's default); one it cannot run is refused."""
+    if dtype is None:
+        dtype = DEFAULT_DTYPES.get(device.type, torch.float32)
+        if dtype == torch.bfloat16 and not _native_bf16(device):
+            logger.warning("%s has no native bfloat16: running in float16", device)
+            dtype = CUDA_FALLBACK_DTYPE
+    name = str(dtype).removeprefix("torch.")
+    if dtype not in SUPPORTED_DTYPES:
+        raise UnsupportedDtypeError(name, str(device), "only float32, bfloat16 and float16 run")
+    if dtype == torch.bfloat16 and not _native_bf16(device):
+        reason = "the GPU has no native bfloat16 support (torch.cuda.is_bf16_supported() is False)"
+        raise UnsupportedDtypeError(name, str(device), reason)
+    # CUDA runs every kernel in float16 and, where native, bfloat16; CPU coverage of half types
+    # depends on the torch build, so a half dtype on the CPU is tried before it is promised.
+    if device.type == "cpu" and dtype != torch.float32:
+        try:
+            _try_cpu_kernels(dtype)
+        except (RuntimeError, NotImplementedError) as exc:
+            raise UnsupportedDtypeError(name, str(device), str(exc)) from exc
+    return dtype
+
+
+def _native_bf16(device: torch.device) -> bool:
+    """True off CUDA (CPU kernels take bfloat16) and on GPUs with bfloat16 in hardware."""
+    if device.type != "cuda":
+        return True
+    # the current device: the service runs on "cuda"; emulated bfloat16 is slow and lacks flash
+    return torch.cuda.is_bf16_supported(including_emulation=False)
+
+
+def _try_cpu_kernels(dtype: torch.dtype) -> None:
+    """Runs the CPU kernels the forwards use on a few values; raises where one lacks the dtype."""
+    x = torch.ones(1, 2, 4, 8, dtype=dtype)  # [batch, heads, tokens, head_dim]
+    F.scaled_dot_product_attention(x, x, x, is_causal=True)
+    h = x.reshape(8, 8)  # [tokens, hidden]
+    h = F.gelu(F.linear(h, h, h[0]), approximate="tanh") + F.silu(h).softmax(-1)
+    F.layer_norm(h, (8,), h[0], h[1])
+    F.embedding(torch.zeros(2, dtype=torch.long), h)
+
+
+def _stored_dtype(state: dict[str, torch.Tensor]) -> str:
+    """The dtype of the checkpoint's first floating-point tensor, for the log."""
+    dtype = next((t.dtype for t in state.values() if t.is_floating_point()), None)
+    return str(dtype).removeprefix("torch.")
+
+
+def _read_raw_config(path: Path) -> dict[str, Any]:
+    """config.json as plain JSON, read before transformers sees it."""
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(f"no config.json in {path}")
+    try:
+        raw = json.loads(config_file.read_text())
+    except ValueError as exc:
+        raise ModelLoadError(f"malformed config.json: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ModelLoadError("config.json is not a JSON object")
+    return raw
+
+
+def _check_architecture(raw: dict[str, Any]) -> str:
+    """The supported architecture; remote-code-only checkpoints are refused."""
+    architectures = raw.get("architectures") or []
+    if not architectures:
+        raise ModelLoadError("config.json names no architecture")
+    architecture = str(architectures[0])
+    if architecture in ARCHITECTURES:
+        if "auto_map" in raw:
+            logger.warning(
+                "ignoring auto_map of %s: the native implementation runs, never its remote code",
+                architecture,
+            )
+        return architecture
+    if "auto_map" in raw:
+        raise UnsafeCheckpointError(
+            f"{architecture} needs remote code (auto_map); trust_remote_code is refused"
+        )
+    raise UnsupportedArchitectureError(architecture, supported_architectures())
+
+
+def _load_config(path: Path) -> PretrainedConfig:
+    """The transformers config by model_type, never running remote code."""
+    try:
+        config = AutoConfig.from_pretrained(str(path), trust_remote_code=False)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"cannot load config.json: {exc}") from exc
+    return config
+
+
+def _load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """The checkpoint's tokenizer, never running remote code."""
+    try:
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"cannot load tokenizer: {exc}") from exc
+
+
+def _lm_head_rows(
+    entry: ArchitectureEntry, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase
+) -> LMHeadRows | None:
+    """The LM-head rows a causal LM is scored through (`classifier_from_token`), if configured."""
+    method = lm_head_method(config)
+    if method is None:
+        return None
+    if (
+        entry.backbone is not Backbone.DECODER
+        or entry.head_kind is not HeadKind.SEQUENCE_CLASSIFIER
+    ):
+        raise ModelLoadError(
+            f"method {method} reads a causal LM's head: it needs a decoder "
+            "*ForSequenceClassification architecture (set `architectures` too)"
+        )
+    token_ids = []
+    for token in config.classifier_from_token:
+        # a vocabulary lookup, as vLLM does: the token as it is, never re-tokenized
+        token_id = tokenizer.convert_tokens_to_ids(str(token))
+        if not isinstance(token_id, int) or token_id == tokenizer.unk_token_id:
+            raise ModelLoadError(f"classifier_from_token {token!r} is not in the vocabulary")
+        token_ids.append(token_id)
+    return LMHeadRows(method, tuple(token_ids))
+
+
+def _lower_case_first(tokenizer: PreTrainedTokenizerBase) -> None:
+    """do_lower_case as sentence-transformers applies it: a Lowercase normalizer in front."""
+    if not tokenizer.is_fast:
+        raise ModelLoadError("do_lower_case needs a fast tokenizer (tokenizer.json)")
+    backend = tokenizer.backend_tokenizer
+    current = backend.normalizer
+    parts: list[Normalizer] = [] if current is None else [current]
+    if isinstance(current, NormalizerSequence):
+        # a Sequence iterates over its parts at runtime; the stubs do not say so
+        parts = list(cast(Iterable[Normalizer], current))
+    # the same test sentence-transformers makes: a Lowercase, alone or in a Sequence
+    if not any(isinstance(part, Lowercase) for part in parts):
+        backend.normalizer = NormalizerSequence([Lowercase(), *parts])
+
+
+def _backbone_prefix(entry: ArchitectureEntry, state: dict[str, torch.Tensor]) -> str:
+    """The first candidate prefix under which the backbone's embeddings are stored."""
+    markers = {
+        Backbone.DECODER: ("embed_tokens.weight",),
+        Backbone.ENCODER: ("embeddings.word_embeddings.weight", "embeddings.tok_embeddings.weight"),
+    }
+    for prefix in entry.backbone_prefixes:
+        if any(f"{prefix}{marker}" in state for marker in markers[entry.backbone]):
+            return prefix
+    raise ModelLoadError(
+        f"no backbone weights under any of the prefixes {list(entry.backbone_prefixes)}"
+    )
+
+
+def _decoder(
+    config: PretrainedConfig,
+    state: dict[str, torch.Tensor],
+    backend: AttentionBackend,
+    placement: tuple[torch.device, torch.dtype],
+) -> PackedModel:
+    """The packed decoder of a config whose model_type has a row in DECODER_FAMILIES."""
+    family = DECODER_FAMILIES.get(config.model_type)
+    if family is None:
+        raise UnsupportedArchitectureError(
+            f"model_type {config.model_type}", supported_architectures()
+        )
+    return DecoderModel(config, state, family, backend, placement).eval()
+
+
+def _encoder(
+    config: PretrainedConfig,
+    state: dict[str, torch.Tensor],
+    backend: AttentionBackend,
+    placement: tuple[torch.device, torch.dtype],
+) -> PackedModel:
+    """The packed encoder of a config whose model_type has a row in ENCODER_FAMILIES."""
+    family = ENCODER_FAMILIES.get(config.model_type)
+    if family is None:
+        raise UnsupportedArchitectureError(
+            f"model_type {config.model_type}", supported_architectures()
+        )
+    adopt_remote_nomic_fields(config)
+    return EncoderModel(config, state, family, backend, placement).eval()
+
+
+_BACKBONES: dict[Backbone, Callable[..., PackedModel]] = {
+    Backbone.DECODER: _decoder,
+    Backbone.ENCODER: _encoder,
+}
+
+
+def _spec(
+    architecture: str,
+    entry: ArchitectureEntry,
+    config: PretrainedConfig,
+    heads: ModelHeads,
+    dtype: torch.dtype,
+) -> ModelSpec:
+    """The ModelSpec of a loaded checkpoint."""
+    decoder = entry.backbone is Backbone.DECODER
+    num_labels = head_out_features(heads)
+    labels: tuple[str, ...] = ()
+    if entry.head_kind in _CLASSIFIER_KINDS and num_labels is not None:
+        id2label = getattr(config, "id2label", None) or {}
+        labels = tuple(str(id2label.get(i, f"LABEL_{i}")) for i in range(num_labels))
+    dims = getattr(config, "matryoshka_dimensions", None)
+    matryoshka = tuple(int(d) for d in dims) if dims else None
+    return ModelSpec(
+        architecture=architecture,
+        family=str(config.model_type),
+        is_causal=decoder and decoder_is_causal(config),
+        hidden_size=int(config.hidden_size),
+        vocab_size=int(config.vocab_size),
+        num_layers=int(config.num_hidden_layers),
+        num_kv_heads=int(
+            getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        ),
+        head_dim=decoder_head_dim(config)
+        if decoder
+        else config.hidden_size // config.num_attention_heads,
+        max_model_len=int(config.max_position_embeddings) if decoder else encoder_max_len(config),
+        dtype=dtype,
+        head_kind=entry.head_kind,
+        num_labels=num_labels,
+        labels=labels,
+        supports_matryoshka=bool(getattr(config, "is_matryoshka", False)) or matryoshka is not None,
+        matryoshka_dimensions=matryoshka,
+        classifier_pooling=None if decoder else getattr(config, "classifier_pooling", None),
+    )

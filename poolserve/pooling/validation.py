@@ -1,0 +1,119 @@
+"""Validation of per-request pooling parameters against the model that will serve them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from poolserve.pooling.errors import InvalidPoolingParamsError, UnsupportedTaskError
+from poolserve.pooling.model_info import HeadKind, PoolingModelInfo, get_supported_tasks
+from poolserve.pooling.params import PoolingParams, PoolingTask
+
+# Tasks each optional parameter applies to; setting it for any other task is an error.
+FIELD_TASKS: dict[str, frozenset[PoolingTask]] = {
+    "dimensions": frozenset({PoolingTask.EMBED, PoolingTask.EMBED_TOKEN_CLASSIFY}),
+    "normalize": frozenset(
+        {PoolingTask.EMBED, PoolingTask.TOKEN_EMBED, PoolingTask.EMBED_TOKEN_CLASSIFY}
+    ),
+    "use_activation": frozenset(
+        {
+            PoolingTask.CLASSIFY,
+            PoolingTask.TOKEN_CLASSIFY,
+            PoolingTask.EMBED_TOKEN_CLASSIFY,
+            PoolingTask.SCORE,
+        }
+    ),
+    "step_tag_id": frozenset({PoolingTask.REWARD}),
+    "returned_token_ids": frozenset({PoolingTask.REWARD}),
+    "prompt_tokens": frozenset({PoolingTask.EMBED}),
+}
+
+# Parameters that also need a particular head (steps exist only for process reward models).
+FIELD_HEADS: dict[str, frozenset[HeadKind]] = {
+    "step_tag_id": frozenset({HeadKind.PROCESS_REWARD}),
+    "returned_token_ids": frozenset({HeadKind.PROCESS_REWARD}),
+}
+
+
+def _check_dimensions(info: PoolingModelInfo, params: PoolingParams) -> None:
+    """Matryoshka truncation must be declared by the model and within its output size."""
+    dimensions = params.dimensions
+    if dimensions is None:
+        return
+    size = info.embedding_size
+    if dimensions <= 0:
+        raise InvalidPoolingParamsError("dimensions", f"must be positive, got {dimensions}")
+    if dimensions > size:
+        raise InvalidPoolingParamsError(
+            "dimensions", f"{dimensions} exceeds the model's embedding size {size}"
+        )
+    if not info.supports_matryoshka:
+        raise InvalidPoolingParamsError(
+            "dimensions", "this model does not support Matryoshka dimensions"
+        )
+    allowed = info.matryoshka_dimensions
+    if allowed is not None and dimensions not in allowed:
+        raise InvalidPoolingParamsError(
+            "dimensions", f"{dimensions} is not one of the model's dimensions {sorted(allowed)}"
+        )
+
+
+def _check_step_tag_id(info: PoolingModelInfo, params: PoolingParams) -> None:
+    """A step tag is a token id, hence non-negative."""
+    step_tag_id = params.step_tag_id
+    if step_tag_id is not None and step_tag_id < 0:
+        raise InvalidPoolingParamsError("step_tag_id", f"must be >= 0, got {step_tag_id}")
+
+
+def _check_returned_token_ids(info: PoolingModelInfo, params: PoolingParams) -> None:
+    """Selected label columns must exist in the reward head."""
+    ids = params.returned_token_ids
+    if ids is None:
+        return
+    num_labels = info.num_labels if info.num_labels is not None else 0
+    if not ids:
+        raise InvalidPoolingParamsError("returned_token_ids", "must not be empty")
+    bad = [i for i in ids if not 0 <= i < num_labels]
+    if bad:
+        raise InvalidPoolingParamsError(
+            "returned_token_ids", f"{bad} out of range for {num_labels} labels"
+        )
+
+
+def _check_prompt_tokens(info: PoolingModelInfo, params: PoolingParams) -> None:
+    """A count of tokens, hence non-negative."""
+    if params.prompt_tokens is not None and params.prompt_tokens < 0:
+        raise InvalidPoolingParamsError(
+            "prompt_tokens", f"must be >= 0, got {params.prompt_tokens}"
+        )
+
+
+FIELD_CHECKS: dict[str, Callable[[PoolingModelInfo, PoolingParams], None]] = {
+    "prompt_tokens": _check_prompt_tokens,
+    "dimensions": _check_dimensions,
+    "step_tag_id": _check_step_tag_id,
+    "returned_token_ids": _check_returned_token_ids,
+}
+
+
+def check_task(info: PoolingModelInfo, task: PoolingTask) -> None:
+    """Raise `UnsupportedTaskError` naming the supported tasks when the model lacks `task`."""
+    supported = get_supported_tasks(info)
+    if task not in supported:
+        raise UnsupportedTaskError(task.value, [t.value for t in supported])
+
+
+def validate_params(info: PoolingModelInfo, params: PoolingParams) -> None:
+    """Raise a typed error when the task or any parameter does not fit this model."""
+    check_task(info, params.task)
+    for name, tasks in FIELD_TASKS.items():
+        value = getattr(params, name)
+        if value is None:
+            continue
+        if params.task not in tasks:
+            raise InvalidPoolingParamsError(name, f"does not apply to task {params.task.value!r}")
+        heads = FIELD_HEADS.get(name)
+        if heads is not None and info.head_kind not in heads:
+            raise InvalidPoolingParamsError(name, "applies to process reward models only")
+        check = FIELD_CHECKS.get(name)
+        if check is not None:
+            check(info, params)

@@ -1,0 +1,166 @@
+"""JSON in and out: strict request parsing; responses from numpy buffers (orjson, base64)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import sys
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
+from typing import Any, Literal
+
+import numpy as np
+import orjson
+import torch
+from fastapi import Request
+from fastapi.routing import APIRoute
+from starlette.responses import Response
+
+from poolserve.service.errors import EdgeError, clip
+
+OPTIONS = orjson.OPT_SERIALIZE_NUMPY
+ROWS_PER_PIECE = 256  # rows of a token-level output encoded at once when streaming
+
+
+# embed_dtype -> (torch dtype, integer view numpy can reorder); numpy has no bfloat16 or fp8
+TORCH_DTYPES: dict[str, tuple[torch.dtype, torch.dtype]] = {
+    "bfloat16": (torch.bfloat16, torch.int16),
+    "fp8_e4m3": (torch.float8_e4m3fn, torch.uint8),
+    "fp8_e5m2": (torch.float8_e5m2, torch.uint8),
+}
+# endianness -> numpy byte order; native is this host's, as vLLM's
+BYTE_ORDERS: dict[str, Literal["<", ">"]] = {
+    "little": "<",
+    "big": ">",
+    "native": "<" if sys.byteorder == "little" else ">",
+}
+
+
+def to_dtype_bytes(data: np.ndarray, embed_dtype: str, endianness: str = "little") -> bytes:
+    """Bytes of data in the requested dtype and byte order (one-byte dtypes have none)."""
+    order = BYTE_ORDERS[endianness]
+    if embed_dtype in TORCH_DTYPES:
+        dtype, view = TORCH_DTYPES[embed_dtype]
+        as_dtype = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).to(dtype)
+        raw = as_dtype.view(view).numpy()
+        return raw.astype(raw.dtype.newbyteorder(order)).tobytes()
+    return np.ascontiguousarray(data, dtype=np.dtype(embed_dtype).newbyteorder(order)).tobytes()
+
+
+def binary_parts(
+    outputs: Iterable[np.ndarray], embed_dtype: str, endianness: str
+) -> tuple[list[bytes], list[dict[str, object]]]:
+    """vLLM's `bytes` format: each output's raw bytes and its metadata item (offsets, shape)."""
+    parts: list[bytes] = []
+    items: list[dict[str, object]] = []
+    offset = 0
+    for index, data in enumerate(outputs):
+        raw = to_dtype_bytes(data, embed_dtype, endianness)
+        items.append(
+            {
+                "index": index,
+                "embed_dtype": embed_dtype,
+                "endianness": endianness,
+                "start": offset,
+                "end": offset + len(raw),
+                "shape": list(data.shape),
+            }
+        )
+        parts.append(raw)
+        offset += len(raw)
+    return parts, items
+
+
+def dumps(document: object) -> bytes:
+    """Serialize a response document (numpy arrays included)."""
+    return orjson.dumps(document, option=OPTIONS)
+
+
+def _open(fields: Mapping[str, object]) -> bytes:
+    """`{"a":1,"b":2,` ready for one more key (or `{` when there are no fields)."""
+    head = dumps(fields)[:-1]
+    return head + b"," if fields else head
+
+
+def _key(key: str) -> bytes:
+    return orjson.dumps(key) + b":"
+
+
+def encode_item(
+    fields: Mapping[str, object],
+    key: str,
+    data: np.ndarray,
+    encoding_format: str,
+    embed_dtype: str = "float32",
+    endianness: str = "little",
+) -> bytes:
+    """One output object: its fields plus `key` holding the nested floats or the base64 text.
+
+    Base64 text needs no JSON escaping, so its bytes are spliced in as they are: no str
+    round trip and no second pass over a payload that can be tens of megabytes.
+    """
+    if encoding_format == "base64":
+        raw = base64.b64encode(to_dtype_bytes(data, embed_dtype, endianness))
+        return b"".join((_open(fields), _key(key), b'"', raw, b'"}'))  # one copy of the payload
+    floats = dumps(np.ascontiguousarray(data, dtype=np.float32))
+    return b"".join((_open(fields), _key(key), floats, b"}"))
+
+
+def sparse_parts(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A sparse output `[2, nnz]` as its int64 vocabulary ids and float32 weights."""
+    # the ids travel as float32 next to the weights: exact, vocabularies stay below 2**24
+    return data[0].astype(np.int64), np.ascontiguousarray(data[1], dtype=np.float32)
+
+
+def document(fields: Mapping[str, object], key: str, items: Iterable[bytes]) -> bytes:
+    """A response document: its fields plus `key` holding the already-encoded items."""
+    return b"".join((_open(fields), _key(key), b"[", b",".join(items), b"]}"))
+
+
+def stream_item(
+    fields: Mapping[str, object], data: np.ndarray, key: str = "data"
+) -> Iterator[bytes]:
+    """One NDJSON line of float output, in pieces of ROWS_PER_PIECE rows: never one giant blob."""
+    if data.ndim < 2 or data.shape[0] <= ROWS_PER_PIECE:
+        yield encode_item(fields, key, data, "float") + b"\n"
+        return
+    yield _open(fields) + _key(key) + b"["
+    for start in range(0, data.shape[0], ROWS_PER_PIECE):
+        rows = dumps(np.ascontiguousarray(data[start : start + ROWS_PER_PIECE]))[1:-1]
+        yield (b"," if start else b"") + rows
+    yield b"]}\n"
+
+
+def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """object_pairs_hook: a key given twice is an error, not last-wins."""
+    document = dict(pairs)
+    if len(document) != len(pairs):  # rare: only then look for the repeated key
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                message = f"duplicate key {clip(key)!r} in the JSON body"
+                raise EdgeError(400, message, "duplicate_key")
+            seen.add(key)
+    return document
+
+
+class StrictJSONRequest(Request):
+    """A request whose JSON body refuses duplicate object keys."""
+
+    async def json(self) -> Any:
+        """The parsed body; the hook costs one dict per JSON object, not a second parse."""
+        if not hasattr(self, "_json"):
+            self._json = json.loads(await self.body(), object_pairs_hook=_refuse_duplicate_keys)
+        return self._json
+
+
+class StrictJSONRoute(APIRoute):
+    """A route that parses its body with StrictJSONRequest."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        """FastAPI's handler, given the strict request."""
+        handler = super().get_route_handler()
+
+        async def strict(request: Request) -> Response:
+            return await handler(StrictJSONRequest(request.scope, request.receive))
+
+        return strict

@@ -1,0 +1,324 @@
+"""Domain errors mapped to HTTP in one table, rendered as OpenAI-style error bodies."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from poolserve.models.errors import InvalidTokenIdError, InvalidTokenTypeError, ModelError
+from poolserve.pooling.errors import InvalidPoolingParamsError, PoolingError, UnsupportedTaskError
+from poolserve.scheduler.errors import (
+    DrainingError,
+    EmptyPromptError,
+    EngineDeadError,
+    OverloadedError,
+    PromptTooLongError,
+    RequestTooLargeError,
+    SchedulerError,
+    StepFailedError,
+)
+
+logger = logging.getLogger(__name__)
+
+# Bounds on client-sent text an error may echo (a field name can be 100 KB long).
+MAX_ECHO_CHARS = 128
+MAX_MESSAGE_CHARS = 1024
+CLOSE = {"connection": "close"}  # the rest of the request was not read: the connection is spent
+
+
+class APIError(Exception):
+    """An error raised by the service layer itself, already carrying its HTTP shape."""
+
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code or type(self).code
+
+
+class InvalidRequestError(APIError):
+    """Bad input (400)."""
+
+
+class AuthenticationError(APIError):
+    """Missing or wrong API key (401)."""
+
+    status, type, code = 401, "authentication_error", "invalid_api_key"
+
+
+class ModelNotFoundError(APIError):
+    """Unknown `model` name (404)."""
+
+    status, type, code = 404, "not_found_error", "model_not_found"
+
+
+class PayloadTooLargeError(APIError):
+    """Request body above --payload-limit (413)."""
+
+    status, type, code = 413, "invalid_request_error", "payload_too_large"
+
+
+class NotReadyError(APIError):
+    """The server is still warming up (503)."""
+
+    status, type, code = 503, "service_unavailable", "not_ready"
+
+
+class ShutdownError(APIError):
+    """The drain deadline passed before this request finished (503)."""
+
+    status, type, code = 503, "service_unavailable", "shutdown"
+
+
+class ClientDisconnectedError(APIError):
+    """The client went away before its answer (499, as nginx counts it; nobody reads the body)."""
+
+    status, type, code = 499, "client_closed_request", "client_closed_request"
+
+
+class EdgeError(StarletteHTTPException):
+    """A problem with the HTTP framing (body size or time, JSON keys) found while reading it.
+
+    An HTTPException, so FastAPI's body parsing lets it through unchanged.
+    """
+
+    def __init__(
+        self, status: int, message: str, code: str, headers: Mapping[str, str] | None = None
+    ) -> None:
+        super().__init__(status, message, dict(headers) if headers else None)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class ErrorShape:
+    """How one domain error class looks over HTTP."""
+
+    status: int
+    type: str
+    code: str
+    param: Callable[[Exception], str | None]
+
+
+def _none(_: Exception) -> str | None:
+    return None
+
+
+def _input(_: Exception) -> str | None:
+    return "input"
+
+
+# Most specific classes first: lookup walks the exception's MRO.
+ERROR_TABLE: dict[type[Exception], ErrorShape] = {
+    UnsupportedTaskError: ErrorShape(
+        400, "invalid_request_error", "unsupported_task", lambda e: "task"
+    ),
+    InvalidPoolingParamsError: ErrorShape(
+        400, "invalid_request_error", "invalid_parameter", lambda e: getattr(e, "param_name", None)
+    ),
+    PoolingError: ErrorShape(400, "invalid_request_error", "invalid_parameter", _none),
+    PromptTooLongError: ErrorShape(400, "invalid_request_error", "context_length_exceeded", _input),
+    RequestTooLargeError: ErrorShape(400, "invalid_request_error", "request_too_large", _input),
+    EmptyPromptError: ErrorShape(400, "invalid_request_error", "empty_prompt", _input),
+    InvalidTokenTypeError: ErrorShape(400, "invalid_request_error", "invalid_token_type", _input),
+    InvalidTokenIdError: ErrorShape(400, "invalid_request_error", "invalid_token_id", _input),
+    ModelError: ErrorShape(400, "invalid_request_error", "invalid_request", _none),
+    OverloadedError: ErrorShape(429, "rate_limit_error", "overloaded", _none),
+    DrainingError: ErrorShape(503, "service_unavailable", "draining", _none),
+    EngineDeadError: ErrorShape(503, "service_unavailable", "engine_dead", _none),
+    StepFailedError: ErrorShape(500, "internal_error", "step_failed", _none),
+}
+
+# Codes for errors Starlette and FastAPI raise themselves (routing, unreadable bodies).
+HTTP_CODES = {
+    400: "invalid_request",
+    404: "not_found",
+    405: "method_not_allowed",
+    408: "body_timeout",
+    413: "payload_too_large",
+}
+INTERNAL = ErrorShape(500, "internal_error", "internal_error", _none)
+
+
+def clip(text: str, limit: int = MAX_ECHO_CHARS) -> str:
+    """At most limit characters of client-sent text, marked when cut."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def error_document(
+    message: str, type_: str, param: str | None, code: str
+) -> dict[str, dict[str, str | None]]:
+    """The OpenAI-style error object, with echoed text bounded."""
+    param = None if param is None else clip(param)
+    return {
+        "error": {
+            "message": clip(message, MAX_MESSAGE_CHARS),
+            "type": type_,
+            "param": param,
+            "code": code,
+        }
+    }
+
+
+def error_response(
+    status: int,
+    message: str,
+    type_: str,
+    param: str | None,
+    code: str,
+    headers: Mapping[str, str] | None = None,
+) -> Response:
+    """An OpenAI-style error body."""
+    body = orjson.dumps(error_document(message, type_, param, code))
+    return Response(body, status_code=status, media_type="application/json", headers=headers)
+
+
+def _shape_of(exc: Exception) -> tuple[ErrorShape, str]:
+    """The HTTP shape of an exception and its message (500 without details for the unknown)."""
+    if isinstance(exc, APIError):
+        return ErrorShape(exc.status, exc.type, exc.code, lambda _: exc.param), exc.message
+    for cls in type(exc).__mro__:
+        shape = ERROR_TABLE.get(cls)
+        if shape is not None:
+            return shape, str(exc)
+    logger.error("unhandled error", exc_info=exc)
+    return INTERNAL, "internal server error"
+
+
+def response_for(exc: Exception, headers: Mapping[str, str] | None = None) -> Response:
+    """Map any exception to its HTTP response."""
+    shape, message = _shape_of(exc)
+    extra = {**(_retry_after(exc) or {}), **(headers or {})}
+    return error_response(
+        shape.status, message, shape.type, shape.param(exc), shape.code, extra or None
+    )
+
+
+def error_line(exc: Exception) -> bytes:
+    """The last line of an NDJSON stream that an error ended."""
+    shape, message = _shape_of(exc)
+    return orjson.dumps(error_document(message, shape.type, shape.param(exc), shape.code)) + b"\n"
+
+
+def _retry_after(exc: Exception) -> dict[str, str] | None:
+    if isinstance(exc, OverloadedError):
+        return {"Retry-After": str(max(1, round(exc.retry_after_s)))}
+    return None
+
+
+def _validation_response(exc: RequestValidationError) -> Response:
+    """First pydantic problem, naming the field (client-sent names are clipped)."""
+    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+    loc = [clip(str(p)) for p in first.get("loc", ()) if p != "body"]
+    param = loc[0] if loc else None
+    where = ".".join(loc)
+    message = f"{where}: {first['msg']}" if where else str(first["msg"])
+    if first.get("type") == "json_invalid":
+        message, param = "the request body is not valid JSON", None
+    return error_response(400, message, "invalid_request_error", param, "invalid_parameter")
+
+
+def http_error_response(exc: StarletteHTTPException) -> Response:
+    """Routing and framing errors, with their headers (Allow on 405, Connection on 408/413)."""
+    code = exc.code if isinstance(exc, EdgeError) else HTTP_CODES.get(exc.status_code, "http_error")
+    return error_response(
+        exc.status_code, str(exc.detail), "invalid_request_error", None, code, exc.headers
+    )
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every error through the table above."""
+
+    async def on_validation(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        return _validation_response(exc)
+
+    async def on_http(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        return http_error_response(exc)
+
+    async def on_any(_: Request, exc: Exception) -> Response:
+        return response_for(exc)
+
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    for domain_error in (APIError, ModelError, PoolingError, SchedulerError):
+        app.add_exception_handler(domain_error, on_any)
+    app.add_exception_handler(Exception, on_any)  # last resort: 500 with no details
+
+
+class ErrorInfo(BaseModel):
+    """The object inside every error body."""
+
+    message: str
+    type: str
+    param: str | None
+    code: str
+
+
+class ErrorBody(BaseModel):
+    """Every 4xx and 5xx body: `{"error": {...}}`."""
+
+    error: ErrorInfo
+
+
+# What each status means, for the schema; which apply depends on the operation.
+ERROR_DOCS = {
+    400: "Invalid request: malformed JSON, wrong field, duplicate key or header.",
+    401: "Missing or wrong API key (only with --api-key).",
+    404: "Unknown `model`.",
+    408: "The request body did not arrive within --body-timeout.",
+    413: "Request body above --payload-limit.",
+    429: "Overloaded; retry after `Retry-After` seconds.",
+    503: "Not ready, draining, engine stopped, or shut down before the answer.",
+}
+BODY_ERRORS = (400, 401, 404, 408, 413, 429, 503)
+GET_ERRORS = (401, 503)
+
+
+def openapi_schema(app: FastAPI, open_paths: Iterable[str]) -> dict[str, Any]:
+    """FastAPI's schema, with each operation's errors documented as sent: 400, never 422."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for unused in ("HTTPValidationError", "ValidationError"):
+            components.pop(unused, None)
+        body = ErrorBody.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(body.pop("$defs", {}))
+        components["ErrorBody"] = body
+        is_open = set(open_paths)
+        for path, item in schema.get("paths", {}).items():
+            for operation in item.values():
+                _document_errors(operation, path in is_open)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def _document_errors(operation: dict[str, Any], is_open: bool) -> None:
+    """Replace FastAPI's 422 by the statuses this operation can answer with."""
+    responses = operation.setdefault("responses", {})
+    responses.pop("422", None)
+    statuses: tuple[int, ...] = ()
+    if "requestBody" in operation:
+        statuses = BODY_ERRORS
+    elif not is_open:
+        statuses = GET_ERRORS
+    declared = [int(s) for s in responses if s.isdigit() and int(s) >= 400]
+    for status in sorted({*statuses, *declared}):
+        responses[str(status)] = {
+            "description": responses.get(str(status), {}).get("description") or ERROR_DOCS[status],
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}},
+        }

@@ -1,0 +1,213 @@
+"""Operational routes: tokenize, detokenize, models, version, info, health, ready, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from importlib.metadata import version
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Request
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.responses import PlainTextResponse, Response
+
+from poolserve.pooling.params import PoolingTask
+from poolserve.service.compat import tei_tokens
+from poolserve.service.compat.tei_common import body_schema, validated
+from poolserve.service.encoding import StrictJSONRoute, dumps
+from poolserve.service.errors import InvalidRequestError, error_response
+from poolserve.service.inputs import tokenize_prompt
+from poolserve.service.runs import check_serving, service_state
+from poolserve.service.schemas import DetokenizeRequest, TokenizeRequest
+from poolserve.service.settings import DEFAULT_MODEL_ID, ServerSettings
+from poolserve.service.state import ModelHandle, ServiceState
+
+router = APIRouter(route_class=StrictJSONRoute)
+UNAVAILABLE: dict[int | str, dict[str, Any]] = {
+    503: {"description": "Not ready, draining, or the engine stopped."}
+}
+
+
+def _json(document: object, status: int = 200) -> Response:
+    return Response(dumps(document), status_code=status, media_type="application/json")
+
+
+@router.post("/tokenize", openapi_extra=body_schema(TokenizeRequest, tei_tokens.TokenizeRequest))
+async def tokenize_any(payload: Annotated[dict[str, Any], Body()], request: Request) -> Response:
+    """vLLM's tokenize (`prompt`), or TEI's when the body has `inputs`."""
+    if "inputs" in payload and "prompt" not in payload:
+        return await tei_tokens.tokenize(validated(tei_tokens.TokenizeRequest, payload), request)
+    return await tokenize(validated(TokenizeRequest, payload), request)
+
+
+async def tokenize(body: TokenizeRequest, request: Request) -> Response:
+    """Token ids of a prompt, as the engine would see them before any truncation."""
+    state = service_state(request)
+    _, model = check_serving(state, body.model)
+    ids = await tokenize_prompt(
+        model, body.prompt, body.add_special_tokens, state.metrics.on_reject
+    )
+    return _json({"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids})
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
+    """Text of token ids."""
+    _, model = check_serving(service_state(request), body.model)
+    vocab_size = model.loaded.spec.vocab_size
+    bad = [t for t in body.tokens if t >= vocab_size]
+    if bad:
+        raise InvalidRequestError(
+            f"token id {bad[0]} is outside the vocabulary (size {vocab_size})", "tokens"
+        )
+    text = await asyncio.to_thread(model.tokenizer.decode, body.tokens)
+    return _json({"prompt": text})
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> Response:
+    """The served model, OpenAI-style: one card per --served-model-name, as vLLM lists them."""
+    state = service_state(request)
+    _, model = check_serving(state, None)
+    created = int(time.time())
+    root = _source(state.settings, model)
+    cards = [
+        {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "poolserve",
+            "root": root,
+            "max_model_len": model.max_model_len,
+        }
+        for name in model.served_names
+    ]
+    return _json({"object": "list", "data": cards})
+
+
+@router.get("/version")
+async def server_version() -> Response:
+    """The server's version, in vLLM's shape."""
+    return _json({"version": version("poolserve")})
+
+
+@router.get("/info")
+async def info(request: Request) -> Response:
+    """Model, tasks, dtype, device, limits and version."""
+    state = service_state(request)
+    _, model = check_serving(state, None)
+    s = state.settings
+    return _json(
+        {
+            "model": model.served_name,
+            "model_source": _source(s, model),
+            "architecture": model.loaded.spec.architecture,
+            "tasks": [t.value for t in state.supported_tasks],
+            "dtype": state.dtype,
+            "device": state.device,
+            "max_model_len": model.max_model_len,
+            "max_num_batched_tokens": s.max_num_batched_tokens,
+            "max_num_seqs": s.max_num_seqs,
+            "max_num_queued_requests": s.max_num_queued_requests,
+            "max_num_queued_tokens": s.max_num_queued_tokens,
+            "max_client_batch_size": s.max_client_batch_size,
+            "payload_limit": s.payload_limit,
+            "async_scheduling": s.async_scheduling,
+            "version": version("poolserve"),
+            **sentence_transformers_info(model),
+            **tei_info(state, model),
+        }
+    )
+
+
+def sentence_transformers_info(model: ModelHandle) -> dict[str, object]:
+    """Prompts, the default prompt, the similarity function and Matryoshka sizes."""
+    st = model.loaded.sentence_transformers
+    spec = model.loaded.spec
+    return {
+        "prompts": dict(model.prompts.named),
+        "default_prompt_name": model.prompts.default_name,
+        # sentence-transformers' own default when the model saved none
+        "similarity_fn_name": (st.similarity_fn_name if st else None) or "cosine",
+        "truncate_dim": st.truncate_dim if st else None,
+        "matryoshka_dimensions": spec.matryoshka_dimensions,
+    }
+
+
+def tei_info(state: ServiceState, model: ModelHandle) -> dict[str, object]:
+    """TEI's /info fields (its `Info` record) that these servers have in common."""
+    s = state.settings
+    return {
+        "model_id": _source(s, model),
+        "model_sha": None,
+        "model_dtype": state.dtype,
+        "served_model_name": model.served_name,
+        "model_type": _tei_model_type(state, model),
+        "max_concurrent_requests": s.max_num_queued_requests,
+        # sentence-transformers' max_seq_length caps every prompt, as TEI reads it
+        "max_input_length": model.st_max_seq_length or model.max_model_len,
+        "max_batch_tokens": s.max_num_batched_tokens,
+        "max_batch_requests": s.max_num_seqs,
+        "auto_truncate": model.auto_truncate,
+        "tokenization_workers": None,
+        "sha": None,
+        "docker_label": None,
+    }
+
+
+def _tei_model_type(state: ServiceState, model: ModelHandle) -> dict[str, object]:
+    """TEI's model_type: a classifier (one label: a reranker) with its labels, or an embedder."""
+    labels = model.loaded.spec.labels
+    if PoolingTask.CLASSIFY in state.supported_tasks and labels:
+        kind = "reranker" if len(labels) == 1 else "classifier"
+        return {
+            kind: {
+                "id2label": {str(i): name for i, name in enumerate(labels)},
+                "label2id": {name: i for i, name in enumerate(labels)},
+            }
+        }
+    pooling = model.loaded.sentence_transformers
+    mode = pooling.pooling_mode if pooling is not None else None
+    tasks = state.supported_tasks
+    if PoolingTask.EMBED_SPARSE in tasks and PoolingTask.EMBED not in tasks:
+        mode = "splade"
+    return {"embedding": {"pooling": mode or model.defaults.pooling_type or "default"}}
+
+
+def _source(settings: ServerSettings, model: ModelHandle) -> str:
+    """Where the weights came from, without the server's directories: a Hub id or a folder name."""
+    if settings.model is None:
+        return DEFAULT_MODEL_ID
+    if Path(settings.model).expanduser().is_dir():
+        return model.loaded.path.name
+    return settings.model
+
+
+@router.get("/health", responses=UNAVAILABLE)
+async def health(request: Request) -> Response:
+    """Liveness: 200 while the process and the engine loop live."""
+    engine = service_state(request).engine
+    if engine is not None and not engine.is_alive:
+        return error_response(
+            503, "the engine loop has stopped", "service_unavailable", None, "engine_dead"
+        )
+    return _json({"status": "ok"})
+
+
+@router.get("/ready", responses=UNAVAILABLE)
+async def ready(request: Request) -> Response:
+    """Readiness: 503 until warmed up, while draining, after an unrecoverable engine error."""
+    state = service_state(request)
+    if state.accepting():
+        return _json({"status": "ready"})
+    reason = "draining" if state.draining or state.leaving else "not_ready"
+    if state.engine is not None and state.engine.dead_reason is not None:
+        reason = "engine_dead"
+    return error_response(503, f"not ready: {reason}", "service_unavailable", None, reason)
+
+
+@router.get("/metrics", response_class=PlainTextResponse)
+async def metrics(request: Request) -> Response:
+    """Prometheus text exposition."""
+    return Response(service_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)

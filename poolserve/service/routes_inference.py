@@ -1,0 +1,289 @@
+"""Inference routes: /v1/embeddings (OpenAI), /v1/pooling (vLLM), /v1/classify."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import aclosing
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from poolserve.pooling.params import PoolingParams, PoolingTask
+from poolserve.scheduler.request import PoolingOutput
+from poolserve.service.encoding import (
+    StrictJSONRoute,
+    binary_parts,
+    document,
+    dumps,
+    encode_item,
+    sparse_parts,
+    stream_item,
+)
+from poolserve.service.errors import InvalidRequestError, error_line
+from poolserve.service.pooler_config import PoolerDefaults
+from poolserve.service.runs import (
+    Submitted,
+    as_completed,
+    encoded,
+    gather,
+    service_state,
+    submit,
+    timing_headers,
+)
+from poolserve.service.schemas import (
+    ClassifyRequest,
+    EmbeddingRequest,
+    InputBody,
+    PoolingRequestBody,
+)
+
+router = APIRouter(route_class=StrictJSONRoute)
+# /v1/pooling answers NDJSON when asked to stream
+STREAMED: dict[int | str, dict[str, Any]] = {200: {"content": {"application/x-ndjson": {}}}}
+
+
+class NDJSONResponse(StreamingResponse):
+    """NDJSON lines whose iterator is closed however the response ends.
+
+    A stream cut short (client gone, drain deadline) thus cancels its engine work at once
+    rather than when the garbage collector finalizes the generator.
+    """
+
+    media_type = "application/x-ndjson"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Stream, then close the line iterator."""
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                await close()
+
+
+def _params(task: PoolingTask, defaults: PoolerDefaults, **given: object) -> PoolingParams:
+    """A request's pooling parameters: its own values, else the server's --pooler-config."""
+    merged = {k: (v if v is not None else getattr(defaults, k, None)) for k, v in given.items()}
+    if merged.get("returned_token_ids") is not None:
+        merged["returned_token_ids"] = tuple(merged["returned_token_ids"])  # type: ignore[arg-type]
+    return PoolingParams(task=task, **merged)  # type: ignore[arg-type]
+
+
+# Tasks whose head's activation is L2 normalisation: vLLM's use_activation means normalize there.
+NORMALIZING_TASKS = frozenset({PoolingTask.EMBED, PoolingTask.TOKEN_EMBED})
+BINARY_FORMATS = frozenset({"bytes", "bytes_only"})
+
+
+def _normalize(
+    task: PoolingTask, normalize: bool | None, use_activation: bool | None
+) -> bool | None:
+    """An embedding's normalize under either name (vLLM calls it use_activation)."""
+    if task not in NORMALIZING_TASKS or use_activation is None:
+        return normalize
+    if normalize is not None and normalize != use_activation:
+        raise InvalidRequestError(
+            "normalize and use_activation mean the same for embeddings and must agree",
+            "use_activation",
+        )
+    return use_activation
+
+
+def _response_id(prefix: str, request: Request, body: InputBody) -> str:
+    """vLLM's response id: prefix-, then the x-request-id header, else the body's request_id."""
+    state = request.state
+    if body.request_id is not None and not getattr(state, "request_id_given", False):
+        state.request_id = body.request_id  # the edge echoes it in x-request-id
+    return f"{prefix}-{getattr(state, 'request_id', None) or uuid.uuid4().hex}"
+
+
+def _usage(run: Submitted) -> dict[str, int]:
+    return {"prompt_tokens": run.num_prompt_tokens, "total_tokens": run.num_prompt_tokens}
+
+
+async def _respond(request: Request, body: bytes, outputs: list[PoolingOutput]) -> Response:
+    """Account the bytes and answer with the timing headers."""
+    service_state(request).metrics.output_bytes.inc(len(body))
+    return Response(body, media_type="application/json", headers=timing_headers(outputs))
+
+
+def _binary(
+    fields: dict[str, object],
+    outputs: list[PoolingOutput],
+    body: EmbeddingRequest | PoolingRequestBody,
+) -> Response:
+    """vLLM's bytes formats: the raw outputs back to back; `bytes` adds a metadata header."""
+    parts, items = binary_parts((o.data for o in outputs), body.embed_dtype, body.endianness)
+    headers = timing_headers(outputs)
+    if body.encoding_format == "bytes":
+        headers["metadata"] = dumps({**fields, "data": items}).decode()
+    return Response(b"".join(parts), media_type="application/octet-stream", headers=headers)
+
+
+async def _answer(
+    request: Request,
+    fields: dict[str, object],
+    outputs: list[PoolingOutput],
+    body: EmbeddingRequest | PoolingRequestBody,
+    encode: Callable[[], bytes],
+) -> Response:
+    """The JSON document, or the binary body vLLM's bytes formats ask for."""
+    if body.encoding_format in BINARY_FORMATS:
+        response = await asyncio.to_thread(_binary, fields, outputs, body)
+        service_state(request).metrics.output_bytes.inc(len(response.body))
+        return response
+    return await _respond(request, await encoded(request, encode), outputs)
+
+
+@router.post("/v1/embeddings")
+async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+    """OpenAI embeddings, with vLLM's fields (messages, request_id, embed_dtype, ...)."""
+    task = PoolingTask.EMBED
+    normalize = _normalize(task, body.normalize, body.use_activation)
+    params = _params(task, _defaults(request), dimensions=body.dimensions, normalize=normalize)
+    run = await submit(request, body, task, params)
+    outputs = await gather(request, run)
+    fields: dict[str, object] = {
+        "id": _response_id("embd", request, body),
+        "object": "list",
+        "created": int(time.time()),
+        "model": run.model.served_name,
+        "usage": _usage(run),
+    }
+
+    def encode() -> bytes:
+        items = (
+            encode_item(
+                {"object": "embedding", "index": i},
+                "embedding",
+                o.data,
+                body.encoding_format,
+                body.embed_dtype,
+                body.endianness,
+            )
+            for i, o in enumerate(outputs)
+        )
+        return document(fields, "data", items)
+
+    return await _answer(request, fields, outputs, body, encode)
+
+
+@router.post("/v1/pooling", responses=STREAMED)
+@router.post("/pooling", responses=STREAMED)
+async def pooling(body: PoolingRequestBody, request: Request) -> Response:
+    """vLLM-compatible pooling for every task, optionally streamed as NDJSON."""
+    state = service_state(request)
+    task = body.task or state.default_task
+    if task is PoolingTask.EMBED_SPARSE and body.encoding_format != "float":
+        message = f"encoding_format {body.encoding_format} does not apply to task 'embed_sparse'"
+        raise InvalidRequestError(message, "encoding_format")
+    if body.stream and body.encoding_format in BINARY_FORMATS:
+        message = f"encoding_format {body.encoding_format} cannot be streamed"
+        raise InvalidRequestError(message, "encoding_format")
+    params = _params(
+        task,
+        _defaults(request),
+        dimensions=body.dimensions,
+        normalize=_normalize(task, body.normalize, body.use_activation),
+        use_activation=None if task in NORMALIZING_TASKS else body.use_activation,
+        step_tag_id=body.step_tag_id,
+        returned_token_ids=body.returned_token_ids,
+    )
+    run = await submit(request, body, task, params)
+    response_id = _response_id("pool", request, body)  # also sets x-request-id for a stream
+    if body.stream:
+        return NDJSONResponse(_stream(request, body, run))
+    outputs = await gather(request, run)
+    fields: dict[str, object] = {
+        "id": response_id,
+        "object": "list",
+        "created": int(time.time()),
+        "model": run.model.served_name,
+        "usage": _usage(run),
+    }
+
+    def encode() -> bytes:
+        return document(
+            fields, "data", (_pooling_item(i, o.data, body) for i, o in enumerate(outputs))
+        )
+
+    return await _answer(request, fields, outputs, body, encode)
+
+
+def _pooling_item(index: int, data: np.ndarray, body: PoolingRequestBody) -> bytes:
+    fields: dict[str, object] = {"index": index, "object": "pooling"}
+    if body.task is PoolingTask.EMBED_SPARSE:
+        ids, weights = sparse_parts(data)
+        return dumps({**fields, "data": {"indices": ids, "values": weights}})
+    if body.encoding_format == "base64":
+        fields["shape"] = list(data.shape)
+    return encode_item(
+        fields, "data", data, body.encoding_format, body.embed_dtype, body.endianness
+    )
+
+
+async def _stream(
+    request: Request, body: PoolingRequestBody, run: Submitted
+) -> AsyncIterator[bytes]:
+    """One line per input as it finishes (float token-level outputs in row pieces), then usage.
+
+    Each piece is encoded in a worker thread just before it is sent, so at most one piece of
+    one output exists as JSON at a time. An error mid-stream ends it with an error line.
+    """
+    metrics = service_state(request).metrics
+    at_line_end = True
+    try:
+        async with aclosing(as_completed(run)) as outputs:
+            async for index, output in outputs:
+                if body.encoding_format == "base64" or body.task is PoolingTask.EMBED_SPARSE:
+                    line = _pooling_item(index, output.data, body) + b"\n"
+                    pieces: Iterator[bytes] = iter([line])
+                else:
+                    pieces = stream_item({"index": index, "object": "pooling"}, output.data)
+                while (piece := await asyncio.to_thread(next, pieces, None)) is not None:
+                    metrics.output_bytes.inc(len(piece))
+                    at_line_end = piece.endswith(b"\n")
+                    yield piece
+    except Exception as exc:  # the status line is sent: the error can only be the last line
+        yield (b"" if at_line_end else b"\n") + error_line(exc)
+        return
+    yield dumps({"object": "usage", "usage": _usage(run)}) + b"\n"
+
+
+@router.post("/v1/classify")
+@router.post("/classify")
+async def classify(body: ClassifyRequest, request: Request) -> Response:
+    """Sequence classification with labels."""
+    use_activation = next(
+        (v for v in (body.use_activation, body.softmax, body.activation) if v is not None), None
+    )
+    params = _params(PoolingTask.CLASSIFY, _defaults(request), use_activation=use_activation)
+    run = await submit(request, body, PoolingTask.CLASSIFY, params)
+    outputs = await gather(request, run)
+    labels = run.model.loaded.spec.labels
+    data = []
+    for i, o in enumerate(outputs):
+        best = int(np.argmax(o.data))
+        label = labels[best] if best < len(labels) else f"LABEL_{best}"
+        data.append(
+            {"index": i, "label": label, "probs": o.data, "num_classes": int(o.data.shape[-1])}
+        )
+    answer = {
+        "id": _response_id("classify", request, body),
+        "object": "list",
+        "created": int(time.time()),
+        "model": run.model.served_name,
+        "data": data,
+        "usage": _usage(run),
+    }
+    return await _respond(request, await encoded(request, dumps, answer), outputs)
+
+
+def _defaults(request: Request) -> PoolerDefaults:
+    model = service_state(request).model
+    return model.defaults if model is not None else PoolerDefaults()

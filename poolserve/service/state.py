@@ -1,0 +1,137 @@
+"""What the routes share: settings, the engine, tokenizers and metrics of one server."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from transformers import PreTrainedTokenizerBase
+
+from poolserve.models.spec import LoadedModel
+from poolserve.pooling.params import PoolingTask
+from poolserve.scheduler.admission import CharBudget
+from poolserve.scheduler.engine import Engine
+from poolserve.service.metrics import ServiceMetrics
+from poolserve.service.pair_layout import PairLayout
+from poolserve.service.pooler_config import PoolerDefaults
+from poolserve.service.prompts import Prompts
+from poolserve.service.settings import ServerSettings
+from poolserve.service.tracing import NO_TRACING, Tracing
+
+TruncationSide = Literal["left", "right"]
+
+# The task /v1/pooling runs when a request names none: the first the model supports.
+DEFAULT_TASK_ORDER = (
+    PoolingTask.EMBED,
+    PoolingTask.CLASSIFY,
+    PoolingTask.REWARD,
+    PoolingTask.TOKEN_CLASSIFY,
+    PoolingTask.TOKEN_EMBED,
+    PoolingTask.EMBED_TOKEN_CLASSIFY,
+)
+
+
+# Default --max-input-chars per token of max_model_len: normal text takes 3-6 characters a token,
+# so even text of long words, URLs or indentation fits a max_model_len prompt.
+CHARS_PER_TOKEN_LIMIT = 64
+# Default --max-request-chars floor: a full batch of sentence-sized inputs fits.
+MIN_REQUEST_CHARS = 1 << 20
+# Default --max-tokenizing-chars per --max-request-chars: two large requests tokenize at once.
+TOKENIZING_REQUESTS = 2
+
+
+@dataclass(frozen=True)
+class TextLimits:
+    """Bounds on tokenization work, in characters, checked before any tokenizer runs."""
+
+    max_input_chars: int  # one input; a longer one is refused unless it is truncated
+    max_request_chars: int  # what one request may have tokenized (413 above)
+    max_tokenizing_chars: int  # what all requests may be tokenizing at once (429 above)
+
+    @classmethod
+    def derive(cls, settings: ServerSettings, max_model_len: int) -> TextLimits:
+        """The flags' values, defaults derived from max_model_len; inconsistent flags refused."""
+        # a derived default bends to a smaller explicit bound above it rather than contradict it
+        above_request = settings.max_tokenizing_chars
+        above_input = settings.max_request_chars or above_request
+        by_model = CHARS_PER_TOKEN_LIMIT * max_model_len
+        per_input = settings.max_input_chars or min(by_model, above_input or by_model)
+        by_input = max(per_input, MIN_REQUEST_CHARS)
+        per_request = settings.max_request_chars or min(by_input, above_request or by_input)
+        at_once = settings.max_tokenizing_chars or TOKENIZING_REQUESTS * per_request
+        if not per_input <= per_request <= at_once:
+            raise ValueError(
+                f"character limits must satisfy --max-input-chars ({per_input}) <= "
+                f"--max-request-chars ({per_request}) <= --max-tokenizing-chars ({at_once})"
+            )
+        return cls(per_input, per_request, at_once)
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """The special tokens the tokenizer puts around every text."""
+
+    prefix: tuple[int, ...]
+    suffix: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return len(self.prefix) + len(self.suffix)
+
+
+@dataclass(frozen=True)
+class ModelHandle:
+    """A loaded model as the service sees it."""
+
+    loaded: LoadedModel
+    served_name: str
+    max_model_len: int
+    tokenizer: PreTrainedTokenizerBase  # never truncates: the service cuts tokens itself
+    defaults: PoolerDefaults
+    specials: SpecialTokens
+    truncation_side: TruncationSide  # the tokenizer's own; a request may override it
+    st_max_seq_length: int | None  # sentence-transformers truncates every prompt to this
+    limits: TextLimits
+    tokenizing: CharBudget  # characters being tokenized now; touched only from the event loop
+    aliases: tuple[str, ...] = ()  # --served-model-name's names after the first
+    auto_truncate: bool = False  # --auto-truncate: cut over-long inputs unless a request says not
+    prompts: Prompts = field(default_factory=Prompts)  # sentence-transformers prompts
+    # tokenizer(a, b)'s layout, probed once at start (None: the tokenizer shows no such template)
+    pair_template: PairLayout | None = None
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """Every name a request's `model` may use; the first is the one responses report."""
+        return (self.served_name, *self.aliases)
+
+
+@dataclass(eq=False)
+class ServiceState:
+    """Mutable server state; touched only from the event loop."""
+
+    settings: ServerSettings
+    metrics: ServiceMetrics
+    model: ModelHandle | None = None
+    engine: Engine | None = None
+    ready: bool = False
+    draining: bool = False
+    leaving: bool = False  # SIGTERM arrived: /ready is 503, work is served until draining
+    active_requests: int = 0
+    device: str = "cpu"
+    dtype: str = "float32"
+    supported_tasks: tuple[PoolingTask, ...] = field(default_factory=tuple)
+    tracing: Tracing = NO_TRACING
+
+    @property
+    def default_task(self) -> PoolingTask:
+        """The task of a /v1/pooling request that names none."""
+        return next(t for t in DEFAULT_TASK_ORDER if t in self.supported_tasks)
+
+    def accepting(self) -> bool:
+        """True when the server reports ready: inference requests may start and will go on to."""
+        return (
+            self.ready
+            and not self.draining
+            and not self.leaving
+            and self.engine is not None
+            and self.engine.dead_reason is None
+        )
