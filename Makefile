@@ -26,11 +26,13 @@ $(VENV)/.installed: pyproject.toml Makefile
 test: install
 	bash scripts/install-test-tools.sh
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q
 
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
 # exec: the server replaces the recipe's shell, so the SIGTERM make forwards to its child reaches

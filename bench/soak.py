@@ -40,7 +40,7 @@ import httpx
 from bench import soak_load, soak_report
 from bench.loadgen import wait_ready
 from bench.soak_report import RssSample
-from poolserve.service.memory import ALLOCATOR_VARIABLES, MMAP_THRESHOLD_BYTES
+from poolserve.service.edge.memory import ALLOCATOR_VARIABLES, MMAP_THRESHOLD_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ PROJECT_MALLOC_ENV = {"GLIBC_TUNABLES": f"glibc.malloc.mmap_threshold={MMAP_THRE
 # the threshold itself before loading anything.
 IN_PROCESS_PREFIX = (
     "-c",
-    "from poolserve.service.memory import fix_mmap_threshold; fix_mmap_threshold(); "
+    "from poolserve.service.edge.memory import fix_mmap_threshold; fix_mmap_threshold(); "
     "from poolserve.service.cli import main; main()",
 )
 

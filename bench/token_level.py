@@ -34,7 +34,7 @@ import torch
 from bench.corpus import token_stream
 from bench.engine_bench import save_decoder
 from bench.plotting import pyplot
-from poolserve.service.encoding import encode_item, stream_item
+from poolserve.service.frontend.encoding import encode_item, stream_item
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """poolserve as a Ray Serve application: each replica owns one engine behind poolserve's own app.
 
 Every replica builds the FastAPI app of `poolserve serve` (`poolserve.service.app.create_app`)
-and Serve routes HTTP to it unchanged, so every route, error shape and metric is the same as on a plain
-server. The app's lifespan runs inside the replica: the model loads and warms up before the
+and Serve routes HTTP to it unchanged, so every route, error shape and metric is the same as on
+a plain server. The app's lifespan runs inside the replica: the model loads and warms up before the
 replica counts as started, and on shutdown Serve first waits for the requests in flight
 (graceful_shutdown_timeout_s = --shutdown-timeout), then the lifespan drains the engine.
 

@@ -1,5 +1,6 @@
 """Model loading and native forwards over packed tokens; attention backends."""
 
+from poolserve.kinds import HeadKind
 from poolserve.models.attention import AttentionBackend, AttentionMetadata, build_attention_metadata
 from poolserve.models.errors import (
     InvalidTokenIdError,
@@ -12,7 +13,6 @@ from poolserve.models.kv_cache import PagedKVCache
 from poolserve.models.loader import load_model
 from poolserve.models.packed import PackedModel, validate_token_ids
 from poolserve.models.spec import (
-    HeadKind,
     LoadedModel,
     ModelHeads,
     ModelSpec,

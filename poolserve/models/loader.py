@@ -14,6 +14,7 @@ from tokenizers.normalizers import Lowercase, Normalizer
 from tokenizers.normalizers import Sequence as NormalizerSequence
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from poolserve.kinds import HeadKind
 from poolserve.models.attention import AttentionBackend, select_attention_backend
 from poolserve.models.decoder import DecoderModel
 from poolserve.models.decoder_config import decoder_head_dim, decoder_is_causal
@@ -38,7 +39,7 @@ from poolserve.models.registry import (
 )
 from poolserve.models.resolve import resolve_model_path
 from poolserve.models.sentence_transformers import read_sentence_transformers
-from poolserve.models.spec import HeadKind, LoadedModel, ModelHeads, ModelSpec
+from poolserve.models.spec import LoadedModel, ModelHeads, ModelSpec
 from poolserve.models.weights import load_state_dict, strip_prefix
 
 logger = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, replace
 
-from poolserve.models.spec import HeadKind
+from poolserve.kinds import HeadKind
 
 
 class Backbone(enum.Enum):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -10,20 +9,10 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from poolserve.kinds import HeadKind
+
 if TYPE_CHECKING:
     from poolserve.models.packed import PackedModel
-
-
-class HeadKind(enum.Enum):
-    """Which head the checkpoint carries on top of its backbone."""
-
-    NONE = "none"
-    SEQUENCE_CLASSIFIER = "sequence_classifier"
-    TOKEN_CLASSIFIER = "token_classifier"
-    PROCESS_REWARD = "process_reward"
-    TOKEN_REWARD = "token_reward"
-    MASKED_LM = "masked_lm"  # *ForMaskedLM: transform + vocabulary decoder (sparse embeddings)
-    LATE_INTERACTION = "late_interaction"  # ColBERT: a projection of every token (MaxSim)
 
 
 @dataclass(frozen=True)

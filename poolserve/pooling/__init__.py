@@ -1,5 +1,6 @@
 """Pooling methods, heads, tasks and per-request chunk state."""
 
+from poolserve.kinds import HeadKind
 from poolserve.pooling.errors import (
     InvalidPoolingParamsError,
     PoolingConfigError,
@@ -7,7 +8,7 @@ from poolserve.pooling.errors import (
     PoolingStateError,
     UnsupportedTaskError,
 )
-from poolserve.pooling.model_info import HeadKind, PoolingModelInfo
+from poolserve.pooling.model_info import PoolingModelInfo
 from poolserve.pooling.params import SUPPORTED_TASKS, PoolingParams, PoolingTask, PoolingType
 from poolserve.pooling.stats import CloneStats
 from poolserve.pooling.tasks import (

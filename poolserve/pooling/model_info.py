@@ -7,20 +7,9 @@ from enum import Enum
 
 from torch import nn
 
+from poolserve.kinds import HeadKind
 from poolserve.pooling.errors import PoolingConfigError
 from poolserve.pooling.params import SUPPORTED_TASKS, PoolingTask, PoolingType
-
-
-class HeadKind(Enum):
-    """Which task head a checkpoint carries on top of its backbone."""
-
-    NONE = "none"
-    SEQ_CLASSIFIER = "seq_classifier"
-    TOKEN_CLASSIFIER = "token_classifier"
-    PROCESS_REWARD = "process_reward"
-    TOKEN_REWARD = "token_reward"
-    MASKED_LM = "masked_lm"
-    LATE_INTERACTION = "late_interaction"  # ColBERT: a projection of every token, MaxSim scores
 
 
 class ScoreActivation(Enum):
@@ -42,7 +31,7 @@ ST_POOLING_MODES: dict[str, PoolingType] = {
 # added separately because they need num_labels == 1.
 HEAD_TASKS: dict[HeadKind, frozenset[PoolingTask]] = {
     HeadKind.NONE: frozenset({PoolingTask.EMBED, PoolingTask.TOKEN_EMBED}),
-    HeadKind.SEQ_CLASSIFIER: frozenset({PoolingTask.CLASSIFY}),
+    HeadKind.SEQUENCE_CLASSIFIER: frozenset({PoolingTask.CLASSIFY}),
     HeadKind.TOKEN_CLASSIFIER: frozenset(
         {PoolingTask.TOKEN_CLASSIFY, PoolingTask.EMBED_TOKEN_CLASSIFY}
     ),
@@ -125,7 +114,7 @@ class PoolingModelInfo:
     def head_kind(self) -> HeadKind:
         """The kind of task head this model carries."""
         by_field = {
-            HeadKind.SEQ_CLASSIFIER: self.seq_classifier,
+            HeadKind.SEQUENCE_CLASSIFIER: self.seq_classifier,
             HeadKind.TOKEN_CLASSIFIER: self.token_classifier,
             HeadKind.PROCESS_REWARD: self.process_reward_head,
             HeadKind.TOKEN_REWARD: self.token_reward_head,
@@ -159,6 +148,6 @@ class PoolingModelInfo:
 def get_supported_tasks(info: PoolingModelInfo) -> frozenset[PoolingTask]:
     """Tasks this model serves: the tasks its heads allow, intersected with SUPPORTED."""
     tasks = set(HEAD_TASKS[info.head_kind])
-    if info.head_kind is HeadKind.SEQ_CLASSIFIER and info.num_labels == 1:
+    if info.head_kind is HeadKind.SEQUENCE_CLASSIFIER and info.num_labels == 1:
         tasks.update({PoolingTask.REWARD, PoolingTask.SCORE})
     return frozenset(tasks) & SUPPORTED_TASKS

@@ -10,10 +10,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from poolserve.kinds import HeadKind
 from poolserve.pooling.errors import UnsupportedTaskError
 from poolserve.pooling.heads import Head, run_fp32
 from poolserve.pooling.model_info import (
-    HeadKind,
     PoolingModelInfo,
     ScoreActivation,
     get_supported_tasks,
@@ -66,7 +66,7 @@ class ScorerPlan:
 # two LM-head rows) scores the joint prompt; a model without a head compares two embeddings; a
 # ColBERT model compares every projected token of the query with every one of the document.
 SCORER_PLANS: dict[HeadKind, ScorerPlan] = {
-    HeadKind.SEQ_CLASSIFIER: ScorerPlan(PairMode.JOINT, PoolingTask.SCORE),
+    HeadKind.SEQUENCE_CLASSIFIER: ScorerPlan(PairMode.JOINT, PoolingTask.SCORE),
     HeadKind.NONE: ScorerPlan(PairMode.SEPARATE, PoolingTask.EMBED, cosine_score),
     HeadKind.LATE_INTERACTION: ScorerPlan(PairMode.SEPARATE, PoolingTask.TOKEN_EMBED, maxsim_score),
 }

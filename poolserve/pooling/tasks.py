@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from poolserve.kinds import HeadKind
 from poolserve.pooling.errors import PoolingConfigError
 from poolserve.pooling.heads import (
     ClassifierHead,
@@ -18,7 +19,7 @@ from poolserve.pooling.heads import (
     TokenRewardHead,
 )
 from poolserve.pooling.methods import PoolingMethod, build_method
-from poolserve.pooling.model_info import HeadKind, PoolingModelInfo, get_supported_tasks
+from poolserve.pooling.model_info import PoolingModelInfo, get_supported_tasks
 from poolserve.pooling.params import PoolingParams, PoolingTask, PoolingType
 from poolserve.pooling.pooler import ChunkInput, RequestPooler, pool_step
 from poolserve.pooling.scorers import CrossEncoderHead
@@ -127,11 +128,13 @@ class TaskPlan:
 TASK_PLANS: dict[tuple[HeadKind, PoolingTask], TaskPlan] = {
     (HeadKind.NONE, PoolingTask.EMBED): TaskPlan(_embed_pooling, _embed_head),
     (HeadKind.NONE, PoolingTask.TOKEN_EMBED): TaskPlan(_all, _token_embed_head),
-    (HeadKind.SEQ_CLASSIFIER, PoolingTask.CLASSIFY): TaskPlan(_sequence_pooling, _classifier_head),
-    (HeadKind.SEQ_CLASSIFIER, PoolingTask.REWARD): TaskPlan(
+    (HeadKind.SEQUENCE_CLASSIFIER, PoolingTask.CLASSIFY): TaskPlan(
+        _sequence_pooling, _classifier_head
+    ),
+    (HeadKind.SEQUENCE_CLASSIFIER, PoolingTask.REWARD): TaskPlan(
         _sequence_pooling, _sequence_reward_head
     ),
-    (HeadKind.SEQ_CLASSIFIER, PoolingTask.SCORE): TaskPlan(_sequence_pooling, _score_head),
+    (HeadKind.SEQUENCE_CLASSIFIER, PoolingTask.SCORE): TaskPlan(_sequence_pooling, _score_head),
     (HeadKind.TOKEN_CLASSIFIER, PoolingTask.TOKEN_CLASSIFY): TaskPlan(_all, _token_classifier_head),
     (HeadKind.TOKEN_CLASSIFIER, PoolingTask.EMBED_TOKEN_CLASSIFY): TaskPlan(
         _all, _embed_token_classify_head

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from poolserve.kinds import HeadKind
 from poolserve.pooling.errors import InvalidPoolingParamsError, UnsupportedTaskError
-from poolserve.pooling.model_info import HeadKind, PoolingModelInfo, get_supported_tasks
+from poolserve.pooling.model_info import PoolingModelInfo, get_supported_tasks
 from poolserve.pooling.params import PoolingParams, PoolingTask
 
 # Tasks each optional parameter applies to; setting it for any other task is an error.

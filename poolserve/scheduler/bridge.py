@@ -10,9 +10,10 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from poolserve.kinds import HeadKind
 from poolserve.models.errors import ModelLoadError
 from poolserve.models.registry import ARCHITECTURES, Backbone
-from poolserve.models.spec import HeadKind, LoadedModel
+from poolserve.models.spec import LoadedModel
 from poolserve.pooling.model_info import PoolingModelInfo, ScoreActivation
 from poolserve.pooling.params import PoolingType
 

@@ -22,27 +22,21 @@ from poolserve.pooling.params import PoolingParams
 from poolserve.scheduler.admission import CharBudget
 from poolserve.scheduler.config import SchedulerConfig
 from poolserve.scheduler.engine import Engine
-from poolserve.service import routes_admin, routes_inference, routes_retrieval
-from poolserve.service.compat import (
-    cohere,
-    infinity,
-    tei_embed,
-    tei_predict,
-    tei_root,
-    tei_sparse,
-    tei_tokens,
-)
-from poolserve.service.errors import install_error_handlers, openapi_schema
-from poolserve.service.inputs import encode_texts, truncation_for
-from poolserve.service.metrics import ServiceMetrics
-from poolserve.service.middleware import OPEN_PATHS, EdgeMiddleware, InFlight
-from poolserve.service.pair_layout import probe_pair_template
-from poolserve.service.pooler_config import PoolerDefaults, parse_pooler_config
-from poolserve.service.prompts import Prompts
+from poolserve.service import dispatch
+from poolserve.service.api import admin, inference, retrieval
+from poolserve.service.compat import cohere, infinity, tei_embed, tei_predict, tei_tokens
+from poolserve.service.edge.handlers import install_error_handlers, openapi_schema
+from poolserve.service.edge.middleware import OPEN_PATHS, EdgeMiddleware, InFlight
+from poolserve.service.frontend.jobs import Truncate, TruncationSide
+from poolserve.service.frontend.pair_template import probe_pair_template
+from poolserve.service.frontend.params import PoolerDefaults, parse_pooler_config
+from poolserve.service.frontend.prompts import Prompts
+from poolserve.service.frontend.texts import encode_texts, truncation_for
+from poolserve.service.frontend.truncation import special_tokens
+from poolserve.service.observability.metrics import ServiceMetrics
+from poolserve.service.observability.tracing import build_tracing
 from poolserve.service.settings import DEFAULT_MODEL_ID, ServerSettings
-from poolserve.service.state import ModelHandle, ServiceState, TextLimits, TruncationSide
-from poolserve.service.tracing import build_tracing
-from poolserve.service.windows import special_tokens
+from poolserve.service.state import ModelHandle, ServiceState, TextLimits
 
 logger = logging.getLogger(__name__)
 
@@ -87,16 +81,18 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app.state.poolserve = state
     app.state.inflight = inflight
     install_error_handlers(app)
-    app.include_router(routes_inference.router)
-    app.include_router(routes_admin.router)
-    app.include_router(routes_retrieval.router)
-    app.include_router(tei_sparse.router)
-    app.include_router(cohere.router)
-    app.include_router(infinity.router)
-    app.include_router(tei_embed.router)
-    app.include_router(tei_predict.router)
-    app.include_router(tei_tokens.router)
-    app.include_router(tei_root.router)
+    for router in (
+        inference.router,
+        admin.router,
+        retrieval.router,
+        cohere.router,
+        infinity.router,
+        tei_embed.router,
+        tei_predict.router,
+        tei_tokens.router,
+        dispatch.router,
+    ):
+        app.include_router(router)
     app.add_middleware(EdgeMiddleware, state=state, inflight=inflight)
     if settings.allowed_origins:
         # added last, so outermost: preflights are answered before the API key check
@@ -255,5 +251,5 @@ async def _warm_up(state: ServiceState) -> None:
     assert state.model is not None and state.engine is not None
     model = state.model
     # the request path's own tokenization, so its first use is warm too
-    (ids,) = encode_texts(model, [WARMUP_TEXT], truncation_for(None, None, model))
+    (ids,) = encode_texts(model, [WARMUP_TEXT], truncation_for(Truncate(), model))
     await state.engine.submit(ids, PoolingParams(task=state.default_task))

@@ -13,10 +13,10 @@ from typing import get_args, get_origin
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
-from poolserve.service.logs import configure_logging
-from poolserve.service.memory import fix_mmap_threshold
+from poolserve.service.edge.memory import fix_mmap_threshold
+from poolserve.service.observability.logs import configure_logging
+from poolserve.service.observability.tracing import TracingUnavailableError, require_tracing
 from poolserve.service.settings import ServerSettings
-from poolserve.service.tracing import TracingUnavailableError, require_tracing
 
 # Flags whose presence flips a boolean setting off.
 NEGATED_FLAGS = {"async_scheduling": "--no-async-scheduling"}
@@ -143,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     configure_logging(settings.log_level, settings.log_format)
     # Before torch loads and threads start: allocations after this follow the fixed threshold.
     fix_mmap_threshold()
-    from poolserve.service.server import (
+    from poolserve.service.edge.server import (
         run_server,  # imported late: loading torch is slow for --help
     )
 

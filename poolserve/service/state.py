@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 from transformers import PreTrainedTokenizerBase
 
@@ -11,14 +10,13 @@ from poolserve.models.spec import LoadedModel
 from poolserve.pooling.params import PoolingTask
 from poolserve.scheduler.admission import CharBudget
 from poolserve.scheduler.engine import Engine
-from poolserve.service.metrics import ServiceMetrics
-from poolserve.service.pair_layout import PairLayout
-from poolserve.service.pooler_config import PoolerDefaults
-from poolserve.service.prompts import Prompts
+from poolserve.service.frontend.jobs import TruncationSide
+from poolserve.service.frontend.pair_template import PairLayout
+from poolserve.service.frontend.params import PoolerDefaults
+from poolserve.service.frontend.prompts import Prompts
+from poolserve.service.observability.metrics import ServiceMetrics
+from poolserve.service.observability.tracing import NO_TRACING, Tracing
 from poolserve.service.settings import ServerSettings
-from poolserve.service.tracing import NO_TRACING, Tracing
-
-TruncationSide = Literal["left", "right"]
 
 # The task /v1/pooling runs when a request names none: the first the model supports.
 DEFAULT_TASK_ORDER = (

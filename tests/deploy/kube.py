@@ -16,7 +16,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from poolserve.service import routes_admin
+from poolserve.service.api import admin as routes_admin
 from poolserve.service.settings import ServerSettings
 from tests.deploy.tools import (
     DEPLOY_DIR,

@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from poolserve.scheduler.stats import EngineSnapshot
-from poolserve.service import routes_admin
-from poolserve.service.metrics import ServiceMetrics
+from poolserve.service.api import admin as routes_admin
+from poolserve.service.observability.metrics import ServiceMetrics
 from poolserve.service.settings import ServerSettings
 from tests.deploy.kube import (
     ADAPTER_VALUES,

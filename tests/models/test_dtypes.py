@@ -17,7 +17,7 @@ from poolserve.models import load_model
 from poolserve.models.errors import UnsupportedDtypeError
 from poolserve.models.loader import resolve_dtype
 from poolserve.service.app import DTYPES, _start, resolve_device
-from poolserve.service.metrics import ServiceMetrics
+from poolserve.service.observability.metrics import ServiceMetrics
 from poolserve.service.settings import ServerSettings
 from poolserve.service.state import ServiceState
 from tests.models.driver import assert_close, make_prompts, run_chunked, run_whole

@@ -11,16 +11,16 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoTokenizer
 
+from poolserve.kinds import HeadKind
 from poolserve.models.errors import ModelLoadError
 from poolserve.models.heads import build_heads
 from poolserve.models.late_interaction import check_plain_prompts, colbert_projection
 from poolserve.models.loader import load_model
 from poolserve.models.registry import ArchitectureEntry, Backbone
-from poolserve.models.spec import HeadKind as ModelHeadKind
 from poolserve.models.spec import ModelHeads
 from poolserve.models.weights import load_state_dict
 from poolserve.pooling.errors import UnsupportedTaskError
-from poolserve.pooling.model_info import HeadKind, PoolingModelInfo, get_supported_tasks
+from poolserve.pooling.model_info import PoolingModelInfo, get_supported_tasks
 from poolserve.pooling.params import PoolingParams, PoolingTask
 from poolserve.pooling.pooler import ChunkInput, pool_step
 from poolserve.pooling.scorers import PairMode, maxsim_score, scorer_plan
@@ -31,7 +31,7 @@ from tests.tiny_encoders import build_hf_encoder, save_tiny_encoder
 
 COLBERT_DIM = 8
 # The entry a ColBERT checkpoint is read with: a BERT backbone under `bert.`, the projection beside.
-COLBERT_ENTRY = ArchitectureEntry(Backbone.ENCODER, ModelHeadKind.LATE_INTERACTION, ("bert.", ""))
+COLBERT_ENTRY = ArchitectureEntry(Backbone.ENCODER, HeadKind.LATE_INTERACTION, ("bert.", ""))
 # The backbone alone loads as BERT; the ColBERT entry then reads the projection beside it.
 AS_BERT = {"architectures": ["BertModel"]}
 QUERY = "what is the capital of france"

@@ -21,7 +21,7 @@ from poolserve.scheduler.engine import Engine
 from poolserve.scheduler.errors import StepFailedError
 from poolserve.scheduler.request import PoolingOutput
 from poolserve.scheduler.runner import PreparedStep, StepResult
-from poolserve.service.metrics import ServiceMetrics
+from poolserve.service.observability.metrics import ServiceMetrics
 from tests.scheduler.test_engine import CPU, _close, _config, _run_all
 
 EMBED = PoolingParams(task=PoolingTask.EMBED)

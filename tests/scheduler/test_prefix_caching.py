@@ -17,7 +17,7 @@ from poolserve.scheduler.engine import Engine
 from poolserve.scheduler.errors import StepFailedError
 from poolserve.scheduler.prefix_cache import CacheUse
 from poolserve.scheduler.request import PoolingOutput
-from poolserve.service.metrics import ServiceMetrics
+from poolserve.service.observability.metrics import ServiceMetrics
 from tests.scheduler.test_engine import CPU, _close, _config
 from tests.scheduler.test_faults import StepFaults, assert_idle, nth_step_holding, wait_idle
 

@@ -13,7 +13,12 @@ from starlette.testclient import TestClient
 from transformers import AutoTokenizer
 
 from poolserve.service.cli import parse_settings
-from poolserve.service.logs import ACCESS_LOGGER, FIELDS_ATTR, JSONFormatter, configure_logging
+from poolserve.service.observability.logs import (
+    ACCESS_LOGGER,
+    FIELDS_ATTR,
+    JSONFormatter,
+    configure_logging,
+)
 from tests.tiny_models import MINILM_DIR
 
 TEXTS = ["an access log line per request", "with its prompt tokens"]

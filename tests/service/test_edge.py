@@ -146,7 +146,7 @@ def test_malformed_bodies_get_a_code(
 def test_echoed_client_text_is_bounded(client: Any, caplog: pytest.LogCaptureFixture) -> None:
     long_name = "f" * 100_000
     # an unknown field is accepted (as vLLM does); the warning naming it is clipped
-    with caplog.at_level(logging.WARNING, logger="poolserve.service.schemas"):
+    with caplog.at_level(logging.WARNING, logger="poolserve.service.frontend.bodies"):
         assert client.post("/v1/embeddings", json={"input": "a", long_name: 1}).status_code == 200
     assert caplog.records and all(len(r.getMessage()) < 1000 for r in caplog.records)
     error = _error(client.post("/v1/embeddings", json={"input": "a", "messages": 1}), 400)

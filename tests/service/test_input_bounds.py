@@ -22,9 +22,9 @@ from poolserve.scheduler.admission import CharBudget
 from poolserve.scheduler.errors import OverloadedError, RequestTooLargeError
 from poolserve.service.app import create_app
 from poolserve.service.cli import parse_settings
+from poolserve.service.frontend.truncation import content_windows, special_tokens
 from poolserve.service.settings import ServerSettings
 from poolserve.service.state import TextLimits
-from poolserve.service.windows import content_windows, special_tokens
 from tests.service.conftest import assert_close
 from tests.tiny_models import MINILM_DIR
 

@@ -20,7 +20,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from poolserve.models.resolve import resolve_model_path
-from poolserve.service.inputs import Truncation, truncation_for
+from poolserve.service.frontend.jobs import Truncate
+from poolserve.service.frontend.texts import Truncation, truncation_for
 from tests.deploy.live import (
     SERVER_READY_TIMEOUT_S,
     LiveProcess,
@@ -286,9 +287,9 @@ def test_auto_truncate_cuts_at_the_model_limit(
         assert shorter.json()["usage"]["prompt_tokens"] == 8
         # routes whose clients say truncate or not (TEI's `truncate`) pass it to the same choice
         model = client.app.state.poolserve.model
-        assert truncation_for(None, None, model).keep == limit
-        assert truncation_for(None, None, model, truncate=False).keep is None
-        assert truncation_for(None, "left", model, truncate=True) == Truncation(limit, "left")
+        assert truncation_for(Truncate(), model).keep == limit
+        assert truncation_for(Truncate(auto=False), model).keep is None
+        assert truncation_for(Truncate(side="left", auto=True), model) == Truncation(limit, "left")
         # over HTTP: TEI's routes follow --auto-truncate unless the body says truncate: false
         embedding = reference.json()["data"][0]["embedding"]
         assert client.post("/embed", json={"inputs": text}).json() == [embedding]

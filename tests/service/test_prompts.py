@@ -172,6 +172,34 @@ def test_include_prompt_false_pools_past_the_prompt(
         assert not np.allclose(literal, st.encode(["a longer literal prompt: " + t for t in TEXTS]))
 
 
+def test_include_prompt_false_without_special_tokens_keeps_the_first_text_token(
+    tiny_model_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """Without special tokens no CLS leads the prompt: only the prompt's own tokens are skipped."""
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    directory = _checkpoint(tiny_model_dir("bert"), tmp_path / "nospecials", prompts=PROMPTS)
+    pooling = {"word_embedding_dimension": 64, "pooling_mode_mean_tokens": True}
+    (directory / "1_Pooling" / "config.json").write_text(
+        json.dumps({**pooling, "include_prompt": False})
+    )
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    model = AutoModel.from_pretrained(directory).eval()
+    prompt = PROMPTS["query"]
+    skipped = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    want = []
+    for text in TEXTS:
+        ids = tokenizer(prompt + text, add_special_tokens=False)["input_ids"]
+        with torch.inference_mode():
+            hidden = model(input_ids=torch.tensor([ids])).last_hidden_state[0]  # [tokens, 64]
+        mean = hidden[skipped:].mean(0).numpy()
+        want.append(mean / np.linalg.norm(mean))
+    with _client(directory) as client:
+        got = np.asarray(_openai(client, prompt_name="query", add_special_tokens=False))
+    _close(got / np.linalg.norm(got, axis=1, keepdims=True), np.stack(want))
+
+
 def test_truncate_dim_allows_dimensions_as_sentence_transformers(
     tiny_model_dir: Callable[[str], Path], tmp_path: Path
 ) -> None:

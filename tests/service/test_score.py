@@ -21,7 +21,8 @@ from poolserve.models.loader import load_model
 from poolserve.pooling.model_info import ScoreActivation
 from poolserve.scheduler.bridge import _score_activation
 from poolserve.service.app import create_app
-from poolserve.service.pairs import PairTruncation, PromptMode, ScoreJob, _prompts
+from poolserve.service.frontend.jobs import ScoreJob
+from poolserve.service.frontend.pairs import PairTruncation, PromptMode, _prompts
 from poolserve.service.settings import ServerSettings
 from tests.tiny_decoders import build_hf_decoder, save_tiny_decoder
 from tests.tiny_models import MINILM_DIR, build_hf_model, save_tiny_model
@@ -351,7 +352,7 @@ def test_pair_template_probe_finds_the_tokenizers_layout(tiny_model_dir: Any) ->
     """The layout probed once at start lays out pairs exactly as tokenizer(a, b) does."""
     from transformers import AutoTokenizer
 
-    from poolserve.service.pair_layout import probe_pair_template
+    from poolserve.service.frontend.pair_template import probe_pair_template
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir("bert"))
     layout = probe_pair_template(tokenizer)

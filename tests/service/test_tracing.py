@@ -278,7 +278,7 @@ def test_the_flag_without_the_packages_is_a_clear_startup_error(
 ) -> None:
     # None in sys.modules makes the import fail as if the package were not installed
     monkeypatch.setitem(sys.modules, "opentelemetry.sdk.trace", None)
-    monkeypatch.delitem(sys.modules, "poolserve.service.otel", raising=False)
+    monkeypatch.delitem(sys.modules, "poolserve.service.observability.otel", raising=False)
     with pytest.raises(SystemExit) as exited:
         parse_settings(["serve", "--otlp-traces-endpoint", "http://localhost:4318"])
     assert exited.value.code == 2

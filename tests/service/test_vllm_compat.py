@@ -22,8 +22,9 @@ import torch
 from starlette.testclient import TestClient
 from transformers import AutoTokenizer
 
+from poolserve.service.api.schemas import EmbeddingRequest, PoolingRequestBody
 from poolserve.service.app import create_app
-from poolserve.service.schemas import IGNORED_FIELDS, EmbeddingRequest, PoolingRequestBody
+from poolserve.service.frontend.bodies import IGNORED_FIELDS
 from poolserve.service.settings import ServerSettings
 from tests.service.conftest import assert_close, hf_hidden
 
@@ -160,7 +161,7 @@ def test_every_field_at_once_is_answered(client: TestClient, path: str) -> None:
 def test_unknown_fields_are_accepted_with_a_warning(
     client: TestClient, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="poolserve.service.schemas"):
+    with caplog.at_level(logging.WARNING, logger="poolserve.service.frontend.bodies"):
         got = _vec(client, input=TEXT, not_a_field=1, another={"x": 2})
     assert_close(got, _vec(client, input=TEXT))
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -177,7 +178,7 @@ def test_ignored_vllm_fields_are_logged_and_change_nothing(
     client: TestClient, caplog: pytest.LogCaptureFixture
 ) -> None:
     ignored = {k: VLLM_FIELDS[k] for k in IGNORED_FIELDS}
-    with caplog.at_level(logging.INFO, logger="poolserve.service.schemas"):
+    with caplog.at_level(logging.INFO, logger="poolserve.service.frontend.bodies"):
         got = _vec(client, input=TEXT, **ignored)
     assert_close(got, _vec(client, input=TEXT))
     logged = " ".join(r.getMessage() for r in caplog.records)
@@ -387,9 +388,9 @@ def test_priority_reaches_the_engine(client: TestClient, monkeypatch: pytest.Mon
     seen: list[int] = []
     original = engine.submit_many
 
-    def spy(prompts: Any, params: Any, priority: int) -> Any:
+    def spy(prompts: Any, params: Any, priority: int, token_type_ids: Any = None) -> Any:
         seen.append(priority)
-        return original(prompts, params, priority)
+        return original(prompts, params, priority, token_type_ids)
 
     monkeypatch.setattr(engine, "submit_many", spy)
     _post(client, "/v1/embeddings", input=TEXT, priority=-5)

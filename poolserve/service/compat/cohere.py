@@ -16,21 +16,21 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 from starlette.responses import Response
 
-from poolserve.pooling.params import PoolingParams, PoolingTask
+from poolserve.pooling.params import PoolingTask
 from poolserve.scheduler.request import PoolingOutput
-from poolserve.service.encoding import StrictJSONRoute, dumps
 from poolserve.service.errors import InvalidRequestError
-from poolserve.service.inputs import check_batch_size
-from poolserve.service.pooler_config import PoolerDefaults
-from poolserve.service.runs import encoded, gather, service_state, submit, timing_headers
-from poolserve.service.schemas import EmbeddingRequest, RequestBody
+from poolserve.service.frontend.bodies import RequestBody
+from poolserve.service.frontend.encoding import StrictJSONRoute, dumps
+from poolserve.service.frontend.jobs import Requested, TextJob, Truncate
+from poolserve.service.frontend.pipeline import answer, check_serving, gather, service_state, submit
+from poolserve.service.frontend.texts import check_batch_size
 
 logger = logging.getLogger(__name__)
 router = APIRouter(route_class=StrictJSONRoute)
 
 EmbeddingType = Literal["float", "int8", "uint8", "binary", "ubinary", "base64"]
 InputType = Literal["search_document", "search_query", "classification", "clustering", "image"]
-Truncate = Literal["NONE", "START", "END"]
+CohereTruncate = Literal["NONE", "START", "END"]
 # Cohere's truncate -> the side whose tokens are kept (START discards the start).
 KEPT_SIDE: dict[str, Literal["left", "right"]] = {"START": "left", "END": "right"}
 # 8-bit types are cut from a fixed range: every component of a unit vector lies in [-1, 1].
@@ -69,7 +69,7 @@ class CohereEmbedRequest(RequestBody):
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     output_dimension: StrictInt | None = None
     embedding_types: list[EmbeddingType] | None = None
-    truncate: Truncate = "END"  # Cohere's default
+    truncate: CohereTruncate = "END"  # Cohere's default
     priority: StrictInt = 0
 
 
@@ -130,10 +130,8 @@ def _embedding_types(body: CohereEmbedRequest) -> list[str]:
     return kinds
 
 
-def _own_request(
-    body: CohereEmbedRequest, texts: list[str], prompt_name: str | None
-) -> EmbeddingRequest:
-    """The service's embed body: truncation from `truncate` and `max_tokens`, the prompt."""
+def _truncate(body: CohereEmbedRequest) -> Truncate:
+    """Cohere's `truncate` and `max_tokens` as the service's truncation."""
     if body.truncate == "NONE":
         if body.max_tokens is not None:
             raise InvalidRequestError(
@@ -141,44 +139,31 @@ def _own_request(
                 "max_tokens",
             )
         # the service's default: sentence-transformers' max_seq_length, else refuse long texts
-        return EmbeddingRequest(
-            input=texts,
-            model=body.model,
-            prompt_name=prompt_name,
-            truncate_prompt_tokens=None,
-            truncation_side=None,
-            priority=body.priority,
-        )
-    return EmbeddingRequest(
-        input=texts,
-        model=body.model,
-        prompt_name=prompt_name,
-        truncate_prompt_tokens=body.max_tokens or -1,
-        truncation_side=KEPT_SIDE[body.truncate],
-        priority=body.priority,
-    )
+        return Truncate()
+    return Truncate(body.max_tokens or -1, KEPT_SIDE[body.truncate])
 
 
 @router.post("/v2/embed")
 async def embed(body: CohereEmbedRequest, request: Request) -> Response:
-    """Cohere v2 embed: one embed request through the engine, answered by type."""
+    """Cohere v2 embed: one embed job through the engine, answered by type."""
     state = service_state(request)
+    _, model = check_serving(state, body.model)
     texts = _texts(body, state.settings.max_client_batch_size)
     kinds = _embedding_types(body)
-    prompt_name = prompt_name_for(body.input_type, state.model.prompts.names if state.model else ())
-    defaults = state.model.defaults if state.model is not None else PoolerDefaults()
-    dimensions = body.output_dimension
-    params = PoolingParams(
-        task=PoolingTask.EMBED,
-        dimensions=defaults.dimensions if dimensions is None else dimensions,
-        normalize=defaults.normalize,
+    job = TextJob(
+        PoolingTask.EMBED,
+        texts,
+        requested=Requested(dimensions=body.output_dimension),
+        model=body.model,
+        prompt_name=prompt_name_for(body.input_type, model.prompts.names),
+        truncate=_truncate(body),
+        priority=body.priority,
     )
-    own = _own_request(body, texts, prompt_name)
-    run = await submit(request, own, PoolingTask.EMBED, params)
+    run = await submit(request, job)
     outputs = await gather(request, run)
-    answer = await encoded(request, _encode, texts, kinds, outputs, run.num_prompt_tokens)
-    state.metrics.output_bytes.inc(len(answer))
-    return Response(answer, media_type="application/json", headers=timing_headers(outputs))
+    return await answer(
+        request, outputs, lambda: _encode(texts, kinds, outputs, run.num_prompt_tokens)
+    )
 
 
 def _encode(

@@ -9,27 +9,19 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Sequence
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Request
 from pydantic import Field, StrictInt, StrictStr, StringConstraints
 from starlette.responses import Response
 
-from poolserve.pooling.params import PoolingParams, PoolingTask
-from poolserve.service.encoding import StrictJSONRoute, document, dumps, encode_item
+from poolserve.pooling.params import PoolingTask
 from poolserve.service.errors import InvalidRequestError
-from poolserve.service.pairs import ScoreJob
-from poolserve.service.pooler_config import PoolerDefaults
-from poolserve.service.runs import (
-    check_serving,
-    encoded,
-    gather,
-    service_state,
-    submit,
-    timing_headers,
-)
-from poolserve.service.schemas import InputBody, RequestBody
+from poolserve.service.frontend.bodies import RequestBody
+from poolserve.service.frontend.encoding import StrictJSONRoute, document, dumps, encode_item
+from poolserve.service.frontend.jobs import Requested, ScoreJob, TextJob
+from poolserve.service.frontend.pipeline import answer, check_serving, gather, service_state, submit
+from poolserve.service.frontend.scoring import score
 
 router = APIRouter(route_class=StrictJSONRoute)
 # What Infinity's clients send when no model is named.
@@ -78,21 +70,14 @@ async def embeddings(body: InfinityEmbeddingRequest, request: Request) -> Respon
         raise InvalidRequestError(
             f"modality {body.modality!r} is not served: this server embeds text", "modality"
         )
-    state = service_state(request)
-    defaults = state.model.defaults if state.model is not None else PoolerDefaults()
-    params = PoolingParams(
-        task=PoolingTask.EMBED,
-        dimensions=body.dimensions or defaults.dimensions,
-        normalize=defaults.normalize,
-    )
-    own = InputBody(
-        input=body.input,
+    job = TextJob(
+        PoolingTask.EMBED,
+        body.input,
+        # Infinity's 0 keeps every dimension: the request sets none
+        requested=Requested(dimensions=body.dimensions or None),
         model=_model_name(body.model),
-        user=body.user,
-        truncate_prompt_tokens=None,
-        truncation_side=None,
     )
-    run = await submit(request, own, PoolingTask.EMBED, params)
+    run = await submit(request, job)
     outputs = await gather(request, run)
     usage = {"prompt_tokens": run.num_prompt_tokens, "total_tokens": run.num_prompt_tokens}
     fields = {
@@ -111,9 +96,7 @@ async def embeddings(body: InfinityEmbeddingRequest, request: Request) -> Respon
         )
         return document(fields, "data", items)
 
-    answer = await encoded(request, encode)
-    state.metrics.output_bytes.inc(len(answer))
-    return Response(answer, media_type="application/json", headers=timing_headers(outputs))
+    return await answer(request, outputs, encode)
 
 
 @router.get("/models")
@@ -145,21 +128,17 @@ async def models(request: Request) -> Response:
     return Response(body, media_type="application/json")
 
 
-def to_job(body: InfinityRerankRequest) -> ScoreJob:
-    """The service's scoring job for an Infinity rerank body."""
-    return ScoreJob.one_query(
+async def rerank(body: InfinityRerankRequest, request: Request) -> Response:
+    """Infinity's `ReRankResult`: best first (ties in input order), `top_n` of them."""
+    job = ScoreJob.one_query(
         body.query,
         body.documents,
         "documents",
         model=_model_name(body.model),
         use_activation=not body.raw_scores,
     )
-
-
-def rerank_answer(
-    body: InfinityRerankRequest, scores: Sequence[float], model: str, num_tokens: int
-) -> dict[str, object]:
-    """Infinity's `ReRankResult`: best first (ties in input order), `top_n` of them."""
+    scored = await score(request, job)
+    scores = scored.scores
     order = sorted(range(len(scores)), key=lambda i: -scores[i])[: body.top_n]
     results = [
         {"relevance_score": scores[i], "index": i, "document": body.documents[i]}
@@ -167,11 +146,15 @@ def rerank_answer(
         else {"relevance_score": scores[i], "index": i}
         for i in order
     ]
-    return {
+    reply = {
         "object": "rerank",
         "results": results,
-        "model": model,
-        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
+        "model": scored.model_name,
+        "usage": {
+            "prompt_tokens": scored.num_prompt_tokens,
+            "total_tokens": scored.num_prompt_tokens,
+        },
         "id": f"infinity-{uuid.uuid4()}",
         "created": int(time.time()),
     }
+    return await answer(request, scored.outputs, lambda: dumps(reply))

@@ -1,4 +1,4 @@
-"""TEI's `POST /embed`, `/embed_all` and `/similarity` through the service's own embed path."""
+"""TEI's `POST /embed`, `/embed_all`, `/similarity` and `/embed_sparse` as embed jobs."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ from starlette.responses import Response
 
 from poolserve.pooling.params import PoolingTask
 from poolserve.scheduler.request import PoolingOutput
-from poolserve.service.compat.tei_common import Direction, TEIBody, answer, embed_params, truncation
-from poolserve.service.encoding import StrictJSONRoute
+from poolserve.service.compat.tei_common import Direction, TEIBody, truncation
 from poolserve.service.errors import InvalidRequestError
-from poolserve.service.runs import gather, submit
-from poolserve.service.schemas import EmbeddingRequest, Input
+from poolserve.service.frontend.bodies import Input
+from poolserve.service.frontend.encoding import StrictJSONRoute, dumps, sparse_parts
+from poolserve.service.frontend.jobs import Requested, TextJob
+from poolserve.service.frontend.pipeline import answer, gather, submit
 
 router = APIRouter(route_class=StrictJSONRoute)
 
@@ -62,46 +63,45 @@ class SimilarityRequest(TEIBody):
     parameters: SimilarityParameters | None = None
 
 
-async def _run(
-    request: Request,
-    own: EmbeddingRequest,
-    task: PoolingTask,
-    truncate: bool | None,
-    **params: object,
-) -> list[PoolingOutput]:
-    run = await submit(request, own, task, embed_params(request, task, **params), truncate=truncate)
-    return await gather(request, run)
+class EmbedSparseRequest(TEIBody):
+    """TEI's `EmbedSparseRequest`."""
+
+    inputs: Input
+    truncate: bool | None = None
+    truncation_direction: Direction = "right"
+    prompt_name: StrictStr | None = None
+
+
+async def _run(request: Request, job: TextJob) -> list[PoolingOutput]:
+    return await gather(request, await submit(request, job))
 
 
 @router.post("/embed")
 async def embed(body: EmbedRequest, request: Request) -> Response:
     """One pooled embedding per input, always a list of lists."""
-    own = EmbeddingRequest(
-        input=body.inputs,
-        prompt_name=body.prompt_name,
-        **truncation(body.truncate, body.truncation_direction),
-    )
-    outputs = await _run(
-        request,
-        own,
+    job = TextJob(
         PoolingTask.EMBED,
-        body.truncate,
-        dimensions=body.dimensions,
-        normalize=body.normalize,
+        body.inputs,
+        requested=Requested(dimensions=body.dimensions, normalize=body.normalize),
+        prompt_name=body.prompt_name,
+        truncate=truncation(body.truncate, body.truncation_direction),
     )
-    return await answer(request, [o.data for o in outputs], outputs)
+    outputs = await _run(request, job)
+    return await answer(request, outputs, lambda: dumps([o.data for o in outputs]))
 
 
 @router.post("/embed_all")
 async def embed_all(body: EmbedAllRequest, request: Request) -> Response:
     """Every token's final hidden state, not normalized: `[[[float]]]`."""
-    own = EmbeddingRequest(
-        input=body.inputs,
+    job = TextJob(
+        PoolingTask.TOKEN_EMBED,
+        body.inputs,
+        requested=Requested(normalize=False),
         prompt_name=body.prompt_name,
-        **truncation(body.truncate, body.truncation_direction),
+        truncate=truncation(body.truncate, body.truncation_direction),
     )
-    outputs = await _run(request, own, PoolingTask.TOKEN_EMBED, body.truncate, normalize=False)
-    return await answer(request, [o.data for o in outputs], outputs)
+    outputs = await _run(request, job)
+    return await answer(request, outputs, lambda: dumps([o.data for o in outputs]))
 
 
 @router.post("/similarity")
@@ -110,13 +110,15 @@ async def similarity(body: SimilarityRequest, request: Request) -> Response:
     if not body.inputs.sentences:
         raise InvalidRequestError("inputs.sentences must not be empty", "inputs.sentences")
     parameters = body.parameters or SimilarityParameters()
-    own = EmbeddingRequest(
-        input=[body.inputs.source_sentence, *body.inputs.sentences],
+    job = TextJob(
+        PoolingTask.EMBED,
+        [body.inputs.source_sentence, *body.inputs.sentences],
+        requested=Requested(normalize=False),
         prompt_name=parameters.prompt_name,
-        **truncation(parameters.truncate, parameters.truncation_direction),
+        truncate=truncation(parameters.truncate, parameters.truncation_direction),
     )
-    outputs = await _run(request, own, PoolingTask.EMBED, parameters.truncate, normalize=False)
-    return await answer(request, _cosines(outputs), outputs)
+    outputs = await _run(request, job)
+    return await answer(request, outputs, lambda: dumps(_cosines(outputs)))
 
 
 def _cosines(outputs: list[PoolingOutput]) -> list[float]:
@@ -125,3 +127,23 @@ def _cosines(outputs: list[PoolingOutput]) -> list[float]:
     norms = np.linalg.norm(rows, axis=1)  # [n]
     norms[norms == 0] = 1.0  # a zero vector has cosine 0 with everything
     return [float(v) for v in (rows[1:] @ rows[0]) / (norms[1:] * norms[0])]
+
+
+@router.post("/embed_sparse")
+async def embed_sparse(body: EmbedSparseRequest, request: Request) -> Response:
+    """The non-zero SPLADE weights of each input, ascending by vocabulary id:
+    `[[{"index": id, "value": weight}, ...], ...]`."""
+    job = TextJob(
+        PoolingTask.EMBED_SPARSE,
+        body.inputs,
+        prompt_name=body.prompt_name,
+        truncate=truncation(body.truncate, body.truncation_direction),
+    )
+    outputs = await _run(request, job)
+    return await answer(request, outputs, lambda: dumps([_sparse(o) for o in outputs]))
+
+
+def _sparse(output: PoolingOutput) -> list[dict[str, object]]:
+    ids, weights = sparse_parts(output.data)
+    # numpy float32 scalars: orjson writes each weight's shortest float32 form, as TEI does
+    return [{"index": i, "value": w} for i, w in zip(ids.tolist(), weights, strict=True)]

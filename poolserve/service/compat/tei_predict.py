@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
 from pydantic import StrictStr
 from starlette.responses import Response
 
-from poolserve.pooling.params import PoolingParams, PoolingTask
+from poolserve.pooling.params import PoolingTask
 from poolserve.scheduler.request import PoolingOutput
-from poolserve.service.compat.tei_common import Direction, TEIBody, answer, best_first, truncation
-from poolserve.service.encoding import StrictJSONRoute
+from poolserve.service.compat.tei_common import Direction, TEIBody, best_first, truncation
 from poolserve.service.errors import InvalidRequestError
-from poolserve.service.inputs import check_batch_size, truncation_for
-from poolserve.service.pairs import PairTruncation, PromptMode, ScoreJob, tokenize_job
-from poolserve.service.runs import Submitted, check_serving, gather, service_state, submit
-from poolserve.service.schemas import ClassifyRequest
+from poolserve.service.frontend.encoding import StrictJSONRoute, dumps
+from poolserve.service.frontend.jobs import Requested, ScoreJob, TextJob
+from poolserve.service.frontend.pipeline import answer, gather, service_state, submit
+from poolserve.service.frontend.texts import check_batch_size
 
 router = APIRouter(route_class=StrictJSONRoute)
 
@@ -57,28 +55,46 @@ def parse_inputs(inputs: str | list[str] | list[list[str]]) -> Sequences:
 
 @router.post("/predict")
 async def predict(body: PredictRequest, request: Request) -> Response:
-    """Each input's labels with scores, best first: `[{"score", "label"}]` (a list per input)."""
+    """Each input's labels with scores, best first: `[{"score", "label"}]` (a list per input).
+
+    Single texts are one classify job, pairs another (laid out as the tokenizer lays out two
+    texts): both through the one pipeline, each answered in its input's place.
+    """
     sequences = parse_inputs(body.inputs)
     limit = service_state(request).settings.max_client_batch_size
     check_batch_size(len(sequences.items), limit, "inputs")
-    params = PoolingParams(task=PoolingTask.CLASSIFY, use_activation=not body.raw_scores)
+    cut = truncation(body.truncate, body.truncation_direction)
+    use_activation = not body.raw_scores
     singles = [i for i, item in enumerate(sequences.items) if len(item) == 1]
     pairs = [i for i, item in enumerate(sequences.items) if len(item) == 2]
     outputs: dict[int, PoolingOutput] = {}
     if singles:
-        own = ClassifyRequest(
-            input=[sequences.items[i][0] for i in singles],
-            **truncation(body.truncate, body.truncation_direction),
+        job = TextJob(
+            PoolingTask.CLASSIFY,
+            [sequences.items[i][0] for i in singles],
+            requested=Requested(use_activation=use_activation),
+            truncate=cut,
         )
-        run = await submit(request, own, PoolingTask.CLASSIFY, params, truncate=body.truncate)
+        run = await submit(request, job)
         outputs.update(zip(singles, await gather(request, run), strict=True))
     if pairs:
-        paired = await _classify_pairs(request, body, [sequences.items[i] for i in pairs], params)
-        outputs.update(zip(pairs, paired, strict=True))
+        paired = ScoreJob(
+            queries=tuple(sequences.items[i][0] for i in pairs),
+            documents=tuple(sequences.items[i][1] for i in pairs),
+            pairs=tuple((n, n) for n in range(len(pairs))),
+            query_field="inputs",
+            document_field="inputs",
+            truncate=cut,
+            use_activation=use_activation,
+            task=PoolingTask.CLASSIFY,
+        )
+        run = await submit(request, paired)
+        outputs.update(zip(pairs, await gather(request, run), strict=True))
     ordered = [outputs[i] for i in range(len(sequences.items))]
-    labels = service_state(request).model.loaded.spec.labels  # type: ignore[union-attr]
+    labels = run.model.loaded.spec.labels
     found = [_predictions(o, labels) for o in ordered]
-    return await answer(request, found[0] if sequences.single else found, ordered)
+    reply = found[0] if sequences.single else found
+    return await answer(request, ordered, lambda: dumps(reply))
 
 
 def _predictions(output: PoolingOutput, labels: tuple[str, ...]) -> list[dict[str, object]]:
@@ -86,44 +102,3 @@ def _predictions(output: PoolingOutput, labels: tuple[str, ...]) -> list[dict[st
     scores = [float(s) for s in output.data.reshape(-1)]
     names = [labels[i] if i < len(labels) else f"LABEL_{i}" for i in range(len(scores))]
     return [{"score": scores[i], "label": names[i]} for i in best_first(scores)]
-
-
-async def _classify_pairs(
-    request: Request,
-    body: PredictRequest,
-    pairs: list[tuple[str, ...]],
-    params: PoolingParams,
-) -> list[PoolingOutput]:
-    """Pairs laid out as the tokenizer lays out two texts (encoders), then classified."""
-    state = service_state(request)
-    engine, model = check_serving(state, None)
-    cut = truncation(body.truncate, body.truncation_direction)
-    job = ScoreJob(
-        queries=tuple(p[0] for p in pairs),
-        documents=tuple(p[1] for p in pairs),
-        pairs=tuple((i, i) for i in range(len(pairs))),
-        query_field="inputs",
-        document_field="inputs",
-        **cut,
-    )
-    engine.check_params(params)
-    engine.precheck(len(pairs))  # 429 before any tokenization work
-    keep = truncation_for(
-        cut["truncate_prompt_tokens"], cut["truncation_side"], model, truncate=body.truncate
-    )
-    mode = PromptMode.CONCATENATE if engine.pooling_info.is_decoder else PromptMode.TEMPLATE
-    started = time.perf_counter()
-    prompts = await tokenize_job(
-        job, model, mode, PairTruncation(keep.keep, keep.side, None), state.metrics.on_reject
-    )
-    state.metrics.tokenization.observe(time.perf_counter() - started)
-    types = [p.token_type_ids for p in prompts]
-    futures = engine.submit_many(
-        [p.token_ids for p in prompts],
-        params,
-        0,
-        types if any(t is not None for t in types) else None,
-    )
-    num_tokens = sum(len(p.token_ids) for p in prompts)
-    state.metrics.prompt_tokens.inc(num_tokens)
-    return await gather(request, Submitted(engine, model, tuple(futures), num_tokens))

@@ -10,16 +10,16 @@ from pydantic import StrictStr
 from starlette.responses import Response
 
 from poolserve.service.compat.tei_common import TEIBody
-from poolserve.service.encoding import StrictJSONRoute, dumps
 from poolserve.service.errors import InvalidRequestError
-from poolserve.service.inputs import (
+from poolserve.service.frontend.bodies import TokenIds
+from poolserve.service.frontend.encoding import StrictJSONRoute, dumps
+from poolserve.service.frontend.pipeline import check_serving, service_state
+from poolserve.service.frontend.texts import (
     InputTooLongError,
     check_batch_size,
     check_encodable,
     run_budgeted,
 )
-from poolserve.service.runs import check_serving, service_state
-from poolserve.service.schemas import TokenIds
 from poolserve.service.state import ModelHandle
 
 router = APIRouter(route_class=StrictJSONRoute)

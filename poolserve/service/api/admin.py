@@ -6,20 +6,18 @@ import asyncio
 import time
 from importlib.metadata import version
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Body, Request
+from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import PlainTextResponse, Response
 
 from poolserve.pooling.params import PoolingTask
-from poolserve.service.compat import tei_tokens
-from poolserve.service.compat.tei_common import body_schema, validated
-from poolserve.service.encoding import StrictJSONRoute, dumps
+from poolserve.service.api.schemas import DetokenizeRequest, TokenizeRequest
 from poolserve.service.errors import InvalidRequestError, error_response
-from poolserve.service.inputs import tokenize_prompt
-from poolserve.service.runs import check_serving, service_state
-from poolserve.service.schemas import DetokenizeRequest, TokenizeRequest
+from poolserve.service.frontend.encoding import StrictJSONRoute, dumps
+from poolserve.service.frontend.pipeline import check_serving, service_state
+from poolserve.service.frontend.texts import tokenize_prompt
 from poolserve.service.settings import DEFAULT_MODEL_ID, ServerSettings
 from poolserve.service.state import ModelHandle, ServiceState
 
@@ -31,14 +29,6 @@ UNAVAILABLE: dict[int | str, dict[str, Any]] = {
 
 def _json(document: object, status: int = 200) -> Response:
     return Response(dumps(document), status_code=status, media_type="application/json")
-
-
-@router.post("/tokenize", openapi_extra=body_schema(TokenizeRequest, tei_tokens.TokenizeRequest))
-async def tokenize_any(payload: Annotated[dict[str, Any], Body()], request: Request) -> Response:
-    """vLLM's tokenize (`prompt`), or TEI's when the body has `inputs`."""
-    if "inputs" in payload and "prompt" not in payload:
-        return await tei_tokens.tokenize(validated(tei_tokens.TokenizeRequest, payload), request)
-    return await tokenize(validated(TokenizeRequest, payload), request)
 
 
 async def tokenize(body: TokenizeRequest, request: Request) -> Response:

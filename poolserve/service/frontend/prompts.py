@@ -84,13 +84,16 @@ def prepend(prompt: str | None, texts: Sequence[str]) -> tuple[str, ...]:
     return tuple(prompt + text for text in texts)
 
 
-def prompt_length(tokenizer: PreTrainedTokenizerBase, prompt: str) -> int:
+def prompt_length(
+    tokenizer: PreTrainedTokenizerBase, prompt: str, add_special_tokens: bool = True
+) -> int:
     """The prompt's tokens as sentence-transformers counts them for include_prompt: false.
 
     It tokenizes the prompt alone, special tokens included, and drops a trailing special token
-    (SEP, EOS): the leading ones (CLS) count as prompt.
+    (SEP, EOS): the leading ones (CLS) count as prompt. Without special tokens (a request's
+    `add_special_tokens: false`) the prompt's own tokens are all that lead the text.
     """
-    ids = list(tokenizer(prompt)["input_ids"])
-    if ids and ids[-1] in set(tokenizer.all_special_ids):
+    ids = list(tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
+    if add_special_tokens and ids and ids[-1] in set(tokenizer.all_special_ids):
         return len(ids) - 1
     return len(ids)

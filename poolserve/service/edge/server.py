@@ -16,8 +16,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState as UvicornState
 
 from poolserve.service.app import create_app
+from poolserve.service.edge.middleware import SECURITY_HEADERS, InFlight
 from poolserve.service.errors import error_document
-from poolserve.service.middleware import SECURITY_HEADERS, InFlight
 from poolserve.service.settings import ServerSettings
 from poolserve.service.state import ServiceState
 

@@ -14,9 +14,16 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from poolserve.pooling.params import PoolingParams, PoolingTask
+from poolserve.pooling.params import PoolingTask
 from poolserve.scheduler.request import PoolingOutput
-from poolserve.service.encoding import (
+from poolserve.service.api.schemas import (
+    ClassifyRequest,
+    EmbeddingRequest,
+    InputBody,
+    PoolingRequestBody,
+)
+from poolserve.service.errors import InvalidRequestError, error_line
+from poolserve.service.frontend.encoding import (
     StrictJSONRoute,
     binary_parts,
     document,
@@ -25,22 +32,15 @@ from poolserve.service.encoding import (
     sparse_parts,
     stream_item,
 )
-from poolserve.service.errors import InvalidRequestError, error_line
-from poolserve.service.pooler_config import PoolerDefaults
-from poolserve.service.runs import (
+from poolserve.service.frontend.jobs import Requested
+from poolserve.service.frontend.pipeline import (
+    Encoded,
     Submitted,
+    answer,
     as_completed,
-    encoded,
     gather,
     service_state,
     submit,
-    timing_headers,
-)
-from poolserve.service.schemas import (
-    ClassifyRequest,
-    EmbeddingRequest,
-    InputBody,
-    PoolingRequestBody,
 )
 
 router = APIRouter(route_class=StrictJSONRoute)
@@ -65,14 +65,6 @@ class NDJSONResponse(StreamingResponse):
             close = getattr(self.body_iterator, "aclose", None)
             if close is not None:
                 await close()
-
-
-def _params(task: PoolingTask, defaults: PoolerDefaults, **given: object) -> PoolingParams:
-    """A request's pooling parameters: its own values, else the server's --pooler-config."""
-    merged = {k: (v if v is not None else getattr(defaults, k, None)) for k, v in given.items()}
-    if merged.get("returned_token_ids") is not None:
-        merged["returned_token_ids"] = tuple(merged["returned_token_ids"])  # type: ignore[arg-type]
-    return PoolingParams(task=task, **merged)  # type: ignore[arg-type]
 
 
 # Tasks whose head's activation is L2 normalisation: vLLM's use_activation means normalize there.
@@ -106,26 +98,20 @@ def _usage(run: Submitted) -> dict[str, int]:
     return {"prompt_tokens": run.num_prompt_tokens, "total_tokens": run.num_prompt_tokens}
 
 
-async def _respond(request: Request, body: bytes, outputs: list[PoolingOutput]) -> Response:
-    """Account the bytes and answer with the timing headers."""
-    service_state(request).metrics.output_bytes.inc(len(body))
-    return Response(body, media_type="application/json", headers=timing_headers(outputs))
-
-
 def _binary(
     fields: dict[str, object],
     outputs: list[PoolingOutput],
     body: EmbeddingRequest | PoolingRequestBody,
-) -> Response:
+) -> Encoded:
     """vLLM's bytes formats: the raw outputs back to back; `bytes` adds a metadata header."""
     parts, items = binary_parts((o.data for o in outputs), body.embed_dtype, body.endianness)
-    headers = timing_headers(outputs)
+    headers = {}
     if body.encoding_format == "bytes":
         headers["metadata"] = dumps({**fields, "data": items}).decode()
-    return Response(b"".join(parts), media_type="application/octet-stream", headers=headers)
+    return Encoded(b"".join(parts), "application/octet-stream", headers)
 
 
-async def _answer(
+async def _reply(
     request: Request,
     fields: dict[str, object],
     outputs: list[PoolingOutput],
@@ -134,10 +120,8 @@ async def _answer(
 ) -> Response:
     """The JSON document, or the binary body vLLM's bytes formats ask for."""
     if body.encoding_format in BINARY_FORMATS:
-        response = await asyncio.to_thread(_binary, fields, outputs, body)
-        service_state(request).metrics.output_bytes.inc(len(response.body))
-        return response
-    return await _respond(request, await encoded(request, encode), outputs)
+        return await answer(request, outputs, lambda: _binary(fields, outputs, body))
+    return await answer(request, outputs, encode)
 
 
 @router.post("/v1/embeddings")
@@ -145,8 +129,8 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     """OpenAI embeddings, with vLLM's fields (messages, request_id, embed_dtype, ...)."""
     task = PoolingTask.EMBED
     normalize = _normalize(task, body.normalize, body.use_activation)
-    params = _params(task, _defaults(request), dimensions=body.dimensions, normalize=normalize)
-    run = await submit(request, body, task, params)
+    requested = Requested(dimensions=body.dimensions, normalize=normalize)
+    run = await submit(request, body.job(task, requested))
     outputs = await gather(request, run)
     fields: dict[str, object] = {
         "id": _response_id("embd", request, body),
@@ -170,7 +154,7 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
         )
         return document(fields, "data", items)
 
-    return await _answer(request, fields, outputs, body, encode)
+    return await _reply(request, fields, outputs, body, encode)
 
 
 @router.post("/v1/pooling", responses=STREAMED)
@@ -185,16 +169,15 @@ async def pooling(body: PoolingRequestBody, request: Request) -> Response:
     if body.stream and body.encoding_format in BINARY_FORMATS:
         message = f"encoding_format {body.encoding_format} cannot be streamed"
         raise InvalidRequestError(message, "encoding_format")
-    params = _params(
-        task,
-        _defaults(request),
+    returned = body.returned_token_ids
+    requested = Requested(
         dimensions=body.dimensions,
         normalize=_normalize(task, body.normalize, body.use_activation),
         use_activation=None if task in NORMALIZING_TASKS else body.use_activation,
         step_tag_id=body.step_tag_id,
-        returned_token_ids=body.returned_token_ids,
+        returned_token_ids=None if returned is None else tuple(returned),
     )
-    run = await submit(request, body, task, params)
+    run = await submit(request, body.job(task, requested))
     response_id = _response_id("pool", request, body)  # also sets x-request-id for a stream
     if body.stream:
         return NDJSONResponse(_stream(request, body, run))
@@ -212,7 +195,7 @@ async def pooling(body: PoolingRequestBody, request: Request) -> Response:
             fields, "data", (_pooling_item(i, o.data, body) for i, o in enumerate(outputs))
         )
 
-    return await _answer(request, fields, outputs, body, encode)
+    return await _reply(request, fields, outputs, body, encode)
 
 
 def _pooling_item(index: int, data: np.ndarray, body: PoolingRequestBody) -> bytes:
@@ -262,8 +245,8 @@ async def classify(body: ClassifyRequest, request: Request) -> Response:
     use_activation = next(
         (v for v in (body.use_activation, body.softmax, body.activation) if v is not None), None
     )
-    params = _params(PoolingTask.CLASSIFY, _defaults(request), use_activation=use_activation)
-    run = await submit(request, body, PoolingTask.CLASSIFY, params)
+    requested = Requested(use_activation=use_activation)
+    run = await submit(request, body.job(PoolingTask.CLASSIFY, requested))
     outputs = await gather(request, run)
     labels = run.model.loaded.spec.labels
     data = []
@@ -273,7 +256,7 @@ async def classify(body: ClassifyRequest, request: Request) -> Response:
         data.append(
             {"index": i, "label": label, "probs": o.data, "num_classes": int(o.data.shape[-1])}
         )
-    answer = {
+    reply = {
         "id": _response_id("classify", request, body),
         "object": "list",
         "created": int(time.time()),
@@ -281,9 +264,4 @@ async def classify(body: ClassifyRequest, request: Request) -> Response:
         "data": data,
         "usage": _usage(run),
     }
-    return await _respond(request, await encoded(request, dumps, answer), outputs)
-
-
-def _defaults(request: Request) -> PoolerDefaults:
-    model = service_state(request).model
-    return model.defaults if model is not None else PoolerDefaults()
+    return await answer(request, outputs, lambda: dumps(reply))

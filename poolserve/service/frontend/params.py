@@ -1,12 +1,15 @@
-"""`--pooler-config`: server-wide defaults for pooling parameters a request leaves unset."""
+"""Pooling parameters: a request's own, then `--pooler-config`, then the model's (one merge)."""
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, StrictInt
 
-from poolserve.pooling.params import PoolingType
+from poolserve.pooling.params import PoolingParams, PoolingTask, PoolingType
+from poolserve.pooling.validation import FIELD_TASKS
+from poolserve.service.frontend.jobs import Requested
 
 
 class PoolerDefaults(BaseModel):
@@ -32,3 +35,17 @@ def parse_pooler_config(text: str | None) -> PoolerDefaults:
     if not text:
         return PoolerDefaults()
     return PoolerDefaults.model_validate_json(text)
+
+
+def merge(task: PoolingTask, requested: Requested, defaults: PoolerDefaults) -> PoolingParams:
+    """The request's value where set, else --pooler-config's where the task takes that field.
+
+    Whatever is still None the model decides (its head, its sentence-transformers config).
+    """
+    merged = {
+        name: value
+        if value is not None or task not in FIELD_TASKS[name]
+        else getattr(defaults, name)
+        for name, value in ((f.name, getattr(requested, f.name)) for f in fields(requested))
+    }
+    return PoolingParams(task=task, **merged)

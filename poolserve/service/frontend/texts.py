@@ -9,8 +9,9 @@ from typing import TypeVar
 
 from poolserve.scheduler.errors import OverloadedError
 from poolserve.service.errors import InvalidRequestError, PayloadTooLargeError
-from poolserve.service.state import ModelHandle, SpecialTokens, TruncationSide
-from poolserve.service.windows import Window, content_windows
+from poolserve.service.frontend.jobs import Truncate, TruncationSide
+from poolserve.service.frontend.truncation import Window, content_windows
+from poolserve.service.state import ModelHandle, SpecialTokens
 
 T = TypeVar("T")
 
@@ -71,20 +72,15 @@ def split_input(value: object, max_batch: int) -> RawInputs:
     return RawInputs(None, tuple(tuple(ids) for ids in value))
 
 
-def truncation_for(
-    requested: int | None,
-    side: TruncationSide | None,
-    model: ModelHandle,
-    *,
-    truncate: bool | None = None,
-) -> Truncation:
+def truncation_for(truncate: Truncate, model: ModelHandle) -> Truncation:
     """The request's truncation (-1: the model's limit) within sentence-transformers' own.
 
-    With no `requested` length, `truncate` (None: the server's --auto-truncate) cuts at the
+    With no length asked, `truncate.auto` (None: the server's --auto-truncate) cuts at the
     model's limit instead of refusing longer inputs.
     """
     keep = model.st_max_seq_length
-    auto = model.auto_truncate if truncate is None else truncate
+    requested = truncate.tokens
+    auto = model.auto_truncate if truncate.auto is None else truncate.auto
     if requested is None and auto:
         requested = -1
     if requested is not None:
@@ -96,7 +92,7 @@ def truncation_for(
             )
         wanted = model.max_model_len if requested == -1 else requested
         keep = wanted if keep is None else min(keep, wanted)
-    return Truncation(keep, side or model.truncation_side)
+    return Truncation(keep, truncate.side or model.truncation_side)
 
 
 def specials_for(model: ModelHandle, add_special_tokens: bool) -> SpecialTokens:

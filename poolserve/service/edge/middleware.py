@@ -27,9 +27,14 @@ from poolserve.service.errors import (
     http_error_response,
     response_for,
 )
-from poolserve.service.logs import ACCESS_LOGGER, CLIENT_CLOSED, access_record, log_access
+from poolserve.service.observability.logs import (
+    ACCESS_LOGGER,
+    CLIENT_CLOSED,
+    access_record,
+    log_access,
+)
+from poolserve.service.observability.tracing import NO_TRACE, TRACE_KEY, RequestTrace
 from poolserve.service.state import ServiceState
-from poolserve.service.tracing import NO_TRACE, TRACE_KEY, RequestTrace
 
 logger = logging.getLogger(__name__)
 ACCESS_LOG = logging.getLogger(ACCESS_LOGGER)

@@ -5,39 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
 
 from poolserve.service.errors import InvalidRequestError, PayloadTooLargeError
-from poolserve.service.inputs import InputTooLongError, check_encodable, run_budgeted
-from poolserve.service.pair_layout import PairLayout, Prompt, Specials
-from poolserve.service.state import ModelHandle, TruncationSide
-from poolserve.service.windows import content_windows
-
-
-@dataclass(frozen=True)
-class ScoreJob:
-    """One scoring request in the service's own terms, whichever client family sent it."""
-
-    queries: tuple[str, ...]
-    documents: tuple[str, ...]
-    pairs: tuple[tuple[int, int], ...]  # (query index, document index), in answer order
-    query_field: str  # the request's names for the two sides, for error messages
-    document_field: str
-    model: str | None = None
-    truncate_prompt_tokens: int | None = None  # -1: the model's limit; None: refuse a long pair
-    truncation_side: TruncationSide | None = None
-    truncate: bool | None = None  # TEI's yes/no: None follows --auto-truncate, False refuses
-    max_tokens_per_doc: int | None = None  # documents' own cap, before the pair's
-    use_activation: bool | None = None
-    priority: int = 0
-
-    @classmethod
-    def one_query(
-        cls, query: str, documents: Sequence[str], document_field: str, **options: Any
-    ) -> ScoreJob:
-        """A rerank job: the query (field `query`) paired with each document in turn."""
-        pairs = tuple((0, index) for index in range(len(documents)))
-        return cls((query,), tuple(documents), pairs, "query", document_field, **options)
+from poolserve.service.frontend.jobs import ScoreJob, TruncationSide
+from poolserve.service.frontend.pair_template import PairLayout, Prompt, Specials
+from poolserve.service.frontend.texts import InputTooLongError, check_encodable, run_budgeted
+from poolserve.service.frontend.truncation import content_windows
+from poolserve.service.state import ModelHandle
 
 
 class PromptMode(Enum):

@@ -12,8 +12,9 @@ from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from poolserve.service.errors import InvalidRequestError, clip
-from poolserve.service.inputs import InputTooLongError, check_encodable, run_budgeted
-from poolserve.service.schemas import ChatMessage, InputBody
+from poolserve.service.frontend.bodies import ChatMessage
+from poolserve.service.frontend.jobs import Chat
+from poolserve.service.frontend.texts import InputTooLongError, check_encodable, run_budgeted
 from poolserve.service.state import ModelHandle
 
 logger = logging.getLogger(__name__)
@@ -56,11 +57,11 @@ def _num_chars(message: Mapping[str, Any]) -> int:
     )
 
 
-def prepare(body: InputBody, model: ModelHandle, trusted: bool) -> ChatRender:
+def prepare(chat: Chat, model: ModelHandle, trusted: bool) -> ChatRender:
     """Check a chat request before any work: template, trust, options and size."""
-    kwargs = dict(body.chat_template_kwargs or {})
+    kwargs = dict(chat.chat_template_kwargs or {})
     given = (
-        body.chat_template if body.chat_template is not None else kwargs.pop("chat_template", None)
+        chat.chat_template if chat.chat_template is not None else kwargs.pop("chat_template", None)
     )
     kwargs.pop("chat_template", None)
     if given is not None and not trusted:
@@ -78,7 +79,7 @@ def prepare(body: InputBody, model: ModelHandle, trusted: bool) -> ChatRender:
     reserved = sorted(RESERVED_KWARGS & kwargs.keys())
     if reserved:
         logger.info("chat_template_kwargs: ignored %s (apply_chat_template's own)", reserved)
-    messages = tuple(as_template_message(m) for m in body.messages or ())
+    messages = tuple(as_template_message(m) for m in chat.messages or ())
     if not messages:
         raise InvalidRequestError("messages must not be empty", "messages")
     num_chars = sum(_num_chars(m) for m in messages)
@@ -92,8 +93,8 @@ def prepare(body: InputBody, model: ModelHandle, trusted: bool) -> ChatRender:
     return ChatRender(
         messages=messages,
         template=given,
-        add_generation_prompt=body.add_generation_prompt,
-        continue_final_message=body.continue_final_message,
+        add_generation_prompt=chat.add_generation_prompt,
+        continue_final_message=chat.continue_final_message,
         template_kwargs={k: v for k, v in kwargs.items() if k not in RESERVED_KWARGS},
         num_chars=num_chars,
     )
@@ -121,8 +122,8 @@ def render(tokenizer: PreTrainedTokenizerBase, chat: ChatRender) -> str:
 
 
 async def render_messages(
-    body: InputBody, model: ModelHandle, trusted: bool, on_reject: Callable[[str], None]
+    chat: Chat, model: ModelHandle, trusted: bool, on_reject: Callable[[str], None]
 ) -> str:
     """The prompt text of a chat request, rendered in a worker thread within the char budget."""
-    chat = prepare(body, model, trusted)
-    return await run_budgeted(model, chat.num_chars, on_reject, render, model.tokenizer, chat)
+    checked = prepare(chat, model, trusted)
+    return await run_budgeted(model, checked.num_chars, on_reject, render, model.tokenizer, checked)

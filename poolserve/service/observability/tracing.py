@@ -113,7 +113,7 @@ def build_tracing(endpoint: str | None) -> Tracing:
 def require_tracing() -> Callable[[str], Tracing]:
     """What builds tracing to an endpoint; TracingUnavailableError without the packages."""
     try:
-        from poolserve.service.otel import OTelTracing  # imported only with the flag
+        from poolserve.service.observability.otel import OTelTracing  # imported only with the flag
     except ImportError as exc:
         raise TracingUnavailableError(
             f"--otlp-traces-endpoint needs the OpenTelemetry SDK and its OTLP/HTTP exporter "

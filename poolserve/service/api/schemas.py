@@ -1,88 +1,26 @@
-"""Request bodies of every endpoint (pydantic lives only in service/)."""
+"""Request bodies of the native routes: OpenAI's and vLLM's (pydantic lives only in service/)."""
 
 from __future__ import annotations
 
-import logging
 from typing import Annotated, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 
 from poolserve.pooling.params import PoolingTask
-from poolserve.service.errors import clip
-
-logger = logging.getLogger(__name__)
-
-# No vocabulary has more ids than int32 holds; bounding here keeps huge ids out of int64 arrays.
-MAX_TOKEN_ID = 2**31 - 1
-TokenId = Annotated[StrictInt, Field(ge=0, le=MAX_TOKEN_ID)]
-TokenIds = list[TokenId]
-# string | list of strings | token ids | list of token-id lists
-Input = StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
-
-
-# Unknown fields named in one warning line at most; a body may carry thousands.
-MAX_LOGGED_FIELDS = 8
-# Fields vLLM's pooling requests define that have no meaning here: accepted, logged, not used.
-IGNORED_FIELDS: dict[str, str] = {
-    "padding": "prompts are packed without padding; no model here was trained on fixed lengths",
-    "cache_salt": "the prefix cache serves last-token pooling only and is not salted per tenant",
-    "mm_processor_kwargs": "no multimodal processor: text and token ids only",
-    "media_io_kwargs": "no multimodal inputs",
-}
-
-
-class RequestBody(BaseModel):
-    """Fields nobody defines are accepted and named in a warning, as vLLM does."""
-
-    model_config = ConfigDict(extra="allow", frozen=True)
-
-    @model_validator(mode="after")
-    def _log_unused(self) -> Self:
-        """One warning naming unknown fields; one info line naming vLLM's ignored ones."""
-        extra = self.model_extra or {}
-        if extra:
-            names = ", ".join(clip(name, 64) for name in list(extra)[:MAX_LOGGED_FIELDS])
-            more = len(extra) - MAX_LOGGED_FIELDS
-            logger.warning(
-                "%s: ignored unknown fields %s%s",
-                type(self).__name__,
-                names,
-                f" (and {more} more)" if more > 0 else "",
-            )
-        ignored = [n for n in IGNORED_FIELDS if getattr(self, n, None) is not None]
-        if ignored:
-            logger.info(
-                "%s: accepted and ignored %s",
-                type(self).__name__,
-                "; ".join(f"{n} ({IGNORED_FIELDS[n]})" for n in ignored),
-            )
-        return self
-
+from poolserve.service.frontend.bodies import (
+    REQUEST_ID_PATTERN,
+    ChatMessage,
+    Input,
+    RequestBody,
+    TokenId,
+    TokenIds,
+)
+from poolserve.service.frontend.jobs import Chat, Requested, TextJob, Truncate
 
 # vLLM's wire vocabulary for binary outputs (its serial_utils)
 EncodingFormat = Literal["float", "base64", "bytes", "bytes_only"]
 EmbedDType = Literal["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"]
 Endianness = Literal["native", "big", "little"]
-# What the x-request-id header may carry; a body's request_id is held to the same rule.
-REQUEST_ID_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"
-
-
-class TextPart(BaseModel):
-    """One text part of a chat message's content (OpenAI's content-part list)."""
-
-    model_config = ConfigDict(extra="allow", frozen=True)
-
-    type: Literal["text"]
-    text: StrictStr
-
-
-class ChatMessage(BaseModel):
-    """One chat message; other keys (name, ...) are handed to the chat template as sent."""
-
-    model_config = ConfigDict(extra="allow", frozen=True)
-
-    role: StrictStr
-    content: StrictStr | list[TextPart] | None = None
 
 
 class InputBody(RequestBody):
@@ -130,6 +68,32 @@ class InputBody(RequestBody):
         if self.add_generation_prompt and self.continue_final_message:
             raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
         return self
+
+    def job(self, task: PoolingTask, requested: Requested | None = None) -> TextJob:
+        """The front end's job for this body."""
+        chat = None
+        if self.messages is not None:
+            chat = Chat(
+                tuple(self.messages),
+                self.chat_template,
+                self.chat_template_kwargs,
+                self.add_generation_prompt,
+                self.continue_final_message,
+            )
+        prompts = (
+            (self.prompt_name, self.prompt) if isinstance(self, PromptFields) else (None, None)
+        )
+        return TextJob(
+            task,
+            self.input,
+            chat,
+            requested or Requested(),
+            self.model,
+            *prompts,
+            Truncate(self.truncate_prompt_tokens, self.truncation_side),
+            self.add_special_tokens,
+            self.priority,
+        )
 
 
 # ---- sentence-transformers prompts: extensions (vLLM defines neither field) -------------------
@@ -243,15 +207,3 @@ class RerankRequestBody(_ScoringBody):
     relevant_spans: dict[str, object] | None = Field(
         None, description="Cohere: accepted and ignored (no spans are returned)."
     )
-
-
-class TEIRerankRequest(RequestBody):
-    """text-embeddings-inference `POST /rerank` (told apart from the others by `texts`)."""
-
-    query: StrictStr
-    texts: list[StrictStr]
-    truncate: bool | None = Field(None, description="Cut long pairs to the model's limit.")
-    # TEI's enum deserializes its variant names, Left and Right; its docs write them lower case
-    truncation_direction: Literal["Left", "Right", "left", "right"] = "Right"
-    raw_scores: bool = Field(False, description="The raw logit instead of the sigmoid.")
-    return_text: bool = Field(False, description="Include each text.")

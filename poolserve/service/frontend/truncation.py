@@ -8,14 +8,15 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from poolserve.service.state import SpecialTokens, TruncationSide
+from poolserve.service.frontend.jobs import TruncationSide
+from poolserve.service.state import SpecialTokens
 
 # A first window of this many characters per wanted token covers normal text in one pass.
 FIRST_CHARS_PER_TOKEN = 8
 FIRST_EXTRA_CHARS = 64
 # Pre-tokens (words) next to a window's cut that may tokenize differently in the whole text.
 BOUNDARY_WORDS = 2
-# A character after whitespace: where a left-side window may start (see _cut).
+# A character after whitespace: where a left-side window prefers to start (see _cut).
 _WORD_START = re.compile(r"(?<=\s)\S")
 
 
@@ -30,12 +31,13 @@ class Window:
 
 # Why a window's run is exact: the normalizer works on characters and their close neighbours
 # (case, accents, composed marks, spacing around CJK), the pre-tokenizer splits words left to
-# right looking at most a character ahead, and the model (WordPiece, BPE, Unigram) encodes each
-# word alone. A cut therefore changes only the words touching it, and the tokens of every other
-# word equal the whole text's. A window grows (doubling, at most max_chars) until it is the whole
-# text or holds `want` tokens outside its BOUNDARY_WORDS words at the cut. A tokenizer that does
-# not split words (one word per text) never yields such a run, so it falls back to the whole
-# text, which max_chars bounds.
+# right looking at most a character ahead (numbers grouped in threes count from a run's start,
+# so a left window never starts inside one: see _left_start), and the model (WordPiece, BPE,
+# Unigram) encodes each word alone. A cut therefore changes only the words touching it, and the
+# tokens of every other word equal the whole text's. A window grows (doubling, at most
+# max_chars) until it is the whole text or holds `want` tokens outside its BOUNDARY_WORDS words
+# at the cut. A tokenizer that does not split words (one word per text) never yields such a run,
+# so it falls back to the whole text, which max_chars bounds.
 def content_windows(
     tokenizer: PreTrainedTokenizerBase,
     texts: Sequence[str],
@@ -70,13 +72,30 @@ def content_windows(
 
 
 def _cut(text: str, width: int, side: TruncationSide) -> tuple[int, int]:
-    """[start, stop) of the window: its first `width` characters, or its last from a word start."""
-    # A left window starts right after whitespace: pre-tokenizers that count from a run's start
-    # (digits in threes) then count from the same place as in the whole text.
+    """[start, stop) of the window: its first `width` characters, or its last from a safe start."""
     if side == "right" or width >= len(text):
         return 0, width
-    found = _WORD_START.search(text, len(text) - width)
-    return (found.start() if found else len(text)), len(text)
+    return _left_start(text, len(text) - width), len(text)
+
+
+# A left window starts where pre-tokenizers that count from a run's start (digits in threes,
+# Llama 3's \p{N}{1,3}) count from the same place as in the whole text: right after whitespace
+# when there is such a word start in the first half of its range, else at the first character
+# that does not split a run of numbers. Text without whitespace there (Chinese, Japanese, URLs,
+# long joined runs) is cut inside a word: like any cut, that changes only the words touching it,
+# which _exact_run drops, and whole runs of numbers group as in the whole text. Looking only at
+# the first half keeps the window at least half its width (a lone space near the end of a long
+# Chinese text would otherwise leave a few characters however wide the window grows). Only a
+# range that is all the tail of one run of numbers gets an empty window.
+def _left_start(text: str, start: int) -> int:
+    """The first safe start of a left window at or after `start`."""
+    found = _WORD_START.search(text, start, start + (len(text) - start) // 2 + 1)
+    if found:
+        return found.start()
+    # str.isnumeric covers \p{N} (and some CJK numerals, which only move the cut further right)
+    while 0 < start < len(text) and text[start - 1].isnumeric() and text[start].isnumeric():
+        start += 1
+    return start
 
 
 def _exact_run(ids: list[int], words: list[int | None], side: TruncationSide) -> list[int]:

@@ -22,7 +22,13 @@ from starlette.types import Scope
 
 from poolserve.scheduler.request import PoolingOutput, RequestTimeline
 from poolserve.service.errors import clip
-from poolserve.service.tracing import NO_TRACE, Attributes, RequestTrace, SpanRecord, engine_spans
+from poolserve.service.observability.tracing import (
+    NO_TRACE,
+    Attributes,
+    RequestTrace,
+    SpanRecord,
+    engine_spans,
+)
 
 TRACES_PATH = "/v1/traces"
 # At shutdown, buffered spans get this long to leave; an unreachable collector cannot hold

@@ -1,0 +1,121 @@
+"""Error handlers and the OpenAPI rewrite: every error through the one table, 400 never 422."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from poolserve.models.errors import ModelError
+from poolserve.pooling.errors import PoolingError
+from poolserve.scheduler.errors import SchedulerError
+from poolserve.service.errors import (
+    APIError,
+    clip,
+    error_response,
+    http_error_response,
+    response_for,
+)
+
+
+def _validation_response(exc: RequestValidationError) -> Response:
+    """First pydantic problem, naming the field (client-sent names are clipped)."""
+    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+    loc = [clip(str(p)) for p in first.get("loc", ()) if p != "body"]
+    param = loc[0] if loc else None
+    where = ".".join(loc)
+    message = f"{where}: {first['msg']}" if where else str(first["msg"])
+    if first.get("type") == "json_invalid":
+        message, param = "the request body is not valid JSON", None
+    return error_response(400, message, "invalid_request_error", param, "invalid_parameter")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every error through the table above."""
+
+    async def on_validation(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        return _validation_response(exc)
+
+    async def on_http(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        return http_error_response(exc)
+
+    async def on_any(_: Request, exc: Exception) -> Response:
+        return response_for(exc)
+
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    for domain_error in (APIError, ModelError, PoolingError, SchedulerError):
+        app.add_exception_handler(domain_error, on_any)
+    app.add_exception_handler(Exception, on_any)  # last resort: 500 with no details
+
+
+class ErrorInfo(BaseModel):
+    """The object inside every error body."""
+
+    message: str
+    type: str
+    param: str | None
+    code: str
+
+
+class ErrorBody(BaseModel):
+    """Every 4xx and 5xx body: `{"error": {...}}`."""
+
+    error: ErrorInfo
+
+
+# What each status means, for the schema; which apply depends on the operation.
+ERROR_DOCS = {
+    400: "Invalid request: malformed JSON, wrong field, duplicate key or header.",
+    401: "Missing or wrong API key (only with --api-key).",
+    404: "Unknown `model`.",
+    408: "The request body did not arrive within --body-timeout.",
+    413: "Request body above --payload-limit.",
+    429: "Overloaded; retry after `Retry-After` seconds.",
+    503: "Not ready, draining, engine stopped, or shut down before the answer.",
+}
+BODY_ERRORS = (400, 401, 404, 408, 413, 429, 503)
+GET_ERRORS = (401, 503)
+
+
+def openapi_schema(app: FastAPI, open_paths: Iterable[str]) -> dict[str, Any]:
+    """FastAPI's schema, with each operation's errors documented as sent: 400, never 422."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for unused in ("HTTPValidationError", "ValidationError"):
+            components.pop(unused, None)
+        body = ErrorBody.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(body.pop("$defs", {}))
+        components["ErrorBody"] = body
+        is_open = set(open_paths)
+        for path, item in schema.get("paths", {}).items():
+            for operation in item.values():
+                _document_errors(operation, path in is_open)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def _document_errors(operation: dict[str, Any], is_open: bool) -> None:
+    """Replace FastAPI's 422 by the statuses this operation can answer with."""
+    responses = operation.setdefault("responses", {})
+    responses.pop("422", None)
+    statuses: tuple[int, ...] = ()
+    if "requestBody" in operation:
+        statuses = BODY_ERRORS
+    elif not is_open:
+        statuses = GET_ERRORS
+    declared = [int(s) for s in responses if s.isdigit() and int(s) >= 400]
+    for status in sorted({*statuses, *declared}):
+        responses[str(status)] = {
+            "description": responses.get(str(status), {}).get("description") or ERROR_DOCS[status],
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}},
+        }

@@ -1,0 +1,94 @@
+"""The front end's jobs: what every route, native or compat, hands to the one submit pipeline.
+
+A route translates its body into one of these frozen records; `pipeline.submit` does the rest
+(serving checks, parameters, admission, tokenization, submission, accounting), whatever the
+route and client family.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from poolserve.pooling.params import PoolingTask
+from poolserve.service.frontend.bodies import ChatMessage
+
+TruncationSide = Literal["left", "right"]
+
+
+@dataclass(frozen=True)
+class Truncate:
+    """What a request asked of truncation, before the model's limits apply."""
+
+    tokens: int | None = None  # keep this many tokens (-1: the model's limit); None: none asked
+    side: TruncationSide | None = None  # None: the tokenizer's own side
+    auto: bool | None = None  # TEI's yes/no: None follows --auto-truncate, False refuses
+
+
+@dataclass(frozen=True)
+class Requested:
+    """A request's own pooling parameters; None: unset (then --pooler-config, then the model)."""
+
+    dimensions: int | None = None
+    normalize: bool | None = None
+    use_activation: bool | None = None
+    step_tag_id: int | None = None
+    returned_token_ids: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Chat:
+    """vLLM's chat form: one conversation rendered with the model's chat template."""
+
+    messages: tuple[ChatMessage, ...]
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+
+
+@dataclass(frozen=True)
+class TextJob:
+    """Inputs pooled one prompt each: texts, token ids, or one chat conversation."""
+
+    task: PoolingTask
+    inputs: object = None  # str | list[str] | token ids | list of token-id lists (schema-checked)
+    chat: Chat | None = None
+    requested: Requested = field(default_factory=Requested)
+    model: str | None = None
+    prompt_name: str | None = None  # sentence-transformers prompts (literal `prompt` wins)
+    prompt: str | None = None
+    truncate: Truncate = field(default_factory=Truncate)
+    add_special_tokens: bool | None = None  # None: true for inputs, false for a chat template's
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class ScoreJob:
+    """Text pairs scored (or classified) together, whichever client family sent them."""
+
+    queries: tuple[str, ...]
+    documents: tuple[str, ...]
+    pairs: tuple[tuple[int, int], ...]  # (query index, document index), in answer order
+    query_field: str  # the request's names for the two sides, for error messages
+    document_field: str
+    model: str | None = None
+    truncate: Truncate = field(default_factory=Truncate)
+    max_tokens_per_doc: int | None = None  # documents' own cap, before the pair's
+    use_activation: bool | None = None
+    priority: int = 0
+    # SCORE: the model's scorer (cross-encoder, yes/no, cosine, MaxSim); CLASSIFY: each pair laid
+    # out as one prompt and classified (TEI's /predict of pairs)
+    task: PoolingTask = PoolingTask.SCORE
+
+    @classmethod
+    def one_query(
+        cls, query: str, documents: Sequence[str], document_field: str, **options: Any
+    ) -> ScoreJob:
+        """A rerank job: the query (field `query`) paired with each document in turn."""
+        pairs = tuple((0, index) for index in range(len(documents)))
+        return cls((query,), tuple(documents), pairs, "query", document_field, **options)
+
+
+Job = TextJob | ScoreJob

@@ -1,0 +1,339 @@
+"""The one door to the engine: a job in, engine futures out, accounted the same for every route.
+
+Every inference route, native or compat, texts or pairs, calls `submit`: serving checks, the
+parameters merge, 429 before any work, tokenization off the loop (its span and metric), one
+all-or-nothing submission, prompt tokens in the metric, the access log and the trace. `gather`
+and `as_completed` wait for the outputs (a client that leaves cancels its work), and `answer`
+encodes the reply off the loop with its bytes counted and the timing headers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from fastapi import Request
+from starlette.responses import Response
+
+from poolserve.pooling.params import PoolingParams, PoolingTask
+from poolserve.pooling.scorers import PairMode, scorer_plan
+from poolserve.scheduler.engine import Engine
+from poolserve.scheduler.errors import DrainingError
+from poolserve.scheduler.request import PoolingOutput
+from poolserve.service.errors import (
+    ClientDisconnectedError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    NotReadyError,
+    ShutdownError,
+)
+from poolserve.service.frontend.chat import render_messages
+from poolserve.service.frontend.jobs import Job, Requested, ScoreJob, TextJob
+from poolserve.service.frontend.pairs import PairTruncation, PromptMode, tokenize_job
+from poolserve.service.frontend.params import merge
+from poolserve.service.frontend.prompts import prepend, prompt_length
+from poolserve.service.frontend.texts import (
+    RawInputs,
+    check_prompt,
+    run_budgeted,
+    split_input,
+    tokenize,
+    truncation_for,
+)
+from poolserve.service.observability.logs import PROMPT_TOKENS_KEY
+from poolserve.service.observability.tracing import NO_TRACE, RequestTrace, SpanRecord, trace_of
+from poolserve.service.state import ModelHandle, ServiceState
+
+logger = logging.getLogger(__name__)
+JSON = "application/json"
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """An HTTP request's prompts, admitted and queued in the engine."""
+
+    engine: Engine
+    model: ModelHandle
+    futures: tuple[asyncio.Future[PoolingOutput], ...]
+    num_prompt_tokens: int
+    trace: RequestTrace = NO_TRACE
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A job's prompts as token ids, with the parameters they run under."""
+
+    params: PoolingParams
+    token_ids: list[list[int]]
+    token_type_ids: list[list[int]] | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A job checked before any work: its parameters, its prompt count, how to tokenize it."""
+
+    params: PoolingParams
+    num_prompts: int
+    tokenize: Callable[[], Awaitable[Batch]]
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A reply body that is not JSON (vLLM's bytes formats), with headers of its own."""
+
+    body: bytes
+    media_type: str
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+def service_state(request: Request) -> ServiceState:
+    """The server state attached to the app."""
+    state: ServiceState = request.app.state.poolserve
+    return state
+
+
+def check_serving(state: ServiceState, model_name: str | None) -> tuple[Engine, ModelHandle]:
+    """503 unless ready and not draining; 404 for another model's name."""
+    if state.draining:
+        state.metrics.on_reject("draining")
+        raise DrainingError()
+    if not state.ready or state.engine is None or state.model is None:
+        state.metrics.on_reject("not_ready")
+        raise NotReadyError("the server is not ready yet")
+    if model_name is not None and model_name not in state.model.served_names:
+        names = " or ".join(repr(name) for name in state.model.served_names)
+        raise ModelNotFoundError(
+            f"model {model_name!r} does not exist; this server serves {names}", "model"
+        )
+    return state.engine, state.model
+
+
+async def submit(request: Request, job: Job) -> Submitted:
+    """Checks, then 429 before any work, then tokenization off the loop, then one submission."""
+    state = service_state(request)
+    request.state.task = job.task.value
+    engine, model = check_serving(state, job.model)
+    plan = PLANNERS[type(job)](job, engine, model, state)
+    engine.check_params(plan.params)
+    engine.precheck(plan.num_prompts)  # 429 before any tokenization work
+    started = time.monotonic()
+    batch = await plan.tokenize()
+    num_tokens = sum(len(ids) for ids in batch.token_ids)
+    tokenized(request, started, len(batch.token_ids), num_tokens)
+    futures = engine.submit_many(batch.token_ids, batch.params, job.priority, batch.token_type_ids)
+    admitted(request, num_tokens)
+    return Submitted(engine, model, tuple(futures), num_tokens, trace_of(request))
+
+
+def _plan_texts(job: TextJob, engine: Engine, model: ModelHandle, state: ServiceState) -> Plan:
+    """One prompt per input (a sentence-transformers prompt prepended), or one chat prompt."""
+    on_reject = state.metrics.on_reject
+    chat = job.chat is not None
+    raw = None if chat else split_input(job.inputs, state.settings.max_client_batch_size)
+    prompt = None
+    if raw is not None:
+        prompt = model.prompts.resolve(job.prompt_name, job.prompt, texts=raw.texts is not None)
+    if raw is not None and prompt is not None:
+        check_prompt(prompt, len(raw), model)
+        raw = RawInputs(prepend(prompt, raw.texts or ()), None)
+    params = merge(job.task, job.requested, model.defaults)
+    truncation = truncation_for(job.truncate, model)
+    # vLLM's defaults: special tokens added to input, not on top of a chat template's
+    specials = job.add_special_tokens if job.add_special_tokens is not None else not chat
+
+    async def run() -> Batch:
+        inputs = raw
+        if inputs is None:  # vLLM's chat form: one conversation, its template adds the specials
+            assert job.chat is not None
+            trusted = state.settings.trust_request_chat_template
+            inputs = RawInputs((await render_messages(job.chat, model, trusted, on_reject),), None)
+        pooled = params
+        if prompt is not None:
+            pooled = await _prompt_params(model, prompt, params, specials, on_reject)
+        return Batch(pooled, await tokenize(inputs, model, truncation, on_reject, specials))
+
+    return Plan(params, 1 if raw is None else len(raw), run)
+
+
+async def _prompt_params(
+    model: ModelHandle,
+    prompt: str,
+    params: PoolingParams,
+    add_special_tokens: bool,
+    on_reject: Callable[[str], None],
+) -> PoolingParams:
+    """With include_prompt: false, an embedding pools past the prompt's tokens."""
+    if model.prompts.include_prompt or params.task is not PoolingTask.EMBED:
+        return params
+    count = await run_budgeted(
+        model, len(prompt), on_reject, prompt_length, model.tokenizer, prompt, add_special_tokens
+    )
+    return replace(params, prompt_tokens=count)
+
+
+def _plan_pairs(job: ScoreJob, engine: Engine, model: ModelHandle, state: ServiceState) -> Plan:
+    """One prompt per pair (laid out as the model was trained), or one per text to compare."""
+    _check_sizes(job, state.settings.max_client_batch_size)
+    task, joint = job.task, True
+    if task is PoolingTask.SCORE:
+        scorer = scorer_plan(engine.pooling_info)
+        task, joint = scorer.task, scorer.mode is PairMode.JOINT
+    if not joint and job.use_activation is not None:
+        logger.debug("use_activation ignored: %s compares embeddings", model.served_name)
+    requested = Requested(use_activation=job.use_activation if joint else None)
+    params = merge(task, requested, model.defaults)
+    truncation = truncation_for(job.truncate, model)
+    cuts = PairTruncation(truncation.keep, truncation.side, job.max_tokens_per_doc)
+    # vLLM scores causal LM rerankers on the plain concatenation, without separator tokens
+    decoder = PromptMode.CONCATENATE if engine.pooling_info.is_decoder else PromptMode.TEMPLATE
+    mode = decoder if joint else PromptMode.SEPARATE
+
+    async def run() -> Batch:
+        prompts = await tokenize_job(job, model, mode, cuts, state.metrics.on_reject)
+        types = [p.token_type_ids for p in prompts]
+        typed = any(t is not None for t in types)
+        return Batch(params, [p.token_ids for p in prompts], types if typed else None)  # type: ignore[arg-type]
+
+    count = len(job.pairs) if joint else len(job.queries) + len(job.documents)
+    return Plan(params, count, run)
+
+
+def _check_sizes(job: ScoreJob, max_batch: int) -> None:
+    """400 for an empty side or more pairs than one request may score."""
+    for name, texts in ((job.query_field, job.queries), (job.document_field, job.documents)):
+        if not texts:
+            raise InvalidRequestError(f"{name} must not be empty", name)
+    if len(job.pairs) > max_batch:
+        raise InvalidRequestError(
+            f"{job.document_field} makes {len(job.pairs)} pairs, more than the limit of "
+            f"{max_batch} (--max-client-batch-size)",
+            job.document_field,
+        )
+
+
+# job kind -> how it is checked and tokenized; everything else is the same for every job
+PLANNERS: dict[type, Callable[..., Plan]] = {TextJob: _plan_texts, ScoreJob: _plan_pairs}
+
+
+def tokenized(request: Request, started: float, num_inputs: int, num_tokens: int) -> None:
+    """Account a request's tokenization (from time.monotonic() `started`): metric and span."""
+    ended = time.monotonic()
+    service_state(request).metrics.tokenization.observe(ended - started)
+    attributes = {"poolserve.inputs": num_inputs, "poolserve.prompt_tokens": num_tokens}
+    trace_of(request).record(SpanRecord("tokenize", started, ended, attributes))
+
+
+def admitted(request: Request, num_tokens: int) -> None:
+    """Account prompt tokens the engine took: the metric, the access log, the request span."""
+    service_state(request).metrics.prompt_tokens.inc(num_tokens)
+    scope_state = request.scope.setdefault("state", {})
+    # a request may submit more than one job (TEI's /predict of texts and pairs): they add up
+    total = scope_state.get(PROMPT_TOKENS_KEY, 0) + num_tokens
+    scope_state[PROMPT_TOKENS_KEY] = total
+    task = str(getattr(request.state, "task", "none"))
+    trace_of(request).set({"poolserve.prompt_tokens": total, "poolserve.task": task})
+
+
+async def encoded(request: Request, work: Callable[..., bytes], *args: object) -> bytes:
+    """A response body encoded in a worker thread, as the request's `encode` span."""
+    started = time.monotonic()
+    body = await asyncio.to_thread(work, *args)
+    attributes = {"poolserve.output_bytes": len(body)}
+    trace_of(request).record(SpanRecord("encode", started, time.monotonic(), attributes))
+    return body
+
+
+async def answer(
+    request: Request, outputs: Sequence[PoolingOutput], work: Callable[[], bytes | Encoded]
+) -> Response:
+    """The reply encoded off the loop (its `encode` span), its bytes counted, timing headers."""
+    started = time.monotonic()
+    made = await asyncio.to_thread(work)
+    reply = made if isinstance(made, Encoded) else Encoded(made, JSON)
+    attributes = {"poolserve.output_bytes": len(reply.body)}
+    trace_of(request).record(SpanRecord("encode", started, time.monotonic(), attributes))
+    service_state(request).metrics.output_bytes.inc(len(reply.body))
+    headers = {**timing_headers(outputs), **reply.headers}
+    return Response(reply.body, media_type=reply.media_type, headers=headers)
+
+
+def timing_headers(outputs: Sequence[PoolingOutput]) -> dict[str, str]:
+    """x-queue-time and x-inference-time: the slowest input's, in seconds."""
+    if not outputs:
+        return {}
+    return {
+        "x-queue-time": f"{max(o.queue_time_s for o in outputs):.6f}",
+        "x-inference-time": f"{max(o.inference_time_s for o in outputs):.6f}",
+    }
+
+
+async def gather(request: Request, run: Submitted) -> list[PoolingOutput]:
+    """All outputs in input order; a client that goes away cancels the rest of its work."""
+    if not run.futures:
+        return []
+    finished = asyncio.get_running_loop().create_future()
+    left = len(run.futures)
+
+    def on_done(future: asyncio.Future[PoolingOutput]) -> None:
+        nonlocal left
+        left -= 1
+        # the first failure ends the wait: its error is the answer, the rest is cancelled
+        failed = future.cancelled() or future.exception() is not None
+        if (failed or left == 0) and not finished.done():
+            finished.set_result(None)
+
+    for future in run.futures:
+        future.add_done_callback(on_done)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((finished, watcher), return_when=asyncio.FIRST_COMPLETED)
+        if not finished.done():
+            raise ClientDisconnectedError("the client closed the connection")
+        # every future is done unless one failed; then the first failure in input order raises
+        outputs = [_output(f) for f in run.futures if f.done()]
+        run.trace.add_outputs(outputs)
+        return outputs
+    finally:
+        watcher.cancel()
+        for future in run.futures:
+            future.remove_done_callback(on_done)
+        _cancel_unfinished(run)
+
+
+def _output(future: asyncio.Future[PoolingOutput]) -> PoolingOutput:
+    """A done future's output; the engine cancels its futures only when it stops."""
+    if future.cancelled():
+        raise ShutdownError("the server stopped before this request finished")
+    return future.result()
+
+
+async def as_completed(run: Submitted) -> AsyncGenerator[tuple[int, PoolingOutput], None]:
+    """(index, output) as each input finishes; closing the iterator cancels the rest."""
+    index_of = {f: i for i, f in enumerate(run.futures)}
+    pending: set[asyncio.Future[PoolingOutput]] = set(run.futures)
+    try:
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in sorted(done, key=index_of.__getitem__):
+                output = _output(future)
+                run.trace.add_outputs((output,))
+                yield index_of[future], output
+    finally:
+        _cancel_unfinished(run)
+
+
+def _cancel_unfinished(run: Submitted) -> None:
+    for future in run.futures:
+        if not future.done():
+            run.engine.cancel_future(future)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (the body has been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
