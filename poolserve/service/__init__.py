@@ -1,1 +1,1 @@
-"""HTTP edge: app factory, routes, schemas, tokenization, errors, auth, CLI, metrics."""
+"""The HTTP service: the app factory and CLI; layers edge, api, compat, frontend, observability."""

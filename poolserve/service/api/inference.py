@@ -24,7 +24,9 @@ from poolserve.service.api.schemas import (
 )
 from poolserve.service.errors import InvalidRequestError, error_line
 from poolserve.service.frontend.encoding import (
+    Encoded,
     StrictJSONRoute,
+    answer,
     binary_parts,
     document,
     dumps,
@@ -33,15 +35,8 @@ from poolserve.service.frontend.encoding import (
     stream_item,
 )
 from poolserve.service.frontend.jobs import Requested
-from poolserve.service.frontend.pipeline import (
-    Encoded,
-    Submitted,
-    answer,
-    as_completed,
-    gather,
-    service_state,
-    submit,
-)
+from poolserve.service.frontend.pipeline import Submitted, as_completed, gather, submit
+from poolserve.service.state import service_state
 
 router = APIRouter(route_class=StrictJSONRoute)
 # /v1/pooling answers NDJSON when asked to stream

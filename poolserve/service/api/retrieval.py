@@ -15,9 +15,8 @@ from starlette.responses import Response
 
 from poolserve.service.api.schemas import RerankRequestBody, ScoreRequestBody
 from poolserve.service.errors import InvalidRequestError
-from poolserve.service.frontend.encoding import StrictJSONRoute, dumps
+from poolserve.service.frontend.encoding import StrictJSONRoute, answer, dumps
 from poolserve.service.frontend.jobs import ScoreJob, Truncate
-from poolserve.service.frontend.pipeline import answer
 from poolserve.service.frontend.scoring import score
 
 logger = logging.getLogger(__name__)

@@ -1,1 +1,2 @@
-"""One thin module per client family: its request shape in, its response shape out."""
+"""Other families' routes (TEI, Cohere, Infinity): their bodies into jobs, results into their
+shapes; no work of their own."""

@@ -18,10 +18,17 @@ from starlette.responses import Response
 from poolserve.pooling.params import PoolingTask
 from poolserve.service.errors import InvalidRequestError
 from poolserve.service.frontend.bodies import RequestBody
-from poolserve.service.frontend.encoding import StrictJSONRoute, document, dumps, encode_item
+from poolserve.service.frontend.encoding import (
+    StrictJSONRoute,
+    answer,
+    document,
+    dumps,
+    encode_item,
+)
 from poolserve.service.frontend.jobs import Requested, ScoreJob, TextJob
-from poolserve.service.frontend.pipeline import answer, check_serving, gather, service_state, submit
+from poolserve.service.frontend.pipeline import gather, submit
 from poolserve.service.frontend.scoring import score
+from poolserve.service.state import check_serving, service_state
 
 router = APIRouter(route_class=StrictJSONRoute)
 # What Infinity's clients send when no model is named.

@@ -12,9 +12,9 @@ from poolserve.scheduler.request import PoolingOutput
 from poolserve.service.compat.tei_common import Direction, TEIBody, truncation
 from poolserve.service.errors import InvalidRequestError
 from poolserve.service.frontend.bodies import Input
-from poolserve.service.frontend.encoding import StrictJSONRoute, dumps, sparse_parts
+from poolserve.service.frontend.encoding import StrictJSONRoute, answer, dumps, sparse_parts
 from poolserve.service.frontend.jobs import Requested, TextJob
-from poolserve.service.frontend.pipeline import answer, gather, submit
+from poolserve.service.frontend.pipeline import gather, submit
 
 router = APIRouter(route_class=StrictJSONRoute)
 

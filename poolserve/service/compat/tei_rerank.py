@@ -10,9 +10,8 @@ from pydantic import Field, StrictStr
 from starlette.responses import Response
 
 from poolserve.service.compat.tei_common import Direction, TEIBody, best_first, truncation
-from poolserve.service.frontend.encoding import dumps
+from poolserve.service.frontend.encoding import answer, dumps
 from poolserve.service.frontend.jobs import ScoreJob
-from poolserve.service.frontend.pipeline import answer
 from poolserve.service.frontend.scoring import score
 
 

@@ -1,11 +1,14 @@
-"""JSON in and out: strict request parsing; responses from numpy buffers (orjson, base64)."""
+"""JSON in and out: strict request parsing; answers from numpy buffers (orjson, base64, bytes)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import sys
-from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
+import time
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -15,9 +18,13 @@ from fastapi import Request
 from fastapi.routing import APIRoute
 from starlette.responses import Response
 
+from poolserve.scheduler.request import PoolingOutput
 from poolserve.service.errors import EdgeError, clip
+from poolserve.service.observability.tracing import SpanRecord, trace_of
+from poolserve.service.state import service_state
 
 OPTIONS = orjson.OPT_SERIALIZE_NUMPY
+JSON = "application/json"
 ROWS_PER_PIECE = 256  # rows of a token-level output encoded at once when streaming
 
 
@@ -164,3 +171,36 @@ class StrictJSONRoute(APIRoute):
             return await handler(StrictJSONRequest(request.scope, request.receive))
 
         return strict
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A reply body that is not JSON (vLLM's bytes formats), with headers of its own."""
+
+    body: bytes
+    media_type: str
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+async def answer(
+    request: Request, outputs: Sequence[PoolingOutput], work: Callable[[], bytes | Encoded]
+) -> Response:
+    """The reply encoded off the loop (its `encode` span), its bytes counted, timing headers."""
+    started = time.monotonic()
+    made = await asyncio.to_thread(work)
+    reply = made if isinstance(made, Encoded) else Encoded(made, JSON)
+    attributes = {"poolserve.output_bytes": len(reply.body)}
+    trace_of(request).record(SpanRecord("encode", started, time.monotonic(), attributes))
+    service_state(request).metrics.output_bytes.inc(len(reply.body))
+    headers = {**timing_headers(outputs), **reply.headers}
+    return Response(reply.body, media_type=reply.media_type, headers=headers)
+
+
+def timing_headers(outputs: Sequence[PoolingOutput]) -> dict[str, str]:
+    """x-queue-time and x-inference-time: the slowest input's, in seconds."""
+    if not outputs:
+        return {}
+    return {
+        "x-queue-time": f"{max(o.queue_time_s for o in outputs):.6f}",
+        "x-inference-time": f"{max(o.inference_time_s for o in outputs):.6f}",
+    }

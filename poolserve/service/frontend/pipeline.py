@@ -3,8 +3,8 @@
 Every inference route, native or compat, texts or pairs, calls `submit`: serving checks, the
 parameters merge, 429 before any work, tokenization off the loop (its span and metric), one
 all-or-nothing submission, prompt tokens in the metric, the access log and the trace. `gather`
-and `as_completed` wait for the outputs (a client that leaves cancels its work), and `answer`
-encodes the reply off the loop with its bytes counted and the timing headers.
+and `as_completed` wait for the outputs (a client that leaves cancels its work); `answer` in
+`encoding.py` sends the reply.
 """
 
 from __future__ import annotations
@@ -12,22 +12,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass, replace
 
 from fastapi import Request
-from starlette.responses import Response
 
 from poolserve.pooling.params import PoolingParams, PoolingTask
 from poolserve.pooling.scorers import PairMode, scorer_plan
 from poolserve.scheduler.engine import Engine
-from poolserve.scheduler.errors import DrainingError
 from poolserve.scheduler.request import PoolingOutput
 from poolserve.service.errors import (
     ClientDisconnectedError,
     InvalidRequestError,
-    ModelNotFoundError,
-    NotReadyError,
     ShutdownError,
 )
 from poolserve.service.frontend.chat import render_messages
@@ -45,10 +41,9 @@ from poolserve.service.frontend.texts import (
 )
 from poolserve.service.observability.logs import PROMPT_TOKENS_KEY
 from poolserve.service.observability.tracing import NO_TRACE, RequestTrace, SpanRecord, trace_of
-from poolserve.service.state import ModelHandle, ServiceState
+from poolserve.service.state import ModelHandle, ServiceState, check_serving, service_state
 
 logger = logging.getLogger(__name__)
-JSON = "application/json"
 
 
 @dataclass(frozen=True)
@@ -78,37 +73,6 @@ class Plan:
     params: PoolingParams
     num_prompts: int
     tokenize: Callable[[], Awaitable[Batch]]
-
-
-@dataclass(frozen=True)
-class Encoded:
-    """A reply body that is not JSON (vLLM's bytes formats), with headers of its own."""
-
-    body: bytes
-    media_type: str
-    headers: Mapping[str, str] = field(default_factory=dict)
-
-
-def service_state(request: Request) -> ServiceState:
-    """The server state attached to the app."""
-    state: ServiceState = request.app.state.poolserve
-    return state
-
-
-def check_serving(state: ServiceState, model_name: str | None) -> tuple[Engine, ModelHandle]:
-    """503 unless ready and not draining; 404 for another model's name."""
-    if state.draining:
-        state.metrics.on_reject("draining")
-        raise DrainingError()
-    if not state.ready or state.engine is None or state.model is None:
-        state.metrics.on_reject("not_ready")
-        raise NotReadyError("the server is not ready yet")
-    if model_name is not None and model_name not in state.model.served_names:
-        names = " or ".join(repr(name) for name in state.model.served_names)
-        raise ModelNotFoundError(
-            f"model {model_name!r} does not exist; this server serves {names}", "model"
-        )
-    return state.engine, state.model
 
 
 async def submit(request: Request, job: Job) -> Submitted:
@@ -235,39 +199,6 @@ def admitted(request: Request, num_tokens: int) -> None:
     scope_state[PROMPT_TOKENS_KEY] = total
     task = str(getattr(request.state, "task", "none"))
     trace_of(request).set({"poolserve.prompt_tokens": total, "poolserve.task": task})
-
-
-async def encoded(request: Request, work: Callable[..., bytes], *args: object) -> bytes:
-    """A response body encoded in a worker thread, as the request's `encode` span."""
-    started = time.monotonic()
-    body = await asyncio.to_thread(work, *args)
-    attributes = {"poolserve.output_bytes": len(body)}
-    trace_of(request).record(SpanRecord("encode", started, time.monotonic(), attributes))
-    return body
-
-
-async def answer(
-    request: Request, outputs: Sequence[PoolingOutput], work: Callable[[], bytes | Encoded]
-) -> Response:
-    """The reply encoded off the loop (its `encode` span), its bytes counted, timing headers."""
-    started = time.monotonic()
-    made = await asyncio.to_thread(work)
-    reply = made if isinstance(made, Encoded) else Encoded(made, JSON)
-    attributes = {"poolserve.output_bytes": len(reply.body)}
-    trace_of(request).record(SpanRecord("encode", started, time.monotonic(), attributes))
-    service_state(request).metrics.output_bytes.inc(len(reply.body))
-    headers = {**timing_headers(outputs), **reply.headers}
-    return Response(reply.body, media_type=reply.media_type, headers=headers)
-
-
-def timing_headers(outputs: Sequence[PoolingOutput]) -> dict[str, str]:
-    """x-queue-time and x-inference-time: the slowest input's, in seconds."""
-    if not outputs:
-        return {}
-    return {
-        "x-queue-time": f"{max(o.queue_time_s for o in outputs):.6f}",
-        "x-inference-time": f"{max(o.inference_time_s for o in outputs):.6f}",
-    }
 
 
 async def gather(request: Request, run: Submitted) -> list[PoolingOutput]:

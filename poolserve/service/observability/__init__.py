@@ -1,1 +1,1 @@
-"""observability"""
+"""Logs, metrics and traces."""
