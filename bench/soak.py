@@ -11,9 +11,9 @@ prints markdown and writes bench/results/soak_<malloc>.json and .md. Asserts not
 
 `--malloc` picks the server's allocator setup: `default` is what `make serve` and the image start
 the server with (a fixed glibc mmap threshold through GLIBC_TUNABLES); `inproc` sets it from
-inside the process (poolserve/service/edge/memory.py) instead; `glibc` (glibc's defaults), `arena2` (at most two
-arenas) and `jemalloc` (Debian's libjemalloc2 preloaded) are the alternatives measured against
-it in docs/benchmarks.md.
+inside the process (poolserve/service/edge/memory.py) instead; `glibc` (glibc's defaults),
+`arena2` (at most two arenas) and `jemalloc` (Debian's libjemalloc2 preloaded) are the
+alternatives measured against it in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ RESULTS_DIR = ROOT / "bench" / "results"
 READY_TIMEOUT_S = 600.0
 MAX_PROMPT_TOKENS = 4096  # cap on corpus prompt length for models with long limits
 JEMALLOC_NAME = "libjemalloc.so.2"
-# Variables beyond poolserve/service/edge/memory.py's through which a parent environment could change malloc.
+# Variables beyond service/edge/memory.py's through which a parent environment could change malloc.
 OTHER_MALLOC_VARIABLES = ("MALLOC_ARENA_MAX", "MALLOC_CONF", "MALLOC_TRIM_THRESHOLD_")
 
 
@@ -63,7 +63,7 @@ def jemalloc_path() -> str:
     raise SystemExit(f"{JEMALLOC_NAME} not found: apt-get install libjemalloc2")
 
 
-# The environment `make serve` and the image give the server (poolserve/service/edge/memory.py has the why).
+# The environment `make serve` and the image give the server (the why: service/edge/memory.py).
 PROJECT_MALLOC_ENV = {"GLIBC_TUNABLES": f"glibc.malloc.mmap_threshold={MMAP_THRESHOLD_BYTES}"}
 # Starts the server the way `poolserve serve` runs when no allocator variable is set: it fixes
 # the threshold itself before loading anything.
@@ -79,7 +79,7 @@ def malloc_env(variant: str) -> dict[str, str]:
     table = {
         "default": lambda: dict(PROJECT_MALLOC_ENV),
         "inproc": dict,
-        # Set but empty: glibc's own defaults, and poolserve/service/edge/memory.py leaves them alone.
+        # Set but empty: glibc's own defaults, which service/edge/memory.py leaves alone.
         "glibc": lambda: {"GLIBC_TUNABLES": ""},
         "arena2": lambda: {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"},
         "jemalloc": lambda: {"LD_PRELOAD": jemalloc_path()},

@@ -27,9 +27,13 @@ from poolserve.service.api import admin, inference, retrieval
 from poolserve.service.compat import cohere, infinity, tei_embed, tei_predict, tei_tokens
 from poolserve.service.edge.handlers import install_error_handlers, openapi_schema
 from poolserve.service.edge.middleware import OPEN_PATHS, EdgeMiddleware, InFlight
-from poolserve.service.frontend.jobs import Truncate, TruncationSide
+from poolserve.service.frontend.jobs import (
+    PoolerDefaults,
+    Truncate,
+    TruncationSide,
+    parse_pooler_config,
+)
 from poolserve.service.frontend.pair_template import probe_pair_template
-from poolserve.service.frontend.params import PoolerDefaults, parse_pooler_config
 from poolserve.service.frontend.prompts import Prompts
 from poolserve.service.frontend.texts import encode_texts, truncation_for
 from poolserve.service.frontend.truncation import special_tokens

@@ -24,7 +24,7 @@ from poolserve.service.api.schemas import RerankRequestBody, TokenizeRequest
 from poolserve.service.compat import infinity, tei_embed, tei_predict, tei_rerank, tei_tokens
 from poolserve.service.errors import InvalidRequestError
 from poolserve.service.frontend.encoding import StrictJSONRoute
-from poolserve.service.state import check_serving, service_state
+from poolserve.service.frontend.pipeline import check_serving, service_state
 
 router = APIRouter(route_class=StrictJSONRoute)
 B = TypeVar("B", bound=BaseModel)

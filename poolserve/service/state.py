@@ -1,22 +1,17 @@
-"""What the routes share: settings, the engine, tokenizers and metrics of one server; whether
-it serves now."""
+"""What the routes share: settings, the engine, tokenizers and metrics of one server."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fastapi import Request
 from transformers import PreTrainedTokenizerBase
 
 from poolserve.models.spec import LoadedModel
 from poolserve.pooling.params import PoolingTask
 from poolserve.scheduler.admission import CharBudget
 from poolserve.scheduler.engine import Engine
-from poolserve.scheduler.errors import DrainingError
-from poolserve.service.errors import ModelNotFoundError, NotReadyError
-from poolserve.service.frontend.jobs import TruncationSide
+from poolserve.service.frontend.jobs import PoolerDefaults, TruncationSide
 from poolserve.service.frontend.pair_template import PairLayout
-from poolserve.service.frontend.params import PoolerDefaults
 from poolserve.service.frontend.prompts import Prompts
 from poolserve.service.observability.metrics import ServiceMetrics
 from poolserve.service.observability.tracing import NO_TRACING, Tracing
@@ -137,25 +132,3 @@ class ServiceState:
             and self.engine is not None
             and self.engine.dead_reason is None
         )
-
-
-def service_state(request: Request) -> ServiceState:
-    """The server state attached to the app."""
-    state: ServiceState = request.app.state.poolserve
-    return state
-
-
-def check_serving(state: ServiceState, model_name: str | None) -> tuple[Engine, ModelHandle]:
-    """503 unless ready and not draining; 404 for another model's name."""
-    if state.draining:
-        state.metrics.on_reject("draining")
-        raise DrainingError()
-    if not state.ready or state.engine is None or state.model is None:
-        state.metrics.on_reject("not_ready")
-        raise NotReadyError("the server is not ready yet")
-    if model_name is not None and model_name not in state.model.served_names:
-        names = " or ".join(repr(name) for name in state.model.served_names)
-        raise ModelNotFoundError(
-            f"model {model_name!r} does not exist; this server serves {names}", "model"
-        )
-    return state.engine, state.model

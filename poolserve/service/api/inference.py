@@ -35,8 +35,13 @@ from poolserve.service.frontend.encoding import (
     stream_item,
 )
 from poolserve.service.frontend.jobs import Requested
-from poolserve.service.frontend.pipeline import Submitted, as_completed, gather, submit
-from poolserve.service.state import service_state
+from poolserve.service.frontend.pipeline import (
+    Submitted,
+    as_completed,
+    gather,
+    service_state,
+    submit,
+)
 
 router = APIRouter(route_class=StrictJSONRoute)
 # /v1/pooling answers NDJSON when asked to stream

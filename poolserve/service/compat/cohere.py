@@ -22,9 +22,8 @@ from poolserve.service.errors import InvalidRequestError
 from poolserve.service.frontend.bodies import RequestBody
 from poolserve.service.frontend.encoding import StrictJSONRoute, answer, dumps
 from poolserve.service.frontend.jobs import Requested, TextJob, Truncate
-from poolserve.service.frontend.pipeline import gather, submit
+from poolserve.service.frontend.pipeline import check_serving, gather, service_state, submit
 from poolserve.service.frontend.texts import check_batch_size
-from poolserve.service.state import check_serving, service_state
 
 logger = logging.getLogger(__name__)
 router = APIRouter(route_class=StrictJSONRoute)

@@ -26,9 +26,8 @@ from poolserve.service.frontend.encoding import (
     encode_item,
 )
 from poolserve.service.frontend.jobs import Requested, ScoreJob, TextJob
-from poolserve.service.frontend.pipeline import gather, submit
+from poolserve.service.frontend.pipeline import check_serving, gather, service_state, submit
 from poolserve.service.frontend.scoring import score
-from poolserve.service.state import check_serving, service_state
 
 router = APIRouter(route_class=StrictJSONRoute)
 # What Infinity's clients send when no model is named.

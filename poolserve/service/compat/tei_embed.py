@@ -19,24 +19,29 @@ from poolserve.service.frontend.pipeline import gather, submit
 router = APIRouter(route_class=StrictJSONRoute)
 
 
-class EmbedRequest(TEIBody):
-    """TEI's `EmbedRequest`."""
+class TextOptions(TEIBody):
+    """What TEI's text bodies share: truncation and the prompt."""
 
-    inputs: Input
     truncate: bool | None = None
     truncation_direction: Direction = "right"
     prompt_name: StrictStr | None = None
-    normalize: bool = True  # TEI's default
-    dimensions: int | None = None
 
 
-class EmbedAllRequest(TEIBody):
+class EmbedAllRequest(TextOptions):
     """TEI's `EmbedAllRequest`: every token's hidden state."""
 
     inputs: Input
-    truncate: bool | None = None
-    truncation_direction: Direction = "right"
-    prompt_name: StrictStr | None = None
+
+
+class EmbedSparseRequest(EmbedAllRequest):
+    """TEI's `EmbedSparseRequest`: the same fields as `EmbedAllRequest`."""
+
+
+class EmbedRequest(EmbedAllRequest):
+    """TEI's `EmbedRequest`."""
+
+    normalize: bool = True  # TEI's default
+    dimensions: int | None = None
 
 
 class SimilarityInput(BaseModel):
@@ -48,12 +53,8 @@ class SimilarityInput(BaseModel):
     sentences: list[StrictStr]
 
 
-class SimilarityParameters(TEIBody):
+class SimilarityParameters(TextOptions):
     """TEI's `SimilarityParameters`."""
-
-    truncate: bool | None = None
-    truncation_direction: Direction = "right"
-    prompt_name: StrictStr | None = None
 
 
 class SimilarityRequest(TEIBody):
@@ -63,44 +64,37 @@ class SimilarityRequest(TEIBody):
     parameters: SimilarityParameters | None = None
 
 
-class EmbedSparseRequest(TEIBody):
-    """TEI's `EmbedSparseRequest`."""
-
-    inputs: Input
-    truncate: bool | None = None
-    truncation_direction: Direction = "right"
-    prompt_name: StrictStr | None = None
-
-
-async def _run(request: Request, job: TextJob) -> list[PoolingOutput]:
+async def _run(
+    request: Request,
+    task: PoolingTask,
+    inputs: object,
+    options: TextOptions,
+    requested: Requested | None = None,
+) -> list[PoolingOutput]:
+    """The texts as one job through the pipeline, with the body's truncation and prompt."""
+    job = TextJob(
+        task,
+        inputs,
+        requested=requested or Requested(),
+        prompt_name=options.prompt_name,
+        truncate=truncation(options.truncate, options.truncation_direction),
+    )
     return await gather(request, await submit(request, job))
 
 
 @router.post("/embed")
 async def embed(body: EmbedRequest, request: Request) -> Response:
     """One pooled embedding per input, always a list of lists."""
-    job = TextJob(
-        PoolingTask.EMBED,
-        body.inputs,
-        requested=Requested(dimensions=body.dimensions, normalize=body.normalize),
-        prompt_name=body.prompt_name,
-        truncate=truncation(body.truncate, body.truncation_direction),
-    )
-    outputs = await _run(request, job)
+    requested = Requested(dimensions=body.dimensions, normalize=body.normalize)
+    outputs = await _run(request, PoolingTask.EMBED, body.inputs, body, requested)
     return await answer(request, outputs, lambda: dumps([o.data for o in outputs]))
 
 
 @router.post("/embed_all")
 async def embed_all(body: EmbedAllRequest, request: Request) -> Response:
     """Every token's final hidden state, not normalized: `[[[float]]]`."""
-    job = TextJob(
-        PoolingTask.TOKEN_EMBED,
-        body.inputs,
-        requested=Requested(normalize=False),
-        prompt_name=body.prompt_name,
-        truncate=truncation(body.truncate, body.truncation_direction),
-    )
-    outputs = await _run(request, job)
+    requested = Requested(normalize=False)
+    outputs = await _run(request, PoolingTask.TOKEN_EMBED, body.inputs, body, requested)
     return await answer(request, outputs, lambda: dumps([o.data for o in outputs]))
 
 
@@ -110,14 +104,9 @@ async def similarity(body: SimilarityRequest, request: Request) -> Response:
     if not body.inputs.sentences:
         raise InvalidRequestError("inputs.sentences must not be empty", "inputs.sentences")
     parameters = body.parameters or SimilarityParameters()
-    job = TextJob(
-        PoolingTask.EMBED,
-        [body.inputs.source_sentence, *body.inputs.sentences],
-        requested=Requested(normalize=False),
-        prompt_name=parameters.prompt_name,
-        truncate=truncation(parameters.truncate, parameters.truncation_direction),
-    )
-    outputs = await _run(request, job)
+    texts = [body.inputs.source_sentence, *body.inputs.sentences]
+    requested = Requested(normalize=False)
+    outputs = await _run(request, PoolingTask.EMBED, texts, parameters, requested)
     return await answer(request, outputs, lambda: dumps(_cosines(outputs)))
 
 
@@ -133,13 +122,7 @@ def _cosines(outputs: list[PoolingOutput]) -> list[float]:
 async def embed_sparse(body: EmbedSparseRequest, request: Request) -> Response:
     """The non-zero SPLADE weights of each input, ascending by vocabulary id:
     `[[{"index": id, "value": weight}, ...], ...]`."""
-    job = TextJob(
-        PoolingTask.EMBED_SPARSE,
-        body.inputs,
-        prompt_name=body.prompt_name,
-        truncate=truncation(body.truncate, body.truncation_direction),
-    )
-    outputs = await _run(request, job)
+    outputs = await _run(request, PoolingTask.EMBED_SPARSE, body.inputs, body)
     return await answer(request, outputs, lambda: dumps([_sparse(o) for o in outputs]))
 
 

@@ -14,9 +14,8 @@ from poolserve.service.compat.tei_common import Direction, TEIBody, best_first, 
 from poolserve.service.errors import InvalidRequestError
 from poolserve.service.frontend.encoding import StrictJSONRoute, answer, dumps
 from poolserve.service.frontend.jobs import Requested, ScoreJob, TextJob
-from poolserve.service.frontend.pipeline import gather, submit
+from poolserve.service.frontend.pipeline import gather, service_state, submit
 from poolserve.service.frontend.texts import check_batch_size
-from poolserve.service.state import service_state
 
 router = APIRouter(route_class=StrictJSONRoute)
 

@@ -13,13 +13,14 @@ from poolserve.service.compat.tei_common import TEIBody
 from poolserve.service.errors import InvalidRequestError
 from poolserve.service.frontend.bodies import TokenIds
 from poolserve.service.frontend.encoding import StrictJSONRoute, dumps
+from poolserve.service.frontend.pipeline import check_serving, service_state
 from poolserve.service.frontend.texts import (
     InputTooLongError,
     check_batch_size,
     check_encodable,
     run_budgeted,
 )
-from poolserve.service.state import ModelHandle, check_serving, service_state
+from poolserve.service.state import ModelHandle
 
 router = APIRouter(route_class=StrictJSONRoute)
 

@@ -20,8 +20,8 @@ from starlette.responses import Response
 
 from poolserve.scheduler.request import PoolingOutput
 from poolserve.service.errors import EdgeError, clip
+from poolserve.service.frontend.pipeline import service_state
 from poolserve.service.observability.tracing import SpanRecord, trace_of
-from poolserve.service.state import service_state
 
 OPTIONS = orjson.OPT_SERIALIZE_NUMPY
 JSON = "application/json"

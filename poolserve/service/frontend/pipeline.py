@@ -20,16 +20,18 @@ from fastapi import Request
 from poolserve.pooling.params import PoolingParams, PoolingTask
 from poolserve.pooling.scorers import PairMode, scorer_plan
 from poolserve.scheduler.engine import Engine
+from poolserve.scheduler.errors import DrainingError
 from poolserve.scheduler.request import PoolingOutput
 from poolserve.service.errors import (
     ClientDisconnectedError,
     InvalidRequestError,
+    ModelNotFoundError,
+    NotReadyError,
     ShutdownError,
 )
 from poolserve.service.frontend.chat import render_messages
-from poolserve.service.frontend.jobs import Job, Requested, ScoreJob, TextJob
+from poolserve.service.frontend.jobs import Job, Requested, ScoreJob, TextJob, merge
 from poolserve.service.frontend.pairs import PairTruncation, PromptMode, tokenize_job
-from poolserve.service.frontend.params import merge
 from poolserve.service.frontend.prompts import prepend, prompt_length
 from poolserve.service.frontend.texts import (
     RawInputs,
@@ -41,7 +43,7 @@ from poolserve.service.frontend.texts import (
 )
 from poolserve.service.observability.logs import PROMPT_TOKENS_KEY
 from poolserve.service.observability.tracing import NO_TRACE, RequestTrace, SpanRecord, trace_of
-from poolserve.service.state import ModelHandle, ServiceState, check_serving, service_state
+from poolserve.service.state import ModelHandle, ServiceState
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +75,28 @@ class Plan:
     params: PoolingParams
     num_prompts: int
     tokenize: Callable[[], Awaitable[Batch]]
+
+
+def service_state(request: Request) -> ServiceState:
+    """The server state attached to the app."""
+    state: ServiceState = request.app.state.poolserve
+    return state
+
+
+def check_serving(state: ServiceState, model_name: str | None) -> tuple[Engine, ModelHandle]:
+    """503 unless ready and not draining; 404 for another model's name."""
+    if state.draining:
+        state.metrics.on_reject("draining")
+        raise DrainingError()
+    if not state.ready or state.engine is None or state.model is None:
+        state.metrics.on_reject("not_ready")
+        raise NotReadyError("the server is not ready yet")
+    if model_name is not None and model_name not in state.model.served_names:
+        names = " or ".join(repr(name) for name in state.model.served_names)
+        raise ModelNotFoundError(
+            f"model {model_name!r} does not exist; this server serves {names}", "model"
+        )
+    return state.engine, state.model
 
 
 async def submit(request: Request, job: Job) -> Submitted:
