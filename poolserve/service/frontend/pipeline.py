@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 
 from fastapi import Request
@@ -65,7 +65,7 @@ class Batch:
 
     params: PoolingParams
     token_ids: list[list[int]]
-    token_type_ids: list[list[int]] | None = None
+    token_type_ids: Sequence[Sequence[int] | None] | None = None  # None: no prompt has types
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,7 @@ def _plan_pairs(job: ScoreJob, engine: Engine, model: ModelHandle, state: Servic
         prompts = await tokenize_job(job, model, mode, cuts, state.metrics.on_reject)
         types = [p.token_type_ids for p in prompts]
         typed = any(t is not None for t in types)
-        return Batch(params, [p.token_ids for p in prompts], types if typed else None)  # type: ignore[arg-type]
+        return Batch(params, [p.token_ids for p in prompts], types if typed else None)
 
     count = len(job.pairs) if joint else len(job.queries) + len(job.documents)
     return Plan(params, count, run)
