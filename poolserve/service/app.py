@@ -25,6 +25,7 @@ from poolserve.scheduler.engine import Engine
 from poolserve.service import dispatch
 from poolserve.service.api import admin, inference, retrieval
 from poolserve.service.compat import cohere, infinity, tei_embed, tei_predict, tei_tokens
+from poolserve.service.compat.tei_common import TEIRoute
 from poolserve.service.edge.handlers import install_error_handlers, openapi_schema
 from poolserve.service.edge.middleware import OPEN_PATHS, EdgeMiddleware, InFlight
 from poolserve.service.frontend.jobs import (
@@ -85,7 +86,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app.state.poolserve = state
     app.state.inflight = inflight
     install_error_handlers(app)
-    for router in (
+    routers = (
         inference.router,
         admin.router,
         retrieval.router,
@@ -95,7 +96,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
         tei_predict.router,
         tei_tokens.router,
         dispatch.router,
-    ):
+    )
+    for router in routers:
         app.include_router(router)
     app.add_middleware(EdgeMiddleware, state=state, inflight=inflight)
     if settings.allowed_origins:
@@ -107,7 +109,10 @@ def create_app(settings: ServerSettings) -> FastAPI:
             allow_headers=settings.allowed_headers,
             allow_credentials=settings.allow_credentials,
         )
-    app.openapi = partial(openapi_schema, app, OPEN_PATHS)  # type: ignore[method-assign]
+    # paths whose errors may take TEI's shape: TEI's own routes and the shared ones
+    tei_routes = {r.path for rt in routers for r in rt.routes if isinstance(r, TEIRoute)}
+    tei_paths = tei_routes | dispatch.SHARED_WITH_TEI
+    app.openapi = partial(openapi_schema, app, OPEN_PATHS, tei_paths)  # type: ignore[method-assign]
     return app
 
 

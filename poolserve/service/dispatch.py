@@ -2,7 +2,8 @@
 
 `POST /` is TEI's main route (huggingface_hub's InferenceClient calls it): the body decides where
 it can (`query` + `texts`: rerank; `inputs.source_sentence`: similarity), else the model's first
-task among embed, classify (predict) and sparse embed, as TEI picks by model type.
+task among sparse embed (an MLM head is SPLADE), embed and classify (predict), as TEI picks by
+model type; its errors answer in TEI's shape.
 `POST /rerank` takes vLLM's, TEI's (`texts`) and Infinity's (`raw_scores`) bodies, and
 `POST /tokenize` vLLM's (`prompt`) and TEI's (`inputs`). Only the app factory imports this
 module; native routes and compat translators never import each other.
@@ -22,11 +23,14 @@ from poolserve.pooling.params import PoolingTask
 from poolserve.service.api import admin, retrieval
 from poolserve.service.api.schemas import RerankRequestBody, TokenizeRequest
 from poolserve.service.compat import infinity, tei_embed, tei_predict, tei_rerank, tei_tokens
+from poolserve.service.compat.tei_common import TEIRoute, mark
 from poolserve.service.errors import InvalidRequestError
 from poolserve.service.frontend.encoding import StrictJSONRoute
 from poolserve.service.frontend.pipeline import check_serving, service_state
 
 router = APIRouter(route_class=StrictJSONRoute)
+# paths where a TEI body is answered (errors included) in TEI's shape, beside other families'
+SHARED_WITH_TEI = frozenset({"/rerank", "/tokenize"})
 B = TypeVar("B", bound=BaseModel)
 Handler = Callable[[Any, Request], Awaitable[Response]]
 Payload = Annotated[dict[str, Any], Body()]
@@ -58,6 +62,7 @@ RERANK_BODIES = (RerankRequestBody, tei_rerank.TEIRerankRequest, infinity.Infini
 async def rerank(payload: Payload, request: Request) -> Response:
     """vLLM/Jina/Cohere rerank; TEI's when the body has `texts`, Infinity's with `raw_scores`."""
     if "texts" in payload and "documents" not in payload:
+        mark(request)  # TEI's body: its errors, validation included, in TEI's shape
         return await tei_rerank.rerank(validated(tei_rerank.TEIRerankRequest, payload), request)
     if "raw_scores" in payload:  # Infinity's clients always send it; vLLM's body has no such field
         return await infinity.rerank(validated(infinity.InfinityRerankRequest, payload), request)
@@ -68,23 +73,20 @@ async def rerank(payload: Payload, request: Request) -> Response:
 async def tokenize(payload: Payload, request: Request) -> Response:
     """vLLM's tokenize (`prompt`), or TEI's when the body has `inputs`."""
     if "inputs" in payload and "prompt" not in payload:
+        mark(request)  # TEI's body: its errors, validation included, in TEI's shape
         return await tei_tokens.tokenize(validated(tei_tokens.TokenizeRequest, payload), request)
     return await admin.tokenize(validated(TokenizeRequest, payload), request)
 
 
-# the model's main task -> (TEI body, handler), first supported wins
+# the model's main task -> (TEI body, handler), first supported wins; a model with an MLM head
+# answers sparse, as TEI serves a `*ForMaskedLM` under `--pooling splade`
 MAIN_TASKS: tuple[tuple[PoolingTask, type[BaseModel], Handler], ...] = (
+    (PoolingTask.EMBED_SPARSE, tei_embed.EmbedSparseRequest, tei_embed.embed_sparse),
     (PoolingTask.EMBED, tei_embed.EmbedRequest, tei_embed.embed),
     (PoolingTask.CLASSIFY, tei_predict.PredictRequest, tei_predict.predict),
-    (PoolingTask.EMBED_SPARSE, tei_embed.EmbedSparseRequest, tei_embed.embed_sparse),
 )
 
 
-@router.post(
-    "/",
-    # the flat bodies only: a nested model's $defs would not resolve inside an inline schema
-    openapi_extra=body_schema(tei_embed.EmbedRequest, tei_predict.PredictRequest),
-)
 async def main_task(payload: Payload, request: Request) -> Response:
     """The body's route when its shape says, else the model's main task."""
     if "query" in payload and "texts" in payload:
@@ -101,4 +103,16 @@ async def main_task(payload: Payload, request: Request) -> Response:
     raise InvalidRequestError(
         f"POST / serves embed, classify or embed_sparse models; this model serves {supported}",
         None,
+        "unsupported_task",
     )
+
+
+# TEI's route only: its errors, body errors included, answer in TEI's shape
+router.add_api_route(
+    "/",
+    main_task,
+    methods=["POST"],
+    route_class_override=TEIRoute,
+    # the flat bodies only: a nested model's $defs would not resolve inside an inline schema
+    openapi_extra=body_schema(tei_embed.EmbedRequest, tei_predict.PredictRequest),
+)

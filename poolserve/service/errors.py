@@ -1,4 +1,5 @@
-"""Domain errors mapped to HTTP in one table, rendered as OpenAI-style error bodies."""
+"""Domain errors mapped to HTTP in one table, rendered as OpenAI-style error bodies (TEI's on
+TEI's routes)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,10 @@ logger = logging.getLogger(__name__)
 MAX_ECHO_CHARS = 128
 MAX_MESSAGE_CHARS = 1024
 CLOSE = {"connection": "close"}  # the rest of the request was not read: the connection is spent
+# Where a route marks the client family whose error body it answers with (the request's scope
+# state); unmarked routes answer OpenAI's.
+ERROR_FAMILY_KEY = "poolserve.error_family"
+TEI_FAMILY = "tei"
 
 
 class APIError(Exception):
@@ -146,6 +151,20 @@ HTTP_CODES = {
 }
 INTERNAL = ErrorShape(500, "internal_error", "internal_error", _none)
 
+# TEI's `ErrorType` and the status it maps each to (router/src/lib.rs, server.rs, TEI 1.9.3): our
+# code first, then our status; anything else keeps its status as a Validation (4xx) or Backend
+TEI_BY_CODE: dict[str, tuple[int, str]] = {
+    "empty": (400, "Empty"),  # TEI's one 400: an empty batch, text or id list
+    "duplicate_key": (422, "Validation"),  # serde refuses a duplicate field as a data error
+    "unsupported_task": (424, "Backend"),  # "Model is not an embedding model" and the like
+    "step_failed": (424, "Backend"),
+}
+TEI_BY_STATUS: dict[int, tuple[int, str]] = {
+    400: (422, "Validation"),  # too-long inputs and batch sizes included
+    429: (429, "Overloaded"),
+    503: (503, "Unhealthy"),
+}
+
 
 def clip(text: str, limit: int = MAX_ECHO_CHARS) -> str:
     """At most limit characters of client-sent text, marked when cut."""
@@ -192,12 +211,39 @@ def _shape_of(exc: Exception) -> tuple[ErrorShape, str]:
     return INTERNAL, "internal server error"
 
 
-def response_for(exc: Exception, headers: Mapping[str, str] | None = None) -> Response:
-    """Map any exception to its HTTP response."""
+def tei_error_response(
+    status: int, error_type: str, message: str, headers: Mapping[str, str] | None = None
+) -> Response:
+    """TEI's error body, `{"error", "error_type"}`, with echoed text bounded."""
+    body = orjson.dumps({"error": clip(message, MAX_MESSAGE_CHARS), "error_type": error_type})
+    return Response(body, status_code=status, media_type="application/json", headers=headers)
+
+
+def family_error_response(
+    family: str | None,
+    status: int,
+    message: str,
+    type_: str,
+    param: str | None,
+    code: str,
+    headers: Mapping[str, str] | None = None,
+) -> Response:
+    """The error body of the route's client family: TEI's on TEI's routes, else OpenAI's."""
+    if family != TEI_FAMILY:
+        return error_response(status, message, type_, param, code, headers)
+    fallback = (status, "Backend" if status >= 500 else "Validation")
+    tei_status, error_type = TEI_BY_CODE.get(code) or TEI_BY_STATUS.get(status, fallback)
+    return tei_error_response(tei_status, error_type, message, headers)
+
+
+def response_for(
+    exc: Exception, headers: Mapping[str, str] | None = None, family: str | None = None
+) -> Response:
+    """Map any exception to its HTTP response (in `family`'s shape, OpenAI's by default)."""
     shape, message = _shape_of(exc)
     extra = {**(_retry_after(exc) or {}), **(headers or {})}
-    return error_response(
-        shape.status, message, shape.type, shape.param(exc), shape.code, extra or None
+    return family_error_response(
+        family, shape.status, message, shape.type, shape.param(exc), shape.code, extra or None
     )
 
 
@@ -213,9 +259,9 @@ def _retry_after(exc: Exception) -> dict[str, str] | None:
     return None
 
 
-def http_error_response(exc: StarletteHTTPException) -> Response:
+def http_error_response(exc: StarletteHTTPException, family: str | None = None) -> Response:
     """Routing and framing errors, with their headers (Allow on 405, Connection on 408/413)."""
     code = exc.code if isinstance(exc, EdgeError) else HTTP_CODES.get(exc.status_code, "http_error")
-    return error_response(
-        exc.status_code, str(exc.detail), "invalid_request_error", None, code, exc.headers
+    return family_error_response(
+        family, exc.status_code, str(exc.detail), "invalid_request_error", None, code, exc.headers
     )

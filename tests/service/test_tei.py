@@ -70,11 +70,14 @@ def test_embed_documented_bodies(minilm: TestClient, st_model: Any) -> None:
 def test_embed_truncation(minilm: TestClient, st_model: Any) -> None:
     long_text = "word " * 600  # past MiniLM's 512 positions
     want = st_model.encode([long_text], normalize_embeddings=True)
-    # sentence_bert_config.json's max_seq_length (256) cuts every text, truncate or not, as in
-    # sentence-transformers (TEI reads it as its max_input_length too)
-    for truncate in (True, False, None):
+    # sentence_bert_config.json's max_seq_length (256) is TEI's max_input_length: truncate
+    # (TEI >= 1.9's default) cuts there as sentence-transformers does, false refuses
+    for truncate in (True, None):
         kept = _ok(minilm.post("/embed", json={"inputs": long_text, "truncate": truncate}))
         _close(kept, want)
+    refused = minilm.post("/embed", json={"inputs": long_text, "truncate": False})
+    assert refused.status_code == 422, refused.text
+    assert refused.json()["error_type"] == "Validation" and "256" in refused.json()["error"]
     # truncation_direction: left keeps the end, as tokenizers' Left does
     tail = "alpha " * 300 + "beta gamma delta"
     left = minilm.post(
@@ -161,8 +164,10 @@ def test_decode(minilm: TestClient, minilm_dir: Path) -> None:
     assert _ok(minilm.post("/decode", json={"ids": ids})) == [reference.decode(ids)]
     both = _ok(minilm.post("/decode", json={"ids": [ids, ids[:3]], "skip_special_tokens": False}))
     assert both == [reference.decode(i, skip_special_tokens=False) for i in (ids, ids[:3])]
-    assert minilm.post("/decode", json={"ids": [10**6]}).status_code == 400
-    assert minilm.post("/decode", json={"ids": [[1], [1, 2]] * 2000}).status_code == 400
+    # TEI's statuses: 422 (Validation) for an id outside the vocabulary and for a batch above
+    # --max-client-batch-size
+    assert minilm.post("/decode", json={"ids": [10**6]}).status_code == 422
+    assert minilm.post("/decode", json={"ids": [[1], [1, 2]] * 2000}).status_code == 422
 
 
 def test_info_has_tei_fields_and_keeps_its_own(minilm: TestClient) -> None:
@@ -174,7 +179,8 @@ def test_info_has_tei_fields_and_keeps_its_own(minilm: TestClient) -> None:
     assert info["model_dtype"] == "float32"
     assert info["model_type"] == {"embedding": {"pooling": "mean"}}
     assert info["max_input_length"] == 256  # sentence_bert_config.json's max_seq_length
-    assert info["max_client_batch_size"] == 2048 and info["auto_truncate"] is False
+    # TEI's routes truncate when a request leaves `truncate` unset (TEI >= 1.9's default)
+    assert info["max_client_batch_size"] == 2048 and info["auto_truncate"] is True
     for key in ("max_concurrent_requests", "max_batch_tokens", "max_batch_requests", "model_sha"):
         assert key in info
     assert info["similarity_fn_name"] == "cosine" and info["prompts"] == {}
@@ -184,7 +190,7 @@ def test_unknown_fields_are_ignored_as_tei_does(minilm: TestClient) -> None:
     body = {"inputs": "x", "encoding_format": "float", "parameters": {}}
     assert minilm.post("/embed", json=body).status_code == 200
     assert minilm.post("/embed", json={"inputs": []}).status_code == 400
-    assert minilm.post("/predict", json={"inputs": "x"}).status_code == 400  # no classifier
+    assert minilm.post("/predict", json={"inputs": "x"}).status_code == 424  # no classifier
 
 
 def _nli_dir(directory: Path) -> Path:
@@ -244,8 +250,8 @@ def test_predict_single_pair_and_batch(nli: tuple[TestClient, Path]) -> None:
             "label2id": {v: k for k, v in LABELS.items()},
         }
     }
-    for bad in (["a", "b", "c"], [["a", "b", "c"]], []):
-        assert client.post("/predict", json={"inputs": bad}).status_code == 400
+    for bad in (["a", "b", "c"], [["a", "b", "c"]], []):  # TEI's serde refusals: 422
+        assert client.post("/predict", json={"inputs": bad}).status_code == 422
 
 
 def test_root_on_a_reranker_takes_tei_rerank_bodies(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from importlib.metadata import version
 from pathlib import Path
@@ -12,9 +13,10 @@ from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import PlainTextResponse, Response
 
-from poolserve.pooling.params import PoolingTask
+from poolserve.pooling.params import PoolingTask, PoolingType
 from poolserve.service.api.schemas import DetokenizeRequest, TokenizeRequest
 from poolserve.service.errors import InvalidRequestError, error_response
+from poolserve.service.frontend.chat import render_messages
 from poolserve.service.frontend.encoding import StrictJSONRoute, dumps
 from poolserve.service.frontend.pipeline import check_serving, service_state
 from poolserve.service.frontend.texts import tokenize_prompt
@@ -32,13 +34,33 @@ def _json(document: object, status: int = 200) -> Response:
 
 
 async def tokenize(body: TokenizeRequest, request: Request) -> Response:
-    """Token ids of a prompt, as the engine would see them before any truncation."""
+    """Token ids of a prompt or a chat, as the engine would see them before any truncation.
+
+    The chat form is rendered by the same chat-template path as pooling requests' `messages`;
+    special tokens default to true for a prompt and false on top of a chat template, as in vLLM.
+    """
     state = service_state(request)
     _, model = check_serving(state, body.model)
-    ids = await tokenize_prompt(
-        model, body.prompt, body.add_special_tokens, state.metrics.on_reject
+    on_reject = state.metrics.on_reject
+    chat = body.chat()
+    text = body.prompt
+    if chat is not None:
+        trusted = state.settings.trust_request_chat_template
+        text = await render_messages(chat, model, trusted, on_reject)
+    assert text is not None  # the schema asks for exactly one of prompt and messages
+    specials = body.add_special_tokens if body.add_special_tokens is not None else chat is None
+    ids = await tokenize_prompt(model, text, specials, on_reject)
+    strings = None
+    if body.return_token_strs:
+        strings = await asyncio.to_thread(model.tokenizer.convert_ids_to_tokens, ids)
+    return _json(
+        {
+            "count": len(ids),
+            "max_model_len": model.max_model_len,
+            "tokens": ids,
+            "token_strs": strings,
+        }
     )
-    return _json({"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids})
 
 
 @router.post("/detokenize")
@@ -126,11 +148,11 @@ def sentence_transformers_info(model: ModelHandle) -> dict[str, object]:
 
 
 def tei_info(state: ServiceState, model: ModelHandle) -> dict[str, object]:
-    """TEI's /info fields (its `Info` record) that these servers have in common."""
+    """TEI's /info fields (its `Info` record, TEI 1.9.3) that these servers have in common."""
     s = state.settings
     return {
         "model_id": _source(s, model),
-        "model_sha": None,
+        "model_sha": s.revision,  # TEI reports its --revision here
         "model_dtype": state.dtype,
         "served_model_name": model.served_name,
         "model_type": _tei_model_type(state, model),
@@ -139,17 +161,24 @@ def tei_info(state: ServiceState, model: ModelHandle) -> dict[str, object]:
         "max_input_length": model.st_max_seq_length or model.max_model_len,
         "max_batch_tokens": s.max_num_batched_tokens,
         "max_batch_requests": s.max_num_seqs,
-        "auto_truncate": model.auto_truncate,
-        "tokenization_workers": None,
+        # TEI's routes truncate a request that leaves `truncate` unset (TEI >= 1.9's default),
+        # whatever --auto-truncate (the native routes' switch) says
+        "auto_truncate": True,
+        "tokenization_workers": _tokenization_workers(),
         "sha": None,
         "docker_label": None,
     }
 
 
+# the embed pooling in TEI's spelling (its `Pool` names)
+TEI_POOLING = {PoolingType.CLS: "cls", PoolingType.MEAN: "mean", PoolingType.LAST: "last_token"}
+
+
 def _tei_model_type(state: ServiceState, model: ModelHandle) -> dict[str, object]:
     """TEI's model_type: a classifier (one label: a reranker) with its labels, or an embedder."""
     labels = model.loaded.spec.labels
-    if PoolingTask.CLASSIFY in state.supported_tasks and labels:
+    tasks = state.supported_tasks
+    if PoolingTask.CLASSIFY in tasks and labels:
         kind = "reranker" if len(labels) == 1 else "classifier"
         return {
             kind: {
@@ -157,12 +186,17 @@ def _tei_model_type(state: ServiceState, model: ModelHandle) -> dict[str, object
                 "label2id": {name: i for i, name in enumerate(labels)},
             }
         }
-    pooling = model.loaded.sentence_transformers
-    mode = pooling.pooling_mode if pooling is not None else None
-    tasks = state.supported_tasks
-    if PoolingTask.EMBED_SPARSE in tasks and PoolingTask.EMBED not in tasks:
-        mode = "splade"
-    return {"embedding": {"pooling": mode or model.defaults.pooling_type or "default"}}
+    if PoolingTask.EMBED_SPARSE in tasks:  # an MLM head: POST / answers sparse, TEI's splade
+        return {"embedding": {"pooling": "splade"}}
+    # --pooler-config's pooling, else the sentence-transformers mode, else the model kind's
+    pooling = state.engine.pooling_info.embed_pooling_type if state.engine else PoolingType.CLS
+    return {"embedding": {"pooling": TEI_POOLING.get(pooling, pooling.value)}}
+
+
+def _tokenization_workers() -> int:
+    """Threads that may tokenize at once: the event loop's default executor's size (Python's
+    ThreadPoolExecutor default), where every route tokenizes."""
+    return min(32, (os.cpu_count() or 1) + 4)
 
 
 def _source(settings: ServerSettings, model: ModelHandle) -> str:

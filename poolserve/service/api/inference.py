@@ -94,8 +94,19 @@ def _response_id(prefix: str, request: Request, body: InputBody) -> str:
     return f"{prefix}-{getattr(state, 'request_id', None) or uuid.uuid4().hex}"
 
 
-def _usage(run: Submitted) -> dict[str, int]:
-    return {"prompt_tokens": run.num_prompt_tokens, "total_tokens": run.num_prompt_tokens}
+def _usage(run: Submitted) -> dict[str, int | None]:
+    """vLLM's UsageInfo as it serializes it: pooling completes no tokens."""
+    return {
+        "prompt_tokens": run.num_prompt_tokens,
+        "total_tokens": run.num_prompt_tokens,
+        "completion_tokens": 0,
+        "prompt_tokens_details": None,
+        "completion_tokens_details": None,
+    }
+
+
+# vLLM's bytes metadata header carries only these two usage counts
+BINARY_USAGE = ("prompt_tokens", "total_tokens")
 
 
 def _binary(
@@ -107,7 +118,10 @@ def _binary(
     parts, items = binary_parts((o.data for o in outputs), body.embed_dtype, body.endianness)
     headers = {}
     if body.encoding_format == "bytes":
-        headers["metadata"] = dumps({**fields, "data": items}).decode()
+        usage = fields["usage"]
+        assert isinstance(usage, dict)
+        counts = {name: usage[name] for name in BINARY_USAGE}
+        headers["metadata"] = dumps({**fields, "usage": counts, "data": items}).decode()
     return Encoded(b"".join(parts), "application/octet-stream", headers)
 
 

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    WithJsonSchema,
+    model_validator,
+)
+from pydantic.json_schema import JsonDict
 
 from poolserve.pooling.params import PoolingTask
 from poolserve.service.frontend.bodies import (
@@ -146,12 +155,85 @@ class ClassifyRequest(InputBody):
     activation: bool | None = None
 
 
-class TokenizeRequest(RequestBody):
-    """`POST /tokenize`."""
+# `/tokenize`'s schema is inlined by service/dispatch.py, where a nested model's $ref would not
+# resolve: its messages are described flat. Exactly one of prompt and messages.
+_TEXT_PART = {
+    "type": "object",
+    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+    "required": ["type", "text"],
+}
+_CONTENT = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}, {"type": "null"}]}
+_MESSAGES_SCHEMA = {
+    "anyOf": [
+        {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"role": {"type": "string"}, "content": _CONTENT},
+                "required": ["role"],
+            },
+        },
+        {"type": "null"},
+    ],
+    "default": None,
+}
+_ONE_FORM: JsonDict = {"oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]}
 
-    prompt: StrictStr
+
+class TokenizeRequest(RequestBody):
+    """vLLM's `POST /tokenize`: a `prompt`, or its chat form: `messages` and chat options."""
+
+    model_config = ConfigDict(json_schema_extra=_ONE_FORM)
+
+    prompt: StrictStr | None = None
+    messages: Annotated[list[ChatMessage] | None, WithJsonSchema(_MESSAGES_SCHEMA)] = None
     model: str | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = Field(
+        default=None,
+        description="Add the tokenizer's special tokens (default: true for prompt, false for "
+        "messages, whose chat template adds its own).",
+    )
+    return_token_strs: bool | None = Field(
+        default=False, description="Also return each token's string (`token_strs`)."
+    )
+    # vLLM's chat fields; on /tokenize the generation prompt is added unless asked not to
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: StrictStr | None = Field(
+        default=None, description="A Jinja chat template (needs --trust-request-chat-template)."
+    )
+    chat_template_kwargs: dict[str, object] | None = None
+    tools: list[dict[str, object]] | None = Field(
+        default=None, description="Refused unless empty: tools are not rendered here."
+    )
+    media_io_kwargs: dict[str, object] | None = None
+    mm_processor_kwargs: dict[str, object] | None = None
+
+    @model_validator(mode="after")
+    def _one_prompt_form(self) -> Self:
+        """Exactly one of prompt and messages; the chat options that cannot render refused."""
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of prompt and messages")
+        if self.messages is not None and self.add_generation_prompt and self.continue_final_message:
+            raise ValueError(
+                "add_generation_prompt (default true on /tokenize) and continue_final_message "
+                "cannot both be true"
+            )
+        if self.tools:
+            raise ValueError("tools are not supported: chat templates are rendered without tools")
+        return self
+
+    def chat(self) -> Chat | None:
+        """The chat form as the front end renders it (None for a prompt)."""
+        if self.messages is None:
+            return None
+        return Chat(
+            tuple(self.messages),
+            self.chat_template,
+            self.chat_template_kwargs,
+            self.add_generation_prompt,
+            self.continue_final_message,
+        )
 
 
 class DetokenizeRequest(RequestBody):
@@ -163,10 +245,19 @@ class DetokenizeRequest(RequestBody):
 
 # ---- retrieval: /score, /rerank (their shapes are read from the peers' protocol code) ----------
 Texts = StrictStr | list[StrictStr]
+NonNegative = Annotated[StrictInt, Field(ge=0)]
+# vLLM's score bodies, in the order its request union tries them: the first form whose two fields
+# are both present wins (the other forms' fields are then ignored, as vLLM ignores extra fields).
+SCORE_FORMS: tuple[tuple[str, str], ...] = (
+    ("queries", "documents"),
+    ("queries", "items"),
+    ("data_1", "data_2"),
+    ("text_1", "text_2"),
+)
 
 
 class _ScoringBody(RequestBody):
-    """Fields shared by the vLLM-style scoring routes."""
+    """Fields shared by the vLLM-style scoring routes (vLLM's ScoringRequestMixin)."""
 
     model: str | None = None
     user: str | None = None
@@ -183,27 +274,66 @@ class _ScoringBody(RequestBody):
         description="false: the raw logit instead of the model's activation (cross-encoders).",
     )
     priority: StrictInt = 0
+    max_tokens_per_doc: NonNegative | None = Field(
+        None,
+        description="Cut each document to its first this many tokens (0: no cut; default: 0, "
+        "Cohere's 4096 on /v2/rerank).",
+    )
+    max_tokens_per_query: NonNegative = Field(
+        0, description="vLLM's cut of each query (0: none); other values are refused here."
+    )
+    instruction: StrictStr | None = Field(
+        None, description="vLLM's score-template instruction: no score template is applied here."
+    )
+    chat_template_kwargs: dict[str, object] | None = Field(
+        None, description="vLLM's score-template arguments: no score template is applied here."
+    )
+    request_id: Annotated[str, Field(pattern=REQUEST_ID_PATTERN)] | None = Field(
+        default=None, description="Echoed in the response id and x-request-id (header's wins)."
+    )
+    padding: Literal["max_length", "do_not_pad"] | None = None
+    cache_salt: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
+    mm_processor_kwargs: dict[str, object] | None = None
 
 
 class ScoreRequestBody(_ScoringBody):
-    """vLLM `POST /score`: each text_1 with its text_2 (1:1, 1:N or N:N)."""
+    """vLLM `POST /score`: queries with documents (or items, data_2, text_2): 1:1, 1:N or N:N."""
 
-    text_1: Texts
-    text_2: Texts
+    queries: Texts | None = None
+    documents: Texts | None = None
+    items: Texts | None = None
+    data_1: Texts | None = None
+    data_2: Texts | None = None
+    text_1: Texts | None = None
+    text_2: Texts | None = None
+
+    @model_validator(mode="after")
+    def _one_form(self) -> Self:
+        """One of vLLM's four forms must be complete."""
+        if self.form is None:
+            raise ValueError(
+                "send queries and documents (or queries and items, data_1 and data_2, "
+                "text_1 and text_2)"
+            )
+        return self
+
+    @property
+    def form(self) -> tuple[str, str] | None:
+        """The field names of the pair form this body uses (vLLM's precedence)."""
+        return next(
+            (f for f in SCORE_FORMS if all(getattr(self, name) is not None for name in f)), None
+        )
 
 
 class RerankRequestBody(_ScoringBody):
     """`POST /rerank`, `/v1/rerank`, `/v2/rerank`: vLLM's, Jina's and Cohere's rerank body."""
 
     query: StrictStr
-    documents: list[StrictStr]
-    top_n: Annotated[StrictInt, Field(ge=1)] | None = Field(
-        None, description="Return only the best top_n results (default: all)."
+    documents: Texts
+    top_n: NonNegative | None = Field(
+        0, description="Return only the best top_n results (0 or null: all, as vLLM's default)."
     )
     return_documents: bool = Field(True, description="Include each document's text.")
-    max_tokens_per_doc: Annotated[StrictInt, Field(ge=1)] | None = Field(
-        None, description="Cohere: cut each document to this many tokens."
-    )
     relevant_spans: dict[str, object] | None = Field(
         None, description="Cohere: accepted and ignored (no spans are returned)."
     )

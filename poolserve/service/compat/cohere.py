@@ -1,11 +1,14 @@
 """Cohere's `POST /v2/embed`: its body into the service's embed request, embeddings by type out.
 
-Shapes read from the `cohere` SDK's v2 client (the `embed` request fields and
-`EmbedByTypeResponse`: `id`, `embeddings` keyed by type, `texts`, `meta`, `response_type`).
+Shapes read from the `cohere` SDK 7.3.1 (`ClientV2.embed`, `EmbedInput`, `EmbedByTypeResponse`:
+`id`, `embeddings` keyed by type, `texts`, `meta`, `response_type`) and Cohere's OpenAPI
+(cohere-developer-experience `cohere-openapi.yaml`, `/v2/embed`); where Cohere leaves a rule
+open (base64 bytes, text parts of one input, truncate NONE with max_tokens), vLLM's `/v2/embed`.
 """
 
 from __future__ import annotations
 
+import base64
 import logging
 import uuid
 from collections.abc import Callable, Sequence
@@ -20,10 +23,11 @@ from poolserve.pooling.params import PoolingTask
 from poolserve.scheduler.request import PoolingOutput
 from poolserve.service.errors import InvalidRequestError
 from poolserve.service.frontend.bodies import RequestBody
-from poolserve.service.frontend.encoding import StrictJSONRoute, answer, dumps
+from poolserve.service.frontend.encoding import StrictJSONRoute, answer, dumps, to_dtype_bytes
 from poolserve.service.frontend.jobs import Requested, TextJob, Truncate
 from poolserve.service.frontend.pipeline import check_serving, gather, service_state, submit
 from poolserve.service.frontend.texts import check_batch_size
+from poolserve.service.state import ModelHandle
 
 logger = logging.getLogger(__name__)
 router = APIRouter(route_class=StrictJSONRoute)
@@ -36,6 +40,8 @@ KEPT_SIDE: dict[str, Literal["left", "right"]] = {"START": "left", "END": "right
 # 8-bit types are cut from a fixed range: every component of a unit vector lies in [-1, 1].
 UNIT_LOW, UNIT_HIGH = -1.0, 1.0
 NUM_LEVELS = 255
+# The text parts of one input become one text, joined as vLLM joins a message's text parts.
+PART_SEPARATOR = "\n"
 
 
 class TextContent(BaseModel):
@@ -49,7 +55,7 @@ class TextContent(BaseModel):
 
 
 class EmbedInput(BaseModel):
-    """One `inputs` item: its content parts."""
+    """One `inputs` item: its content parts, embedded together as one input."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -70,7 +76,7 @@ class CohereEmbedRequest(RequestBody):
     output_dimension: StrictInt | None = None
     embedding_types: list[EmbeddingType] | None = None
     truncate: CohereTruncate = "END"  # Cohere's default
-    priority: StrictInt = 0
+    priority: Annotated[StrictInt, Field(ge=0, le=999)] = 0  # Cohere's range; 0 runs first
 
 
 # The sentence-transformers prompt names each input_type may select, most specific first: a
@@ -92,75 +98,91 @@ def prompt_name_for(input_type: InputType | None, prompt_names: Sequence[str]) -
     return None
 
 
-def _texts(body: CohereEmbedRequest, max_batch: int) -> list[str]:
-    """The texts to embed, from `texts` or text-only `inputs`; images are refused."""
+def _texts(body: CohereEmbedRequest, max_batch: int) -> tuple[str, list[str]]:
+    """The field the texts came from and one text per input; images are refused."""
     if body.images or (body.input_type == "image" and not (body.texts or body.inputs)):
         raise InvalidRequestError("image embeddings are not served: send texts", "images")
     if (body.texts is None) == (body.inputs is None):
         raise InvalidRequestError("send exactly one of texts and inputs", "texts")
     field = "texts" if body.texts is not None else "inputs"
-    texts = body.texts if body.texts is not None else [_input_text(i) for i in body.inputs or ()]
-    if not texts:
+    count = len(body.texts if body.texts is not None else body.inputs or ())
+    if not count:
         raise InvalidRequestError(f"{field} must not be empty", field)
-    check_batch_size(len(texts), max_batch, field)
+    check_batch_size(count, max_batch, field)
+    texts = body.texts or [_input_text(item, n) for n, item in enumerate(body.inputs or ())]
     if not all(texts):
         raise InvalidRequestError(f"{field} must not contain empty strings", field)
-    return texts
+    return field, texts
 
 
-def _input_text(item: EmbedInput) -> str:
-    """An `inputs` item made of exactly one text part."""
-    if len(item.content) != 1 or item.content[0].type != "text" or item.content[0].text is None:
+def _input_text(item: EmbedInput, index: int) -> str:
+    """One `inputs` item as one text: Cohere answers one embedding per input, whatever its parts."""
+    if any(part.type != "text" for part in item.content):
         raise InvalidRequestError(
-            "each inputs item must hold exactly one text part: image parts are not served",
-            "inputs",
+            f"inputs {index} has an image part: image embeddings are not served", "inputs"
         )
-    return item.content[0].text
+    parts = [part.text for part in item.content]
+    if not parts or any(text is None for text in parts):
+        raise InvalidRequestError(f"inputs {index} needs text parts with a text", "inputs")
+    return PART_SEPARATOR.join(text or "" for text in parts)
 
 
-def _embedding_types(body: CohereEmbedRequest) -> list[str]:
-    """The requested types in order, once each (float when none is named)."""
-    kinds = list(dict.fromkeys(body.embedding_types or ["float"]))
-    if "base64" in kinds:
-        # the SDK documents "the float embedding bytes" but not their width or byte order
+def _truncate(body: CohereEmbedRequest, model: ModelHandle) -> tuple[Truncate, int | None]:
+    """Cohere's `truncate` and `max_tokens` as the service's truncation, and the prompt length
+    above which an input is refused (NONE with max_tokens, as vLLM's /v2/embed refuses it)."""
+    tokens = body.max_tokens
+    if tokens is not None and tokens <= len(model.specials):
         raise InvalidRequestError(
-            "embedding type base64 is not served (its byte layout is unspecified): use float",
-            "embedding_types",
+            f"max_tokens must be more than the {len(model.specials)} special tokens the model "
+            "adds to every text",
+            "max_tokens",
         )
-    return kinds
+    if tokens is not None and tokens >= model.max_model_len:
+        tokens = None  # the model's own limit is the tighter one
+    if body.truncate != "NONE":
+        return Truncate(tokens or -1, KEPT_SIDE[body.truncate]), None
+    if tokens is None:
+        # over-long texts are refused, never cut (sentence-transformers' max_seq_length still is)
+        return Truncate(auto=False), None
+    # one token past max_tokens tells an input too long without tokenizing all of it
+    return Truncate(tokens + 1, "right", auto=False), tokens
 
 
-def _truncate(body: CohereEmbedRequest) -> Truncate:
-    """Cohere's `truncate` and `max_tokens` as the service's truncation."""
-    if body.truncate == "NONE":
-        if body.max_tokens is not None:
+def _check_lengths(outputs: Sequence[PoolingOutput], limit: int | None, field: str) -> None:
+    """400 for an input over max_tokens when truncate NONE forbids cutting it."""
+    if limit is None:
+        return
+    for index, output in enumerate(outputs):
+        if output.num_prompt_tokens > limit:
             raise InvalidRequestError(
-                "max_tokens cuts texts, which truncate NONE forbids: use START or END",
+                f"{field} {index} has more than max_tokens ({limit}) tokens and truncate NONE "
+                "forbids cutting it: use START or END",
                 "max_tokens",
             )
-        # the service's default: sentence-transformers' max_seq_length, else refuse long texts
-        return Truncate()
-    return Truncate(body.max_tokens or -1, KEPT_SIDE[body.truncate])
 
 
 @router.post("/v2/embed")
 async def embed(body: CohereEmbedRequest, request: Request) -> Response:
     """Cohere v2 embed: one embed job through the engine, answered by type."""
     state = service_state(request)
+    # a name the server does not serve is a 404 (Cohere and vLLM refuse it too): another model's
+    # vectors would silently mix spaces; --served-model-name adds the name a client sends
     _, model = check_serving(state, body.model)
-    texts = _texts(body, state.settings.max_client_batch_size)
-    kinds = _embedding_types(body)
+    field, texts = _texts(body, state.settings.max_client_batch_size)
+    kinds = list(dict.fromkeys(body.embedding_types or ["float"]))  # in order, once each
+    truncate, limit = _truncate(body, model)
     job = TextJob(
         PoolingTask.EMBED,
         texts,
         requested=Requested(dimensions=body.output_dimension),
         model=body.model,
         prompt_name=prompt_name_for(body.input_type, model.prompts.names),
-        truncate=_truncate(body),
+        truncate=truncate,
         priority=body.priority,
     )
     run = await submit(request, job)
     outputs = await gather(request, run)
+    _check_lengths(outputs, limit, field)
     return await answer(
         request, outputs, lambda: _encode(texts, kinds, outputs, run.num_prompt_tokens)
     )
@@ -200,10 +222,18 @@ def _bits(floats: np.ndarray) -> np.ndarray:
     return np.packbits(floats > 0, axis=-1)  # [n, ceil(dim / 8)] uint8
 
 
-QUANTIZERS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+def _base64(floats: np.ndarray) -> list[str]:
+    """Each float embedding's bytes (little-endian float32, as vLLM's /v2/embed) in base64."""
+    return [
+        base64.b64encode(to_dtype_bytes(row, "float32", "little")).decode("ascii") for row in floats
+    ]
+
+
+QUANTIZERS: dict[str, Callable[[np.ndarray], np.ndarray | list[str]]] = {
     "float": lambda floats: floats,
     "uint8": lambda floats: _levels(floats).astype(np.uint8),
     "int8": lambda floats: (_levels(floats) - 128).astype(np.int8),
     "ubinary": _bits,
     "binary": lambda floats: (_bits(floats).astype(np.int16) - 128).astype(np.int8),
+    "base64": _base64,
 }

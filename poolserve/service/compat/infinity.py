@@ -1,8 +1,8 @@
 """Infinity's `POST /embeddings`, `GET /models` and the body of its `POST /rerank`.
 
-Shapes read from Infinity's server (`infinity_server.py`) and its pydantic models
-(`fastapi_schemas/pymodels.py`: the OpenAI-like embedding input with `modality`,
-`OpenAIEmbeddingResult`, `ModelInfo`, `RerankInput`, `ReRankResult`).
+Shapes read from Infinity 0.0.77 (michaelfeil/infinity fcb951c): its server (`infinity_server.py`)
+and its pydantic models (`fastapi_schemas/pymodels.py`: the OpenAI-like embedding input with
+`modality`, `OpenAIEmbeddingResult`, `ModelInfo`, `RerankInput`, `ReRankResult`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pydantic import Field, StrictInt, StrictStr, StringConstraints
 from starlette.responses import Response
 
 from poolserve.pooling.params import PoolingTask
+from poolserve.scheduler.request import PoolingOutput
 from poolserve.service.errors import InvalidRequestError
 from poolserve.service.frontend.bodies import RequestBody
 from poolserve.service.frontend.encoding import (
@@ -25,12 +26,14 @@ from poolserve.service.frontend.encoding import (
     dumps,
     encode_item,
 )
-from poolserve.service.frontend.jobs import Requested, ScoreJob, TextJob
+from poolserve.service.frontend.jobs import ScoreJob, TextJob
 from poolserve.service.frontend.pipeline import check_serving, gather, service_state, submit
 from poolserve.service.frontend.scoring import score
+from poolserve.service.frontend.texts import check_batch_size
+from poolserve.service.state import ModelHandle
 
 router = APIRouter(route_class=StrictJSONRoute)
-# What Infinity's clients send when no model is named.
+# What Infinity's clients send when no model is named; with one model Infinity takes any name.
 UNNAMED_MODEL = "default/not-specified"
 # Infinity strips each input text before embedding it; the same text must give the same vector.
 InfinityText = Annotated[StrictStr, StringConstraints(strip_whitespace=True)]
@@ -49,7 +52,7 @@ class InfinityEmbeddingRequest(RequestBody):
     model: StrictStr = UNNAMED_MODEL
     encoding_format: Literal["float", "base64"] = "float"
     user: StrictStr | None = None
-    dimensions: StrictInt = Field(0, description="Matryoshka dimensions; 0 keeps them all.")
+    dimensions: StrictInt = Field(0, description="The first N of the embedding; 0 keeps all.")
     modality: Literal["text", "image", "audio"] = "text"
 
 
@@ -64,11 +67,6 @@ class InfinityRerankRequest(RequestBody):
     top_n: Annotated[StrictInt, Field(gt=0)] | None = None
 
 
-def _model_name(model: str) -> str | None:
-    """The model a request names; Infinity's placeholder names none."""
-    return None if model == UNNAMED_MODEL else model
-
-
 @router.post("/embeddings")
 async def embeddings(body: InfinityEmbeddingRequest, request: Request) -> Response:
     """Infinity's text embeddings, answered as `OpenAIEmbeddingResult`."""
@@ -76,19 +74,19 @@ async def embeddings(body: InfinityEmbeddingRequest, request: Request) -> Respon
         raise InvalidRequestError(
             f"modality {body.modality!r} is not served: this server embeds text", "modality"
         )
-    job = TextJob(
-        PoolingTask.EMBED,
-        body.input,
-        # Infinity's 0 keeps every dimension: the request sets none
-        requested=Requested(dimensions=body.dimensions or None),
-        model=_model_name(body.model),
-    )
-    run = await submit(request, job)
-    outputs = await gather(request, run)
-    usage = {"prompt_tokens": run.num_prompt_tokens, "total_tokens": run.num_prompt_tokens}
+    state = service_state(request)
+    # one model served: Infinity answers any `model` with it, so the name is not checked
+    engine, model = check_serving(state, None)
+    texts = [body.input] if isinstance(body.input, str) else body.input
+    if not texts:
+        raise InvalidRequestError("input must not be empty", "input")
+    check_batch_size(len(texts), state.settings.max_client_batch_size, "input")
+    width = _cut(body.dimensions, model.defaults.dimensions or engine.pooling_info.embedding_size)
+    outputs, num_tokens = await _embed(request, texts, model)
+    usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
     fields = {
         "object": "list",
-        "model": run.model.served_name,
+        "model": model.served_name,
         "usage": usage,
         "id": f"infinity-{uuid.uuid4()}",
         "created": int(time.time()),
@@ -97,7 +95,7 @@ async def embeddings(body: InfinityEmbeddingRequest, request: Request) -> Respon
     def encode() -> bytes:
         fmt = body.encoding_format
         items = (
-            encode_item({"object": "embedding", "index": i}, "embedding", o.data, fmt)
+            encode_item({"object": "embedding", "index": i}, "embedding", o.data[:width], fmt)
             for i, o in enumerate(outputs)
         )
         return document(fields, "data", items)
@@ -105,9 +103,54 @@ async def embeddings(body: InfinityEmbeddingRequest, request: Request) -> Respon
     return await answer(request, outputs, encode)
 
 
+def _cut(dimensions: int, size: int) -> int | None:
+    """Infinity's Matryoshka cut on any model: the first N of the full normalized embedding,
+    not normalized again (0: all of it); checked before any work, Infinity checks after."""
+    if dimensions == 0:
+        return None
+    if not 1 <= dimensions <= size:
+        raise InvalidRequestError(
+            f"dimensions must be between 1 and the embedding size {size}, or 0 for all of it; "
+            f"got {dimensions}",
+            "dimensions",
+        )
+    return dimensions
+
+
+async def _embed(
+    request: Request, texts: list[str], model: ModelHandle
+) -> tuple[list[PoolingOutput], int]:
+    """Each text's embedding and the prompt tokens, Infinity's way: no sentence-transformers
+    prompt (it tokenizes texts as they are), and "" embedded as the special tokens alone.
+
+    The front end refuses empty texts, so their prompts (the tokenizer's specials, what it
+    gives for "") go as token ids in a second job; both run through the one pipeline.
+    """
+    empty = [i for i, text in enumerate(texts) if not text]
+    full = [i for i, text in enumerate(texts) if text]
+    specials = [*model.specials.prefix, *model.specials.suffix]
+    if empty and not specials:
+        raise InvalidRequestError(
+            f"input {empty[0]} is empty and this model adds no special tokens: nothing to embed",
+            "input",
+        )
+    jobs = (
+        (full, TextJob(PoolingTask.EMBED, [texts[i] for i in full], prompt="")),
+        (empty, TextJob(PoolingTask.EMBED, [specials] * len(empty))),
+    )
+    outputs: dict[int, PoolingOutput] = {}
+    num_tokens = 0
+    for indices, job in jobs:
+        if indices:
+            run = await submit(request, job)
+            outputs.update(zip(indices, await gather(request, run), strict=True))
+            num_tokens += run.num_prompt_tokens
+    return [outputs[i] for i in range(len(texts))], num_tokens
+
+
 @router.get("/models")
 async def models(request: Request) -> Response:
-    """The served model as Infinity's `OpenAIModelInfo`."""
+    """The served model as Infinity's `OpenAIModelInfo`: its `ModelInfo` fields only."""
     state = service_state(request)
     engine, model = check_serving(state, None)
     snapshot = engine.snapshot()
@@ -126,9 +169,6 @@ async def models(request: Request) -> Response:
         "created": int(time.time()),
         "backend": "torch",
         "capabilities": sorted(CAPABILITIES[t] for t in state.supported_tasks if t in CAPABILITIES),
-        "embedding_dtype": "float32",
-        "dtype": state.dtype,
-        "device": state.device,
     }
     body = dumps({"data": [card], "object": "list"})
     return Response(body, media_type="application/json")
@@ -136,20 +176,20 @@ async def models(request: Request) -> Response:
 
 async def rerank(body: InfinityRerankRequest, request: Request) -> Response:
     """Infinity's `ReRankResult`: best first (ties in input order), `top_n` of them."""
+    # one model served: any `model` names it, as with Infinity
     job = ScoreJob.one_query(
-        body.query,
-        body.documents,
-        "documents",
-        model=_model_name(body.model),
-        use_activation=not body.raw_scores,
+        body.query, body.documents, "documents", use_activation=not body.raw_scores
     )
     scored = await score(request, job)
     scores = scored.scores
     order = sorted(range(len(scores)), key=lambda i: -scores[i])[: body.top_n]
+    # `document` is null unless asked: Infinity's response model always writes the field
     results = [
-        {"relevance_score": scores[i], "index": i, "document": body.documents[i]}
-        if body.return_documents
-        else {"relevance_score": scores[i], "index": i}
+        {
+            "relevance_score": scores[i],
+            "index": i,
+            "document": body.documents[i] if body.return_documents else None,
+        }
         for i in order
     ]
     reply = {

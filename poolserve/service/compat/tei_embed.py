@@ -2,21 +2,41 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+from typing import cast
+
 import numpy as np
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, StrictStr
+from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 from starlette.responses import Response
 
 from poolserve.pooling.params import PoolingTask
 from poolserve.scheduler.request import PoolingOutput
-from poolserve.service.compat.tei_common import Direction, TEIBody, truncation
+from poolserve.service.compat.tei_common import (
+    Direction,
+    Ran,
+    TEIBody,
+    TEIRoute,
+    characters,
+    empty,
+    prompt_for,
+    reply,
+    run,
+    truncation,
+)
 from poolserve.service.errors import InvalidRequestError
-from poolserve.service.frontend.bodies import Input
-from poolserve.service.frontend.encoding import StrictJSONRoute, answer, dumps, sparse_parts
+from poolserve.service.frontend.bodies import TokenIds
+from poolserve.service.frontend.encoding import sparse_parts
 from poolserve.service.frontend.jobs import Requested, TextJob
-from poolserve.service.frontend.pipeline import gather, submit
+from poolserve.service.frontend.pipeline import check_serving, service_state
+from poolserve.service.frontend.texts import check_batch_size
 
-router = APIRouter(route_class=StrictJSONRoute)
+router = APIRouter(route_class=TEIRoute)
+
+# TEI's `Input`: one text, one token-id list, or a batch of them, texts and id lists mixed
+TEIInput = StrictStr | TokenIds | list[StrictStr | TokenIds]
+Item = str | list[int]
 
 
 class TextOptions(TEIBody):
@@ -30,7 +50,7 @@ class TextOptions(TEIBody):
 class EmbedAllRequest(TextOptions):
     """TEI's `EmbedAllRequest`: every token's hidden state."""
 
-    inputs: Input
+    inputs: TEIInput
 
 
 class EmbedSparseRequest(EmbedAllRequest):
@@ -41,7 +61,7 @@ class EmbedRequest(EmbedAllRequest):
     """TEI's `EmbedRequest`."""
 
     normalize: bool = True  # TEI's default
-    dimensions: int | None = None
+    dimensions: StrictInt | None = None  # serde reads a usize: no strings
 
 
 class SimilarityInput(BaseModel):
@@ -64,50 +84,119 @@ class SimilarityRequest(TEIBody):
     parameters: SimilarityParameters | None = None
 
 
+def _items(inputs: object) -> list[Item]:
+    """TEI's reading of `inputs` (a flat id list is one input); 400 `Empty` for empty ones."""
+    batch = isinstance(inputs, list) and bool(inputs) and not isinstance(inputs[0], int)
+    items = cast(list[Item], inputs if batch else [inputs])
+    if any(len(item) == 0 for item in items):
+        raise empty("inputs")
+    return items
+
+
+async def _decoded(request: Request, items: list[Item]) -> list[Item]:
+    """Prompted id lists as text: TEI decodes them (special tokens skipped), then encodes the
+    prompt and that text as one string (`core/src/tokenization.rs`)."""
+    if all(isinstance(item, str) for item in items):
+        return items
+    backend = check_serving(service_state(request), None)[1].tokenizer.backend_tokenizer
+
+    def decode_all() -> list[Item]:
+        return [
+            item if isinstance(item, str) else backend.decode(item, skip_special_tokens=True)
+            for item in items
+        ]
+
+    return await asyncio.to_thread(decode_all)
+
+
 async def _run(
     request: Request,
     task: PoolingTask,
     inputs: object,
     options: TextOptions,
     requested: Requested | None = None,
-) -> list[PoolingOutput]:
-    """The texts as one job through the pipeline, with the body's truncation and prompt."""
-    job = TextJob(
-        task,
-        inputs,
-        requested=requested or Requested(),
-        prompt_name=options.prompt_name,
-        truncate=truncation(options.truncate, options.truncation_direction),
-    )
-    return await gather(request, await submit(request, job))
+) -> tuple[list[PoolingOutput], Ran]:
+    """The inputs through the pipeline: texts as one job, token-id lists as another (the front
+    end takes one kind per job), each output back in its input's place."""
+    sent = _items(inputs)
+    check_batch_size(len(sent), service_state(request).settings.max_client_batch_size, "inputs")
+    name, prompt = prompt_for(request, options.prompt_name)
+    items = sent if name is None else await _decoded(request, sent)
+    texts = [i for i, item in enumerate(items) if isinstance(item, str)]
+    ids = [i for i, item in enumerate(items) if not isinstance(item, str)]
+    cut = truncation(options.truncate, options.truncation_direction)
+    by_index: dict[int, PoolingOutput] = {}
+    total = Ran()
+    # token ids take no prompt: a prompted id list was decoded to text above
+    for indices, prompted in ((texts, True), (ids, False)):
+        if not indices:
+            continue
+        job = TextJob(
+            task,
+            [items[i] for i in indices],
+            requested=requested or Requested(),
+            prompt_name=name if prompted else None,
+            prompt=prompt if prompted else None,
+            truncate=cut,
+        )
+        ran = await run(request, job, characters([sent[i] for i in indices]))
+        by_index.update(zip(indices, ran.outputs, strict=True))
+        total += ran
+    return [by_index[i] for i in range(len(items))], total
 
 
 @router.post("/embed")
 async def embed(body: EmbedRequest, request: Request) -> Response:
     """One pooled embedding per input, always a list of lists."""
-    requested = Requested(dimensions=body.dimensions, normalize=body.normalize)
-    outputs = await _run(request, PoolingTask.EMBED, body.inputs, body, requested)
-    return await answer(request, outputs, lambda: dumps([o.data for o in outputs]))
+    started = time.monotonic()
+    dimensions = body.dimensions
+    if dimensions is not None and dimensions <= 0:
+        raise InvalidRequestError("`dimensions` should be positive", "dimensions")
+    # with `dimensions`, TEI cuts any model's full embedding, then normalizes the cut itself
+    requested = Requested(normalize=body.normalize if dimensions is None else False)
+    outputs, ran = await _run(request, PoolingTask.EMBED, body.inputs, body, requested)
+    vectors = [o.data for o in outputs]
+    if dimensions is not None:
+        vectors = [_cut(v, dimensions, body.normalize) for v in vectors]
+    return await reply(request, started, ran, lambda: vectors)
+
+
+def _cut(data: np.ndarray, dimensions: int, normalize: bool) -> np.ndarray:
+    """TEI's Matryoshka cut (`core/src/infer.rs`): the first `dimensions` values, L2-normalized
+    when asked, the norm summed in float64 and applied as a float32 scale."""
+    if dimensions > data.shape[-1]:
+        raise InvalidRequestError(
+            f"`dimensions` should be smaller than the maximum embedding dimension "
+            f"({data.shape[-1]}), got {dimensions}",
+            "dimensions",
+        )
+    kept = np.asarray(data[:dimensions], dtype=np.float32)
+    norm = float(np.sqrt(np.square(kept, dtype=np.float64).sum()))
+    if not normalize or norm == 0.0:  # a zero vector stays zero rather than NaN
+        return kept
+    return kept * np.float32(1.0 / norm)
 
 
 @router.post("/embed_all")
 async def embed_all(body: EmbedAllRequest, request: Request) -> Response:
     """Every token's final hidden state, not normalized: `[[[float]]]`."""
+    started = time.monotonic()
     requested = Requested(normalize=False)
-    outputs = await _run(request, PoolingTask.TOKEN_EMBED, body.inputs, body, requested)
-    return await answer(request, outputs, lambda: dumps([o.data for o in outputs]))
+    outputs, ran = await _run(request, PoolingTask.TOKEN_EMBED, body.inputs, body, requested)
+    return await reply(request, started, ran, lambda: [o.data for o in outputs])
 
 
 @router.post("/similarity")
 async def similarity(body: SimilarityRequest, request: Request) -> Response:
     """Cosine similarity of source_sentence to each of sentences."""
+    started = time.monotonic()
     if not body.inputs.sentences:
-        raise InvalidRequestError("inputs.sentences must not be empty", "inputs.sentences")
+        raise empty("inputs.sentences")
     parameters = body.parameters or SimilarityParameters()
     texts = [body.inputs.source_sentence, *body.inputs.sentences]
     requested = Requested(normalize=False)
-    outputs = await _run(request, PoolingTask.EMBED, texts, parameters, requested)
-    return await answer(request, outputs, lambda: dumps(_cosines(outputs)))
+    outputs, ran = await _run(request, PoolingTask.EMBED, texts, parameters, requested)
+    return await reply(request, started, ran, lambda: _cosines(outputs))
 
 
 def _cosines(outputs: list[PoolingOutput]) -> list[float]:
@@ -122,8 +211,9 @@ def _cosines(outputs: list[PoolingOutput]) -> list[float]:
 async def embed_sparse(body: EmbedSparseRequest, request: Request) -> Response:
     """The non-zero SPLADE weights of each input, ascending by vocabulary id:
     `[[{"index": id, "value": weight}, ...], ...]`."""
-    outputs = await _run(request, PoolingTask.EMBED_SPARSE, body.inputs, body)
-    return await answer(request, outputs, lambda: dumps([_sparse(o) for o in outputs]))
+    started = time.monotonic()
+    outputs, ran = await _run(request, PoolingTask.EMBED_SPARSE, body.inputs, body)
+    return await reply(request, started, ran, lambda: [_sparse(o) for o in outputs])
 
 
 def _sparse(output: PoolingOutput) -> list[dict[str, object]]:

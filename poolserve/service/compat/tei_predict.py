@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
@@ -10,14 +11,25 @@ from starlette.responses import Response
 
 from poolserve.pooling.params import PoolingTask
 from poolserve.scheduler.request import PoolingOutput
-from poolserve.service.compat.tei_common import Direction, TEIBody, best_first, truncation
+from poolserve.service.compat.tei_common import (
+    Direction,
+    Ran,
+    TEIBody,
+    TEIRoute,
+    best_first,
+    characters,
+    empty,
+    prompt_for,
+    reply,
+    run,
+    truncation,
+)
 from poolserve.service.errors import InvalidRequestError
-from poolserve.service.frontend.encoding import StrictJSONRoute, answer, dumps
 from poolserve.service.frontend.jobs import Requested, ScoreJob, TextJob
-from poolserve.service.frontend.pipeline import gather, service_state, submit
+from poolserve.service.frontend.pipeline import check_serving, service_state
 from poolserve.service.frontend.texts import check_batch_size
 
-router = APIRouter(route_class=StrictJSONRoute)
+router = APIRouter(route_class=TEIRoute)
 
 
 class PredictRequest(TEIBody):
@@ -60,23 +72,34 @@ async def predict(body: PredictRequest, request: Request) -> Response:
     Single texts are one classify job, pairs another (laid out as the tokenizer lays out two
     texts): both through the one pipeline, each answered in its input's place.
     """
+    started = time.monotonic()
     sequences = parse_inputs(body.inputs)
-    limit = service_state(request).settings.max_client_batch_size
-    check_batch_size(len(sequences.items), limit, "inputs")
+    state = service_state(request)
+    labels = check_serving(state, None)[1].loaded.spec.labels
+    check_batch_size(len(sequences.items), state.settings.max_client_batch_size, "inputs")
+    if any(not "".join(item) for item in sequences.items):  # TEI's empty text or pair
+        raise empty("inputs")
     cut = truncation(body.truncate, body.truncation_direction)
     use_activation = not body.raw_scores
     singles = [i for i, item in enumerate(sequences.items) if len(item) == 1]
     pairs = [i for i, item in enumerate(sequences.items) if len(item) == 2]
     outputs: dict[int, PoolingOutput] = {}
+    ran = Ran()
     if singles:
+        texts = [sequences.items[i][0] for i in singles]
+        # TEI prepends its --default-prompt(-name) to single texts, never to pairs
+        name, prompt = prompt_for(request, None)
         job = TextJob(
             PoolingTask.CLASSIFY,
-            [sequences.items[i][0] for i in singles],
+            texts,
             requested=Requested(use_activation=use_activation),
+            prompt_name=name,
+            prompt=prompt,
             truncate=cut,
         )
-        run = await submit(request, job)
-        outputs.update(zip(singles, await gather(request, run), strict=True))
+        alone = await run(request, job, characters(texts))
+        outputs.update(zip(singles, alone.outputs, strict=True))
+        ran += alone
     if pairs:
         paired = ScoreJob(
             queries=tuple(sequences.items[i][0] for i in pairs),
@@ -88,13 +111,12 @@ async def predict(body: PredictRequest, request: Request) -> Response:
             use_activation=use_activation,
             task=PoolingTask.CLASSIFY,
         )
-        run = await submit(request, paired)
-        outputs.update(zip(pairs, await gather(request, run), strict=True))
-    ordered = [outputs[i] for i in range(len(sequences.items))]
-    labels = run.model.loaded.spec.labels
-    found = [_predictions(o, labels) for o in ordered]
-    reply = found[0] if sequences.single else found
-    return await answer(request, ordered, lambda: dumps(reply))
+        chars = characters([text for i in pairs for text in sequences.items[i]])
+        together = await run(request, paired, chars)
+        outputs.update(zip(pairs, together.outputs, strict=True))
+        ran += together
+    found = [_predictions(outputs[i], labels) for i in range(len(sequences.items))]
+    return await reply(request, started, ran, lambda: found[0] if sequences.single else found)
 
 
 def _predictions(output: PoolingOutput, labels: tuple[str, ...]) -> list[dict[str, object]]:

@@ -5,12 +5,22 @@ Shapes read from TEI's router (`RerankRequest`, `Rank`, the `rerank` handler in 
 
 from __future__ import annotations
 
+import time
+
 from fastapi import Request
 from pydantic import Field, StrictStr
 from starlette.responses import Response
 
-from poolserve.service.compat.tei_common import Direction, TEIBody, best_first, truncation
-from poolserve.service.frontend.encoding import answer, dumps
+from poolserve.service.compat.tei_common import (
+    Direction,
+    Ran,
+    TEIBody,
+    best_first,
+    empty,
+    mark,
+    reply,
+    truncation,
+)
 from poolserve.service.frontend.jobs import ScoreJob
 from poolserve.service.frontend.scoring import score
 
@@ -20,7 +30,9 @@ class TEIRerankRequest(TEIBody):
 
     query: StrictStr
     texts: list[StrictStr]
-    truncate: bool | None = Field(None, description="Cut long pairs to the model's limit.")
+    truncate: bool | None = Field(
+        None, description="Cut long pairs to the model's limit (unset: cut, as TEI >= 1.9)."
+    )
     # TEI's enum deserializes its variant names, Left and Right; its docs write them lower case
     truncation_direction: Direction = "Right"
     raw_scores: bool = Field(False, description="The raw logit instead of the sigmoid.")
@@ -29,6 +41,10 @@ class TEIRerankRequest(TEIBody):
 
 async def rerank(body: TEIRerankRequest, request: Request) -> Response:
     """TEI's answer: `[{"index", "text"?, "score"}]`, best first."""
+    mark(request)
+    started = time.monotonic()
+    if not body.texts:
+        raise empty("texts")
     job = ScoreJob.one_query(
         body.query,
         body.texts,
@@ -37,6 +53,9 @@ async def rerank(body: TEIRerankRequest, request: Request) -> Response:
         use_activation=not body.raw_scores,
     )
     scored = await score(request, job)
+    # TEI counts the query once per text
+    chars = len(body.query) * len(body.texts) + sum(len(text) for text in body.texts)
+    ran = Ran.of(scored.outputs, time.monotonic() - started, chars)
     scores = scored.scores
     # TEI sorts ascending, then reverses: equal scores come out in reverse input order
     if body.return_text:
@@ -45,4 +64,4 @@ async def rerank(body: TEIRerankRequest, request: Request) -> Response:
         ]
     else:
         ranks = [{"index": i, "score": scores[i]} for i in best_first(scores)]
-    return await answer(request, scored.outputs, lambda: dumps(ranks))
+    return await reply(request, started, ran, lambda: ranks)

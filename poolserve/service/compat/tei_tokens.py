@@ -9,10 +9,10 @@ from fastapi import APIRouter, Request
 from pydantic import StrictStr
 from starlette.responses import Response
 
-from poolserve.service.compat.tei_common import TEIBody
+from poolserve.service.compat.tei_common import TEIBody, TEIRoute, empty, mark, prompt_for
 from poolserve.service.errors import InvalidRequestError
 from poolserve.service.frontend.bodies import TokenIds
-from poolserve.service.frontend.encoding import StrictJSONRoute, dumps
+from poolserve.service.frontend.encoding import dumps
 from poolserve.service.frontend.pipeline import check_serving, service_state
 from poolserve.service.frontend.texts import (
     InputTooLongError,
@@ -22,7 +22,7 @@ from poolserve.service.frontend.texts import (
 )
 from poolserve.service.state import ModelHandle
 
-router = APIRouter(route_class=StrictJSONRoute)
+router = APIRouter(route_class=TEIRoute)
 
 
 class TokenizeRequest(TEIBody):
@@ -44,21 +44,23 @@ def _json(document: object) -> Response:
     return Response(dumps(document), media_type="application/json")
 
 
-def _batch(request: Request, items: list[object], field: str) -> None:
-    """400 for an empty batch or one above --max-client-batch-size."""
+def _batch(request: Request, items: list[str] | list[list[int]], field: str) -> None:
+    """400 (TEI's `Empty`) for an empty batch or item; 422 above --max-client-batch-size."""
     limit = service_state(request).settings.max_client_batch_size
-    if not items:
-        raise InvalidRequestError(f"{field} must not be empty", field)
+    if not items or any(len(item) == 0 for item in items):
+        raise empty(field)
     check_batch_size(len(items), limit, field)
 
 
 async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     """Each text's tokens: `[[{"id", "text", "special", "start", "stop"}]]`, byte offsets."""
+    mark(request)
     state = service_state(request)
     _, model = check_serving(state, None)
     texts = [body.inputs] if isinstance(body.inputs, str) else list(body.inputs)
-    _batch(request, list(texts), "inputs")
-    texts = list(model.prompts.apply(texts, body.prompt_name))
+    _batch(request, texts, "inputs")
+    # TEI's prompt rule: the request's prompt_name, else the server's --default-prompt-name
+    texts = list(model.prompts.apply(texts, *prompt_for(request, body.prompt_name)))
     for index, text in enumerate(texts):
         if len(text) > model.limits.max_input_chars:
             raise InputTooLongError(
@@ -126,7 +128,7 @@ async def decode(body: DecodeRequest, request: Request) -> Response:
     """The text of each id list: `["text", ...]`."""
     _, model = check_serving(service_state(request), None)
     batch = _id_lists(body.ids)
-    _batch(request, list(batch), "ids")
+    _batch(request, batch, "ids")
     vocab_size = model.loaded.spec.vocab_size
     for ids in batch:
         bad = [t for t in ids if t >= vocab_size]

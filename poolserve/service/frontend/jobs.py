@@ -80,6 +80,7 @@ class ScoreJob:
     model: str | None = None
     truncate: Truncate = field(default_factory=Truncate)
     max_tokens_per_doc: int | None = None  # documents' own cap, before the pair's
+    max_tokens_per_query: int | None = None  # queries' own cap, before the pair's
     use_activation: bool | None = None
     priority: int = 0
     # SCORE: the model's scorer (cross-encoder, yes/no, cosine, MaxSim); CLASSIFY: each pair laid

@@ -24,11 +24,14 @@ class PromptMode(Enum):
 
 @dataclass(frozen=True)
 class PairTruncation:
-    """How a job's prompts are cut: the whole prompt's cap (None: none) and the documents' own."""
+    """How a job's prompts are cut: the whole prompt's cap (None: none), each side's own cap, and
+    the most tokens an uncut prompt may have (and that limit's name)."""
 
     keep: int | None
     side: TruncationSide
     max_doc_tokens: int | None
+    max_query_tokens: int | None = None
+    limit: tuple[int, str] | None = None  # None: max_model_len
 
 
 def pair_layout(model: ModelHandle, template: bool) -> PairLayout:
@@ -51,7 +54,7 @@ def check_texts(job: ScoreJob, model: ModelHandle, cuts: PairTruncation) -> int:
     """Characters the job may tokenize; 400 or 413 before any tokenizer runs."""
     limits = model.limits
     groups = (
-        (job.query_field, job.queries, cuts.keep is not None),
+        (job.query_field, job.queries, cuts.keep is not None or cuts.max_query_tokens is not None),
         (
             job.document_field,
             job.documents,
@@ -111,9 +114,10 @@ def _prompts(
             f"{'and one query token ' if joint else ''}the model adds to every prompt",
             "truncate_prompt_tokens",
         )
-    limit = model.max_model_len - num_specials
+    most, what = cuts.limit or (model.max_model_len, "max_model_len")
+    limit = most - num_specials
     budget = limit if cuts.keep is None else cuts.keep - num_specials
-    queries = _contents(model, job.queries, job.query_field, budget, cuts, None)
+    queries = _contents(model, job.queries, job.query_field, budget, cuts, cuts.max_query_tokens)
     documents = _contents(
         model, job.documents, job.document_field, budget, cuts, cuts.max_doc_tokens
     )
@@ -128,8 +132,7 @@ def _prompts(
             raise InputTooLongError(
                 f"{_name(job.document_field, document, len(job.documents))} with its "
                 f"{job.query_field} makes {len(first) + len(second) + num_specials} tokens, more "
-                f"than max_model_len ({model.max_model_len}); shorten it or set "
-                "truncate_prompt_tokens",
+                f"than {what} ({most}); shorten it or set truncate_prompt_tokens",
                 job.document_field,
             )
         prompts.append(layout.join(first, second))
@@ -159,9 +162,10 @@ def _contents(
     for index, window in enumerate(windows):
         name = _name(field, index, len(texts))
         if not capped and (not window.complete or len(window.ids) > want):
+            most, what = cuts.limit or (model.max_model_len, "max_model_len")
             raise InputTooLongError(
-                f"{name} has more than {model.max_model_len} tokens (max_model_len) with the "
-                "special tokens; shorten it or set truncate_prompt_tokens",
+                f"{name} has more than {most} tokens ({what}) with the special tokens; shorten "
+                "it or set truncate_prompt_tokens",
                 field,
             )
         if not window.complete and len(window.ids) < want:

@@ -174,7 +174,13 @@ def _plan_pairs(job: ScoreJob, engine: Engine, model: ModelHandle, state: Servic
     requested = Requested(use_activation=job.use_activation if joint else None)
     params = merge(task, requested, model.defaults)
     truncation = truncation_for(job.truncate, model)
-    cuts = PairTruncation(truncation.keep, truncation.side, job.max_tokens_per_doc)
+    cuts = PairTruncation(
+        truncation.keep,
+        truncation.side,
+        job.max_tokens_per_doc,
+        job.max_tokens_per_query,
+        truncation.most(model),
+    )
     # vLLM scores causal LM rerankers on the plain concatenation, without separator tokens
     decoder = PromptMode.CONCATENATE if engine.pooling_info.is_decoder else PromptMode.TEMPLATE
     mode = decoder if joint else PromptMode.SEPARATE

@@ -39,10 +39,20 @@ class RawInputs:
 
 @dataclass(frozen=True)
 class Truncation:
-    """How prompts are cut: keep `keep` tokens (None: all) from the start (right) or end (left)."""
+    """How prompts are cut: keep `keep` tokens (None: all) from the start (right) or end (left).
+
+    Uncut, a prompt above `limit` tokens is refused (None: max_model_len).
+    """
 
     keep: int | None
     side: TruncationSide
+    limit: int | None = None
+
+    def most(self, model: ModelHandle) -> tuple[int, str]:
+        """The most tokens an uncut prompt may have, and the name of that limit."""
+        if self.limit is None or self.limit == model.max_model_len:
+            return model.max_model_len, "max_model_len"
+        return self.limit, "the model's max_seq_length"
 
 
 def check_batch_size(num_items: int, max_batch: int, field: str) -> None:
@@ -80,6 +90,11 @@ def truncation_for(truncate: Truncate, model: ModelHandle) -> Truncation:
     """
     keep = model.st_max_seq_length
     requested = truncate.tokens
+    side = truncate.side or model.truncation_side
+    if truncate.auto is False and requested is None:
+        # a client that forbids truncation (TEI's `truncate: false`, Cohere's NONE) is refused
+        # above the sentence-transformers length rather than cut to it
+        return Truncation(None, side, keep)
     auto = model.auto_truncate if truncate.auto is None else truncate.auto
     if requested is None and auto:
         requested = -1
@@ -92,7 +107,7 @@ def truncation_for(truncate: Truncate, model: ModelHandle) -> Truncation:
             )
         wanted = model.max_model_len if requested == -1 else requested
         keep = wanted if keep is None else min(keep, wanted)
-    return Truncation(keep, truncate.side or model.truncation_side)
+    return Truncation(keep, side)
 
 
 def specials_for(model: ModelHandle, add_special_tokens: bool) -> SpecialTokens:
@@ -248,10 +263,11 @@ def encode_texts(
             for i, window in enumerate(windows)
         ]
     # one token past the limit tells a prompt too long; the engine refuses complete ones itself
-    want = model.max_model_len - len(specials) + 1
+    limit, what = truncation.most(model)
+    want = limit - len(specials) + 1
     windows = content_windows(model.tokenizer, texts, want, "right", model.limits.max_input_chars)
     return [
-        _whole(window, model.max_model_len, specials, _name("input", i, len(texts)))
+        _whole(window, limit, what, specials, _name("input", i, len(texts)))
         for i, window in enumerate(windows)
     ]
 
@@ -270,13 +286,13 @@ def _kept(
     return [*specials.prefix, *ids, *specials.suffix]
 
 
-def _whole(window: Window, max_model_len: int, specials: SpecialTokens, name: str) -> list[int]:
+def _whole(window: Window, limit: int, what: str, specials: SpecialTokens, name: str) -> list[int]:
     """The untruncated prompt, or context_length_exceeded once a prefix proves it too long."""
-    if not window.complete:
+    num_tokens = len(window.ids) + len(specials)
+    if not window.complete or num_tokens > limit:
         raise InputTooLongError(
-            f"{name} has more than {max_model_len} tokens (max_model_len): its first "
-            f"{window.num_chars} characters already make {len(window.ids) + len(specials)}; "
-            "shorten it or set truncate_prompt_tokens",
+            f"{name} has more than {limit} tokens ({what}): its first {window.num_chars} "
+            f"characters already make {num_tokens}; shorten it or set truncate_prompt_tokens",
             "input",
         )
     return [*specials.prefix, *window.ids, *specials.suffix]
