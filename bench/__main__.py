@@ -4,7 +4,8 @@ PART is offline, served, token, rerank, engine, planner, prefix, soak or all. Ea
 imported only when it runs (the served part and the engine parts load heavy dependencies), and
 receives the remaining arguments. `all` runs every peer benchmark in turn with the same flags
 (only `--quick` is passed on to all of them); the soak run is separate, since it needs a quiet
-machine for minutes. So are `fleet` (replicas behind HAProxy) and `fleet-ray` (Ray Serve).
+machine for minutes. So are `fleet` (replicas behind HAProxy), `fleet-ray` (Ray Serve) and
+`precision` (fidelity and speed of each --dtype and --quantization, not a peer comparison).
 """
 
 from __future__ import annotations
@@ -47,12 +48,13 @@ PARTS: dict[str, Callable[[Sequence[str]], None]] = {
     "planner": _planner,
     "prefix": lambda argv: _with_argv("prefix_bench", argv),
 }
-# Not part of `all`: a stability run of many minutes, and fleet runs (HAProxy, Ray), not
-# comparisons with peers.
+# Not part of `all`: a stability run of many minutes, fleet runs (HAProxy, Ray) and the precision
+# run, not comparisons with peers.
 SEPARATE: dict[str, Callable[[Sequence[str]], None]] = {
     "soak": lambda argv: _with_list("soak", argv),
     "fleet": lambda argv: _with_list("fleet", argv),
     "fleet-ray": lambda argv: _with_list("fleet_ray", argv),
+    "precision": lambda argv: _with_list("precision", argv),
 }
 
 

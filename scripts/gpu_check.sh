@@ -12,7 +12,8 @@ cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 SITE="${GPU_CHECK_SITE:-/tmp/site}"
 # Passed explicitly: collecting tests/ would import every test module, and with them the service.
-GPU_TESTS=(tests/models/test_gpu.py tests/pooling/test_gpu.py tests/scheduler/test_gpu_engine.py)
+GPU_TESTS=(tests/models/test_gpu.py tests/pooling/test_gpu.py tests/scheduler/test_gpu_engine.py
+           tests/models/test_precision.py)
 
 dry_run=false
 if [ "${1:-}" = "--dry-run" ]; then

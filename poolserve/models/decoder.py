@@ -19,7 +19,7 @@ from poolserve.models.decoder_config import (
     layer_windows,
 )
 from poolserve.models.kv_cache import PagedKVCache
-from poolserve.models.layers import activation, norm_weight, rms_norm, to_device
+from poolserve.models.layers import Weight, activation, linear, norm_weight, rms_norm, to_device
 from poolserve.models.packed import PackedModel
 from poolserve.models.registry import DecoderFamily
 from poolserve.models.rope import Rotary, apply_rotary
@@ -97,13 +97,13 @@ def _norm_weights(
 class DecoderLayer(torch.nn.Module):
     """Pre-norm attention + gated MLP (fused qkv, gate/up); Gemma2/3 add sandwich norms."""
 
-    qkv_weight: torch.Tensor
+    qkv_weight: Weight
     qkv_bias: torch.Tensor | None
-    o_weight: torch.Tensor
+    o_weight: Weight
     o_bias: torch.Tensor | None
-    gate_up_weight: torch.Tensor
+    gate_up_weight: Weight
     gate_up_bias: torch.Tensor | None
-    down_weight: torch.Tensor
+    down_weight: Weight
     down_bias: torch.Tensor | None
     input_norm: torch.Tensor
     attn_out_norm: torch.Tensor | None
@@ -145,9 +145,9 @@ class DecoderLayer(torch.nn.Module):
             h = rms_norm(h, self.attn_out_norm, g.eps)
         x.add_(h, alpha=g.residual_multiplier)
         h = rms_norm(x, self.mlp_norm, g.eps)  # [num_tokens, hidden]
-        gate_up = F.linear(h, self.gate_up_weight, self.gate_up_bias)  # [num_tokens, 2 * inter]
+        gate_up = linear(h, self.gate_up_weight, self.gate_up_bias)  # [num_tokens, 2 * inter]
         gate, up = gate_up.chunk(2, dim=-1)  # [num_tokens, inter] each
-        h = F.linear(self.act(gate).mul_(up), self.down_weight, self.down_bias)
+        h = linear(self.act(gate).mul_(up), self.down_weight, self.down_bias)
         if self.mlp_out_norm is not None:
             h = rms_norm(h, self.mlp_out_norm, g.eps)
         x.add_(h, alpha=g.residual_multiplier)
@@ -162,7 +162,7 @@ class DecoderLayer(torch.nn.Module):
         """Self-attention of the packed stream, output projection included."""
         g = self.geometry
         num_tokens = h.shape[0]
-        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)  # [num_tokens, (H + 2 KV) * D]
+        qkv = linear(h, self.qkv_weight, self.qkv_bias)  # [num_tokens, (H + 2 KV) * D]
         q_size, kv_size = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(num_tokens, g.num_heads, g.head_dim)  # [num_tokens, H, D]
@@ -182,7 +182,7 @@ class DecoderLayer(torch.nn.Module):
             scale=g.scale,
             softcap=g.softcap,
         )  # [num_tokens, H, D]
-        return F.linear(attended.reshape(num_tokens, q_size), self.o_weight, self.o_bias)
+        return linear(attended.reshape(num_tokens, q_size), self.o_weight, self.o_bias)
 
 
 class DecoderModel(PackedModel):

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 from transformers import PretrainedConfig
 
 from poolserve.models.attention import AttentionBackend, AttentionMetadata
@@ -27,7 +26,7 @@ from poolserve.models.encoder_relative import (
 from poolserve.models.encoder_weights import LAYOUTS, LayerNames, layer_state, layer_tensors
 from poolserve.models.errors import ModelLoadError
 from poolserve.models.kv_cache import PagedKVCache
-from poolserve.models.layers import activation, to_device
+from poolserve.models.layers import Weight, activation, linear, to_device
 from poolserve.models.packed import PackedModel
 from poolserve.models.registry import EncoderFamily, Positions, Relative
 from poolserve.models.rope import Rotary, apply_rotary
@@ -46,15 +45,15 @@ class EncoderStep:
 class EncoderLayer(torch.nn.Module):
     """Self-attention + MLP, each with a residual; LayerNorm after each (post-LN) or before."""
 
-    qkv_weight: torch.Tensor
+    qkv_weight: Weight
     qkv_bias: torch.Tensor | None
-    o_weight: torch.Tensor
+    o_weight: Weight
     o_bias: torch.Tensor | None
     attn_norm_weight: torch.Tensor | None
     attn_norm_bias: torch.Tensor | None
-    up_weight: torch.Tensor
+    up_weight: Weight
     up_bias: torch.Tensor | None
-    down_weight: torch.Tensor
+    down_weight: Weight
     down_bias: torch.Tensor | None
     mlp_norm_weight: torch.Tensor
     mlp_norm_bias: torch.Tensor | None
@@ -103,7 +102,7 @@ class EncoderLayer(torch.nn.Module):
         """Bidirectional self-attention, output projection included."""
         g = self.geometry
         num_tokens = h.shape[0]
-        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)  # [num_tokens, 3 * H * D]
+        qkv = linear(h, self.qkv_weight, self.qkv_bias)  # [num_tokens, 3 * H * D]
         q, k, v = qkv.view(num_tokens, 3, g.num_heads, g.head_dim).unbind(1)  # [num_tokens, H, D]
         if self.rope_index is not None:
             q = apply_rotary(q, *step.ropes[self.rope_index])
@@ -120,17 +119,17 @@ class EncoderLayer(torch.nn.Module):
             scale=g.scale,
             bias=bias,
         )  # [num_tokens, H, D]
-        return F.linear(attended.reshape(num_tokens, -1), self.o_weight, self.o_bias)
+        return linear(attended.reshape(num_tokens, -1), self.o_weight, self.o_bias)
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
         """act(up) or, gated, act(first half) * second half; then down."""
-        up = F.linear(h, self.up_weight, self.up_bias)  # [num_tokens, (2 x) intermediate]
+        up = linear(h, self.up_weight, self.up_bias)  # [num_tokens, (2 x) intermediate]
         if self.gated:
-            gate, linear = up.chunk(2, dim=-1)  # [num_tokens, intermediate] each
-            up = self.act(gate).mul_(linear)
+            gate, value = up.chunk(2, dim=-1)  # [num_tokens, intermediate] each
+            up = self.act(gate).mul_(value)
         else:
             up = self.act(up)
-        return F.linear(up, self.down_weight, self.down_bias)
+        return linear(up, self.down_weight, self.down_bias)
 
 
 def _relative_scores(

@@ -48,3 +48,12 @@ class UnsupportedDtypeError(ModelError):
         self.dtype = dtype
         self.device = device
         super().__init__(f"dtype {dtype} cannot run on {device}: {reason}")
+
+
+class UnsupportedQuantizationError(ModelError):
+    """The requested quantization cannot run on the device, in the dtype or in this install."""
+
+    def __init__(self, quantization: str, device: str, reason: str) -> None:
+        self.quantization = quantization
+        self.device = device
+        super().__init__(f"quantization {quantization} cannot run on {device}: {reason}")

@@ -9,6 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from poolserve.models.errors import ModelLoadError
+from poolserve.models.quantization import Int8Linear
+
+# A projection weight: a tensor (plain, or torchao's quantized subclass) or the CPU int8 module.
+Weight = torch.Tensor | Int8Linear
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -25,6 +29,13 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name not in ACTIVATIONS:
         raise ModelLoadError(f"unsupported activation {name!r}")
     return ACTIVATIONS[name]
+
+
+def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T + bias, whatever form the projection's weight was given at load."""
+    if isinstance(weight, torch.Tensor):
+        return F.linear(x, weight, bias)
+    return weight(x, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

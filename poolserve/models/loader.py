@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Callable, Iterable, Mapping
@@ -29,6 +30,7 @@ from poolserve.models.errors import (
 from poolserve.models.heads import LMHeadRows, build_heads, head_out_features, lm_head_method
 from poolserve.models.late_interaction import check_plain_prompts
 from poolserve.models.packed import PackedModel
+from poolserve.models.quantization import check_quantization, cpu_lacks_native, quantize_linears
 from poolserve.models.registry import (
     ARCHITECTURES,
     DECODER_FAMILIES,
@@ -59,13 +61,17 @@ def load_model(
     dtype: torch.dtype | None = None,
     hf_overrides: Mapping[str, Any] | None = None,
     revision: str | None = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Loads a checkpoint (local dir, Hub id, or None = all-MiniLM-L6-v2) for packed forwards.
 
     `hf_overrides` are config.json fields that win over the checkpoint's (vLLM's --hf-overrides);
-    `revision` picks the Hub commit, branch or tag of a Hub id.
+    `revision` picks the Hub commit, branch or tag of a Hub id; `quantization` (int8, fp8)
+    replaces the layers' projection weights (poolserve/models/quantization.py).
     """
-    dtype = resolve_dtype(dtype, device)  # first: a refused dtype should not wait for a download
+    # first: a refused dtype or quantization should not wait for a download
+    dtype = resolve_dtype(dtype, device)
+    check_quantization(quantization, device, dtype)
     path = resolve_model_path(model, revision)
     overrides = dict(hf_overrides or {})
     architecture = _check_architecture({**_read_raw_config(path), **overrides})
@@ -79,6 +85,7 @@ def load_model(
     packed = _BACKBONES[entry.backbone](
         config, backbone_state, select_attention_backend(device), placement
     )
+    quantized = quantize_linears(packed, quantization, device)
     tokenizer = _load_tokenizer(path)
     heads = build_heads(entry, state, device, config, _lm_head_rows(entry, config, tokenizer))
     if entry.head_kind is HeadKind.LATE_INTERACTION:
@@ -87,17 +94,19 @@ def load_model(
     if st_config is not None and st_config.do_lower_case:
         _lower_case_first(tokenizer)
     logger.info(
-        "loaded %s (%s) from %s on %s: stored as %s, runs as %s",
+        "loaded %s (%s) from %s on %s: stored as %s, runs as %s, quantization %s (%d weights)",
         architecture,
         config.model_type,
         path,
         device,
         _stored_dtype(state),
         dtype,
+        quantization,
+        quantized,
     )
     return LoadedModel(
         path=path,
-        spec=_spec(architecture, entry, config, heads, dtype),
+        spec=_spec(architecture, entry, config, heads, dtype, quantization),
         model=packed,
         heads=heads,
         tokenizer=tokenizer,
@@ -125,7 +134,16 @@ def resolve_dtype(dtype: torch.dtype | None, device: torch.device) -> torch.dtyp
             _try_cpu_kernels(dtype)
         except (RuntimeError, NotImplementedError) as exc:
             raise UnsupportedDtypeError(name, str(device), str(exc)) from exc
+        emulated = cpu_lacks_native(dtype)
+        if emulated is not None:
+            _warn_emulated(name, emulated)
     return dtype
+
+
+@functools.cache
+def _warn_emulated(name: str, reason: str) -> None:
+    """Once per process: the dtype runs, correct but slow (refusing it would only cost memory)."""
+    logger.warning("--dtype %s: %s; torch emulates it, slower than float32", name, reason)
 
 
 def _native_bf16(device: torch.device) -> bool:
@@ -300,6 +318,7 @@ def _spec(
     config: PretrainedConfig,
     heads: ModelHeads,
     dtype: torch.dtype,
+    quantization: str | None,
 ) -> ModelSpec:
     """The ModelSpec of a loaded checkpoint."""
     decoder = entry.backbone is Backbone.DECODER
@@ -331,4 +350,5 @@ def _spec(
         supports_matryoshka=bool(getattr(config, "is_matryoshka", False)) or matryoshka is not None,
         matryoshka_dimensions=matryoshka,
         classifier_pooling=None if decoder else getattr(config, "classifier_pooling", None),
+        quantization=quantization,
     )

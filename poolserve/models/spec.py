@@ -37,6 +37,8 @@ class ModelSpec:
     # How the checkpoint's sequence classifier pools, when its config says (ModernBERT's
     # classifier_pooling: "cls" or "mean"); None = the backbone's default token.
     classifier_pooling: str | None = None
+    # --quantization of the layers' projection weights (int8, fp8); None = the dtype's weights
+    quantization: str | None = None
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,9 @@ import torch
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
-from poolserve.models.errors import UnsupportedDtypeError
+from poolserve.models.errors import UnsupportedDtypeError, UnsupportedQuantizationError
 from poolserve.models.loader import load_model, resolve_dtype
+from poolserve.models.quantization import check_quantization
 from poolserve.models.spec import LoadedModel
 from poolserve.pooling.params import PoolingParams
 from poolserve.scheduler.admission import CharBudget
@@ -134,6 +135,10 @@ async def _start(state: ServiceState) -> None:
         dtype = resolve_dtype(DTYPES[settings.dtype], device)
     except UnsupportedDtypeError as exc:
         raise ValueError(f"--dtype {settings.dtype}: {exc}; float32 runs everywhere") from exc
+    try:
+        check_quantization(settings.quantization, device, dtype)
+    except UnsupportedQuantizationError as exc:
+        raise ValueError(f"--quantization {settings.quantization}: {exc}") from exc
     defaults = parse_pooler_config(settings.pooler_config)
     loaded = await asyncio.to_thread(
         load_model,
@@ -142,6 +147,7 @@ async def _start(state: ServiceState) -> None:
         dtype=dtype,
         hf_overrides=settings.hf_overrides_dict,
         revision=settings.revision,
+        quantization=settings.quantization,
     )
     handle = _model_handle(loaded, settings, defaults)
     config = _scheduler_config(settings, loaded, handle.max_model_len)

@@ -73,6 +73,14 @@ class ServerSettings(BaseSettings):
         "CPU, bfloat16 on CUDA (float16 on GPUs without native bfloat16). A dtype the device "
         "cannot run is refused at startup; heads and pooling always compute in float32.",
     )
+    quantization: Literal["int8", "fp8"] | None = Field(
+        None,
+        description="Quantize the layers' linear projections (vLLM's flag): int8 = int8 weights "
+        "and per-token int8 activations (CPU and CUDA; attention's qkv stays in --dtype), fp8 = "
+        "fp8 weights and activations on GPUs with fp8 units (compute capability 8.9+, --dtype "
+        "bfloat16). Embeddings, norms, attention and heads keep --dtype; refused at startup where "
+        "the device cannot run it. Fidelity and speed: docs/models.md, Precision.",
+    )
     max_model_len: int | None = Field(
         None, gt=0, description="Longest prompt in tokens (default: the model's limit)."
     )
