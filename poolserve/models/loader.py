@@ -221,6 +221,16 @@ def _load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
         raise ModelLoadError(f"cannot load tokenizer: {exc}") from exc
 
 
+def _pair_separator(config: PretrainedConfig) -> bool:
+    """vLLM's use_sep_token: the config's (its older name use_pad_token first), else true but for
+    a causal LM read through LM-head rows, which vLLM scores on the plain concatenation."""
+    for name in ("use_pad_token", "use_sep_token"):
+        value = getattr(config, name, None)
+        if value is not None:
+            return bool(value)
+    return lm_head_method(config) is None
+
+
 def _lm_head_rows(
     entry: ArchitectureEntry, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase
 ) -> LMHeadRows | None:
@@ -351,4 +361,5 @@ def _spec(
         matryoshka_dimensions=matryoshka,
         classifier_pooling=None if decoder else getattr(config, "classifier_pooling", None),
         quantization=quantization,
+        pair_separator=_pair_separator(config),
     )

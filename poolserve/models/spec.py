@@ -39,6 +39,9 @@ class ModelSpec:
     classifier_pooling: str | None = None
     # --quantization of the layers' projection weights (int8, fp8); None = the dtype's weights
     quantization: str | None = None
+    # vLLM's use_sep_token: a text pair is laid out by the tokenizer's pair template; false: the
+    # two texts are scored as one concatenated text (an LLM read through LM-head rows)
+    pair_separator: bool = True
 
 
 @dataclass(frozen=True)

@@ -192,6 +192,26 @@ def test_yes_no_reranker_equals_the_causal_lm(
     assert "score" in info["tasks"]
 
 
+@pytest.mark.parametrize("use_sep_token", [None, False])
+def test_decoder_cross_encoder_pairs_follow_vllms_use_sep_token(
+    tmp_path: Path, use_sep_token: bool | None
+) -> None:
+    # vLLM lays a pair out as tokenizer(query, document) unless the config says use_sep_token:
+    # false, then it scores tokenizer(query + document); a decoder takes no token type ids
+    directory, model = save_tiny_model("llama_cls1", tmp_path), build_hf_model("llama_cls1")
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    want = []
+    for document in DOCUMENTS:
+        pair = (QUERY, document) if use_sep_token is None else (QUERY + document,)
+        ids = tokenizer(*pair, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            want.append(float(model(input_ids=ids).logits[0, 0]))
+    overrides = {} if use_sep_token is None else {"use_sep_token": use_sep_token}
+    with serve(directory, hf_overrides=json.dumps(overrides)) as client:
+        got = _scores(client, text_1=QUERY, text_2=DOCUMENTS, use_activation=False)
+    np.testing.assert_allclose(got, want, atol=1e-4 * max(map(abs, want)))
+
+
 def _qwen3(tmp_path: Path) -> tuple[Path, Any]:
     return save_tiny_model("qwen3", tmp_path), build_hf_model("qwen3")
 

@@ -50,6 +50,19 @@ def pair_layout(model: ModelHandle, template: bool) -> PairLayout:
     return model.pair_template
 
 
+def check_pairs(job: ScoreJob, max_batch: int) -> None:
+    """400 for an empty side or more pairs than one request may score."""
+    for name, texts in ((job.query_field, job.queries), (job.document_field, job.documents)):
+        if not texts:
+            raise InvalidRequestError(f"{name} must not be empty", name)
+    if len(job.pairs) > max_batch:
+        raise InvalidRequestError(
+            f"{job.document_field} makes {len(job.pairs)} pairs, more than the limit of "
+            f"{max_batch} (--max-client-batch-size)",
+            job.document_field,
+        )
+
+
 def check_texts(job: ScoreJob, model: ModelHandle, cuts: PairTruncation) -> int:
     """Characters the job may tokenize; 400 or 413 before any tokenizer runs."""
     limits = model.limits
@@ -95,7 +108,75 @@ async def tokenize_job(
     One prompt per pair, or (SEPARATE) each query, then each document, alone.
     """
     num_chars = check_texts(job, model, cuts)
+    capped = cuts.max_doc_tokens is not None or cuts.max_query_tokens is not None
+    if mode is PromptMode.CONCATENATE and not capped:
+        num_chars = _check_joined(job, model, cuts)
+        return await run_budgeted(model, num_chars, on_reject, _joined_prompts, job, model, cuts)
     return await run_budgeted(model, num_chars, on_reject, _prompts, job, model, mode, cuts)
+
+
+def _check_joined(job: ScoreJob, model: ModelHandle, cuts: PairTruncation) -> int:
+    """Characters of the pairs' joined texts (a query counts once per pair); 400 or 413."""
+    limits = model.limits
+    total = 0
+    for query, document in job.pairs:
+        num_chars = len(job.queries[query]) + len(job.documents[document])
+        if cuts.keep is None and num_chars > limits.max_input_chars:
+            raise InputTooLongError(
+                f"{_name(job.document_field, document, len(job.documents))} with its "
+                f"{job.query_field} has {num_chars} characters, more than the limit of "
+                f"{limits.max_input_chars} (--max-input-chars); shorten it or set "
+                "truncate_prompt_tokens",
+                job.document_field,
+            )
+        total += min(num_chars, limits.max_input_chars)
+    if total > limits.max_request_chars:
+        raise PayloadTooLargeError(
+            f"the pairs have {total} characters to tokenize, more than the limit of "
+            f"{limits.max_request_chars} per request (--max-request-chars); split the request",
+            job.document_field,
+        )
+    return total
+
+
+def _joined_prompts(job: ScoreJob, model: ModelHandle, cuts: PairTruncation) -> list[Prompt]:
+    """vLLM's prompt of an LLM read as a reranker: query + document tokenized as one text (so
+    tokens that merge across the join, or a SentencePiece word start, come out as vLLM's)."""
+    check_encodable(job.queries, job.query_field)
+    check_encodable(job.documents, job.document_field)
+    layout = pair_layout(model, template=False)
+    texts = [job.queries[query] + job.documents[document] for query, document in job.pairs]
+    most, what = cuts.limit or (model.max_model_len, "max_model_len")
+    if cuts.keep is not None and cuts.keep <= len(layout):
+        raise InvalidRequestError(
+            f"truncate_prompt_tokens must be more than the {len(layout)} special tokens the "
+            "model adds to every prompt",
+            "truncate_prompt_tokens",
+        )
+    capped = cuts.keep is not None
+    want = (most if cuts.keep is None else cuts.keep) - len(layout)
+    side = cuts.side if capped else "right"
+    windows = content_windows(
+        model.tokenizer, texts, want if capped else want + 1, side, model.limits.max_input_chars
+    )
+    prompts = []
+    for (_, document), window in zip(job.pairs, windows, strict=True):
+        name = f"{_name(job.document_field, document, len(job.documents))} with its query"
+        if not capped and (not window.complete or len(window.ids) > want):
+            raise InputTooLongError(
+                f"{name} has more than {most} tokens ({what}) with the special tokens; shorten "
+                "it or set truncate_prompt_tokens",
+                job.document_field,
+            )
+        if not window.complete and len(window.ids) < want:
+            raise InputTooLongError(
+                f"{name} has fewer than {want} tokens in the {window.num_chars} characters at "
+                "its kept side, so it cannot be truncated exactly; shorten it or raise "
+                "--max-input-chars",
+                job.document_field,
+            )
+        prompts.append(layout.join(_cut(window.ids, want, side), []))
+    return prompts
 
 
 def _prompts(

@@ -24,14 +24,13 @@ from poolserve.scheduler.errors import DrainingError
 from poolserve.scheduler.request import PoolingOutput
 from poolserve.service.errors import (
     ClientDisconnectedError,
-    InvalidRequestError,
     ModelNotFoundError,
     NotReadyError,
     ShutdownError,
 )
 from poolserve.service.frontend.chat import render_messages
 from poolserve.service.frontend.jobs import Job, Requested, ScoreJob, TextJob, merge
-from poolserve.service.frontend.pairs import PairTruncation, PromptMode, tokenize_job
+from poolserve.service.frontend.pairs import PairTruncation, PromptMode, check_pairs, tokenize_job
 from poolserve.service.frontend.prompts import prepend, prompt_length
 from poolserve.service.frontend.texts import (
     RawInputs,
@@ -164,7 +163,7 @@ async def _prompt_params(
 
 def _plan_pairs(job: ScoreJob, engine: Engine, model: ModelHandle, state: ServiceState) -> Plan:
     """One prompt per pair (laid out as the model was trained), or one per text to compare."""
-    _check_sizes(job, state.settings.max_client_batch_size)
+    check_pairs(job, state.settings.max_client_batch_size)
     task, joint = job.task, True
     if task is PoolingTask.SCORE:
         scorer = scorer_plan(engine.pooling_info)
@@ -181,31 +180,29 @@ def _plan_pairs(job: ScoreJob, engine: Engine, model: ModelHandle, state: Servic
         job.max_tokens_per_query,
         truncation.most(model),
     )
-    # vLLM scores causal LM rerankers on the plain concatenation, without separator tokens
-    decoder = PromptMode.CONCATENATE if engine.pooling_info.is_decoder else PromptMode.TEMPLATE
-    mode = decoder if joint else PromptMode.SEPARATE
+    mode = _joint_mode(model, engine.pooling_info.is_decoder) if joint else PromptMode.SEPARATE
+    # decoders take no token type ids, whatever the tokenizer's pair template gives
+    typed_model = model.loaded.model.num_token_types > 0
 
     async def run() -> Batch:
         prompts = await tokenize_job(job, model, mode, cuts, state.metrics.on_reject)
         types = [p.token_type_ids for p in prompts]
-        typed = any(t is not None for t in types)
+        typed = typed_model and any(t is not None for t in types)
         return Batch(params, [p.token_ids for p in prompts], types if typed else None)
 
     count = len(job.pairs) if joint else len(job.queries) + len(job.documents)
     return Plan(params, count, run)
 
 
-def _check_sizes(job: ScoreJob, max_batch: int) -> None:
-    """400 for an empty side or more pairs than one request may score."""
-    for name, texts in ((job.query_field, job.queries), (job.document_field, job.documents)):
-        if not texts:
-            raise InvalidRequestError(f"{name} must not be empty", name)
-    if len(job.pairs) > max_batch:
-        raise InvalidRequestError(
-            f"{job.document_field} makes {len(job.pairs)} pairs, more than the limit of "
-            f"{max_batch} (--max-client-batch-size)",
-            job.document_field,
-        )
+def _joint_mode(model: ModelHandle, is_decoder: bool) -> PromptMode:
+    """vLLM's layout of a pair (use_sep_token): the tokenizer's pair template, or, for an LLM
+    read through LM-head rows, the two texts as one; a decoder tokenizer without a pair
+    template joins the two texts too, as tokenizer(query, document) then does."""
+    if not model.loaded.spec.pair_separator:
+        return PromptMode.CONCATENATE
+    if is_decoder and model.pair_template is None:
+        return PromptMode.CONCATENATE
+    return PromptMode.TEMPLATE
 
 
 # job kind -> how it is checked and tokenized; everything else is the same for every job
