@@ -414,3 +414,44 @@ def test_bad_input_is_a_clear_400(
     assert error["message"] and error["type"] == "invalid_request_error"
     if param is not None:
         assert error["param"] == param, error
+
+
+# ---- /v1/embeddings chat forms (vLLM 0.33) ----------------------------------------------------
+SECOND = [{"role": "user", "content": "another conversation"}]
+
+
+def _chat_embedding(client: TestClient, tokenizer: Any, conversation: list[Any]) -> Any:
+    """The embedding of the conversation's rendered prompt sent as token ids (no specials)."""
+    text = tokenizer.apply_chat_template(conversation, tokenize=False)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return _post(client, "/v1/embeddings", {"input": ids})["data"][0]["embedding"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"input": MESSAGES},
+        {"messages": [MESSAGES, SECOND]},
+        {"input": [MESSAGES, SECOND]},
+    ],
+    ids=["one-in-input", "batch-in-messages", "batch-in-input"],
+)
+def test_embeddings_take_vllms_chat_forms(chat: tuple[TestClient, Any], body: Any) -> None:
+    client, tokenizer = chat
+    conversations = [body["input"]] if body.get("input") is MESSAGES else next(iter(body.values()))
+    got = _post(client, "/v1/embeddings", body)
+    assert [item["index"] for item in got["data"]] == list(range(len(conversations)))
+    for item, conversation in zip(got["data"], conversations, strict=True):
+        want = _chat_embedding(client, tokenizer, conversation)
+        np.testing.assert_allclose(item["embedding"], want, atol=1e-6)
+
+
+def test_a_batch_of_conversations_is_bounded(chat: tuple[TestClient, Any]) -> None:
+    client, _ = chat
+    limit = client.app.state.poolserve.settings.max_client_batch_size  # type: ignore[attr-defined]
+    too_many = client.post("/v1/embeddings", json={"messages": [SECOND] * (limit + 1)})
+    assert too_many.status_code == 400, too_many.text
+    assert too_many.json()["error"]["param"] == "messages"
+    assert "--max-client-batch-size" in too_many.json()["error"]["message"]
+    empty = client.post("/v1/embeddings", json={"messages": [SECOND, []]})
+    assert empty.status_code == 400, empty.text

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Self
+from typing import Annotated, Literal, Self, cast
 
 from pydantic import (
     BaseModel,
@@ -78,16 +78,24 @@ class InputBody(RequestBody):
             raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
         return self
 
+    def conversations(self) -> tuple[tuple[ChatMessage, ...], ...] | None:
+        """The body's chat conversations (one here; /v1/embeddings also takes a batch)."""
+        return None if self.messages is None else (tuple(self.messages),)
+
     def job(self, task: PoolingTask, requested: Requested | None = None) -> TextJob:
         """The front end's job for this body."""
-        chat = None
-        if self.messages is not None:
-            chat = Chat(
-                tuple(self.messages),
-                self.chat_template,
-                self.chat_template_kwargs,
-                self.add_generation_prompt,
-                self.continue_final_message,
+        conversations = self.conversations()
+        chats = None
+        if conversations is not None:
+            chats = tuple(
+                Chat(
+                    messages,
+                    self.chat_template,
+                    self.chat_template_kwargs,
+                    self.add_generation_prompt,
+                    self.continue_final_message,
+                )
+                for messages in conversations
             )
         prompts = (
             (self.prompt_name, self.prompt) if isinstance(self, PromptFields) else (None, None)
@@ -95,7 +103,7 @@ class InputBody(RequestBody):
         return TextJob(
             task,
             self.input,
-            chat,
+            chats,
             requested or Requested(),
             self.model,
             *prompts,
@@ -120,8 +128,57 @@ class PromptFields(BaseModel):
     )
 
 
+Conversations = list[ChatMessage] | list[Annotated[list[ChatMessage], Field(min_length=1)]]
+
+
+def _is_conversation(value: object) -> bool:
+    """A non-empty list of chat messages (objects with a string `role`), as vLLM tells them."""
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in value)
+    )
+
+
 class EmbeddingRequest(InputBody, PromptFields):
-    """OpenAI `POST /v1/embeddings` with vLLM's extra fields."""
+    """OpenAI `POST /v1/embeddings` with vLLM's extra fields.
+
+    As vLLM 0.33: `messages` may be one conversation or a batch of them, and `input` may carry
+    either (then read as `messages`).
+    """
+
+    # wider than InputBody's: a batch of conversations too (vLLM 0.33's /v1/embeddings only)
+    messages: Conversations | None = Field(  # type: ignore[assignment]
+        default=None,
+        description="A chat conversation, or a batch of them, rendered with the model's chat "
+        "template (one embedding per conversation).",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _chat_in_input(cls, data: object) -> object:
+        """Chat conversations sent as `input` are vLLM's chat form."""
+        if not isinstance(data, dict) or "messages" in data or "input" not in data:
+            return data
+        value = data["input"]
+        single = _is_conversation(value)
+        batch = isinstance(value, list) and bool(value) and all(map(_is_conversation, value))
+        if not (single or batch):
+            return data
+        moved = dict(data)
+        moved["messages"] = moved.pop("input")
+        return moved
+
+    def conversations(self) -> tuple[tuple[ChatMessage, ...], ...] | None:
+        """One conversation, or each of a batch."""
+        messages = self.messages
+        if messages is None:
+            return None
+        # the schema admits a list of messages or a list of such lists, never a mix
+        if messages and isinstance(messages[0], list):
+            return tuple(tuple(c) for c in cast(list[list[ChatMessage]], messages))
+        # an empty list is one empty conversation, refused as such when it is checked
+        return (tuple(cast(list[ChatMessage], messages)),)
 
     encoding_format: EncodingFormat = "float"
     embed_dtype: EmbedDType = "float32"

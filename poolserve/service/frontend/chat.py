@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
-from poolserve.service.errors import InvalidRequestError, clip
+from poolserve.service.errors import InvalidRequestError, PayloadTooLargeError, clip
 from poolserve.service.frontend.bodies import ChatMessage
 from poolserve.service.frontend.jobs import Chat
 from poolserve.service.frontend.texts import InputTooLongError, check_encodable, run_budgeted
@@ -127,3 +127,23 @@ async def render_messages(
     """The prompt text of a chat request, rendered in a worker thread within the char budget."""
     checked = prepare(chat, model, trusted)
     return await run_budgeted(model, checked.num_chars, on_reject, render, model.tokenizer, checked)
+
+
+async def render_conversations(
+    chats: Sequence[Chat], model: ModelHandle, trusted: bool, on_reject: Callable[[str], None]
+) -> list[str]:
+    """Each conversation's prompt text, all checked first, rendered in one budgeted thread."""
+    checked = [prepare(chat, model, trusted) for chat in chats]
+    num_chars = sum(c.num_chars for c in checked)
+    if num_chars > model.limits.max_request_chars:
+        raise PayloadTooLargeError(
+            f"the conversations have {num_chars} characters, more than the limit of "
+            f"{model.limits.max_request_chars} per request (--max-request-chars); split the "
+            "request",
+            "messages",
+        )
+
+    def render_all() -> list[str]:
+        return [render(model.tokenizer, c) for c in checked]
+
+    return await run_budgeted(model, num_chars, on_reject, render_all)

@@ -58,7 +58,7 @@ class TextJob:
 
     task: PoolingTask
     inputs: object = None  # str | list[str] | token ids | list of token-id lists (schema-checked)
-    chat: Chat | None = None
+    chats: tuple[Chat, ...] | None = None  # one prompt per conversation (vLLM's chat forms)
     requested: Requested = field(default_factory=Requested)
     model: str | None = None
     prompt_name: str | None = None  # sentence-transformers prompts (literal `prompt` wins)

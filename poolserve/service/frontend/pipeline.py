@@ -28,12 +28,13 @@ from poolserve.service.errors import (
     NotReadyError,
     ShutdownError,
 )
-from poolserve.service.frontend.chat import render_messages
+from poolserve.service.frontend.chat import render_conversations
 from poolserve.service.frontend.jobs import Job, Requested, ScoreJob, TextJob, merge
 from poolserve.service.frontend.pairs import PairTruncation, PromptMode, check_pairs, tokenize_job
 from poolserve.service.frontend.prompts import prepend, prompt_length
 from poolserve.service.frontend.texts import (
     RawInputs,
+    check_batch_size,
     check_prompt,
     run_budgeted,
     split_input,
@@ -116,10 +117,13 @@ async def submit(request: Request, job: Job) -> Submitted:
 
 
 def _plan_texts(job: TextJob, engine: Engine, model: ModelHandle, state: ServiceState) -> Plan:
-    """One prompt per input (a sentence-transformers prompt prepended), or one chat prompt."""
+    """One prompt per input (a sentence-transformers prompt prepended), or per conversation."""
     on_reject = state.metrics.on_reject
-    chat = job.chat is not None
-    raw = None if chat else split_input(job.inputs, state.settings.max_client_batch_size)
+    chats = job.chats
+    limit = state.settings.max_client_batch_size
+    if chats is not None:
+        check_batch_size(len(chats), limit, "messages")
+    raw = None if chats is not None else split_input(job.inputs, limit)
     prompt = None
     if raw is not None:
         prompt = model.prompts.resolve(job.prompt_name, job.prompt, texts=raw.texts is not None)
@@ -129,20 +133,21 @@ def _plan_texts(job: TextJob, engine: Engine, model: ModelHandle, state: Service
     params = merge(job.task, job.requested, model.defaults)
     truncation = truncation_for(job.truncate, model)
     # vLLM's defaults: special tokens added to input, not on top of a chat template's
-    specials = job.add_special_tokens if job.add_special_tokens is not None else not chat
+    specials = job.add_special_tokens if job.add_special_tokens is not None else chats is None
 
     async def run() -> Batch:
         inputs = raw
-        if inputs is None:  # vLLM's chat form: one conversation, its template adds the specials
-            assert job.chat is not None
+        if chats is not None:  # vLLM's chat forms: their template adds the special tokens
             trusted = state.settings.trust_request_chat_template
-            inputs = RawInputs((await render_messages(job.chat, model, trusted, on_reject),), None)
+            texts = await render_conversations(chats, model, trusted, on_reject)
+            inputs = RawInputs(tuple(texts), None)
+        assert inputs is not None
         pooled = params
         if prompt is not None:
             pooled = await _prompt_params(model, prompt, params, specials, on_reject)
         return Batch(pooled, await tokenize(inputs, model, truncation, on_reject, specials))
 
-    return Plan(params, 1 if raw is None else len(raw), run)
+    return Plan(params, len(chats) if chats is not None else len(raw or ()), run)
 
 
 async def _prompt_params(
