@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -16,6 +19,8 @@ from poolserve.service.settings import ServerSettings
 from tests.tiny_models import build_hf_model
 
 ClientFactory = Callable[..., "contextmanager[TestClient]"]
+# Every name the conformance modules' MiniLM clients send (Cohere's SDK always sends a model).
+LIVE_NAMES = ("minilm", "embed-v4.0", "embed-v5.0-fast")
 
 
 @pytest.fixture(scope="session")
@@ -56,3 +61,36 @@ def assert_close(got: object, want: torch.Tensor | np.ndarray) -> None:
     assert arr.shape == ref.shape, (arr.shape, ref.shape)
     scale = max(float(np.abs(ref).max()), 1e-6)
     assert float(np.abs(arr - ref).max()) <= 1e-4 * scale
+
+
+@pytest.fixture(scope="session")
+def live_minilm() -> Iterator[httpx.Client]:
+    """A real `poolserve serve` process (uvicorn) on the bundled MiniLM, and a client for it.
+
+    The conformance modules replay each upstream's examples through it as well as through the
+    in-process app: the same answers over a real socket, HTTP parser and server.
+    """
+    from tests.service.test_server_process import free_port, start_server
+
+    port = free_port()
+    process = start_server(port, "--served-model-name", *LIVE_NAMES)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+            yield client
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+@contextmanager
+def minilm_client(transport: str, live: Callable[[], httpx.Client]) -> Iterator[httpx.Client]:
+    """The bundled MiniLM behind the in-process app ("app") or the real server ("live")."""
+    if transport == "live":
+        yield live()
+        return
+    settings = ServerSettings(model=None, served_model_name=list(LIVE_NAMES))
+    with TestClient(create_app(settings)) as client:
+        yield client

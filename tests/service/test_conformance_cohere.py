@@ -60,8 +60,13 @@ RESPONSE_FIELDS = {"id", "embeddings", "texts", "images", "meta", "response_type
 LONG = " ".join(f"word{i}" for i in range(400))  # beyond MiniLM's 256 tokens
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[TestClient]:
+@pytest.fixture(scope="module", params=["app", "live"])
+def server(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """MiniLM behind the in-process app (with an API key, which the SDK sends) and behind a
+    real server process."""
+    if request.param == "live":
+        yield request.getfixturevalue("live_minilm")
+        return
     settings = ServerSettings(model=None, served_model_name=NAMES, api_key="test-key")
     with TestClient(create_app(settings)) as client:
         client.headers["authorization"] = "Bearer test-key"

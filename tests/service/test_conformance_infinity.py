@@ -27,7 +27,7 @@ from starlette.testclient import TestClient
 
 from poolserve.service.app import create_app
 from poolserve.service.settings import ServerSettings
-from tests.service.conftest import assert_close
+from tests.service.conftest import assert_close, minilm_client
 from tests.tiny_models import minilm_path, write_st_modules
 from tests.tiny_rerankers import save_cross_encoder
 
@@ -108,9 +108,10 @@ class ModelList(Shape):
     object: str
 
 
-@pytest.fixture(scope="module")
-def client() -> Iterator[TestClient]:
-    with TestClient(create_app(ServerSettings(model=None, served_model_name=["minilm"]))) as c:
+@pytest.fixture(scope="module", params=["app", "live"])
+def client(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """MiniLM behind the in-process app and behind a real server process."""
+    with minilm_client(request.param, lambda: request.getfixturevalue("live_minilm")) as c:
         yield c
 
 

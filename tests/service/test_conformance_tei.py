@@ -25,6 +25,7 @@ from tokenizers import Tokenizer
 
 from poolserve.service.app import create_app
 from poolserve.service.settings import ServerSettings
+from tests.service.conftest import minilm_client
 from tests.tiny_encoders import (
     TINY_ENCODERS,
     _perturb,
@@ -104,9 +105,10 @@ def _serve(directory: Path | None, **settings: Any) -> Iterator[TestClient]:
         yield client
 
 
-@pytest.fixture(scope="module")
-def minilm() -> Iterator[TestClient]:
-    with _serve(None) as client:
+@pytest.fixture(scope="module", params=["app", "live"])
+def minilm(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """MiniLM behind the in-process app and behind a real server process."""
+    with minilm_client(request.param, lambda: request.getfixturevalue("live_minilm")) as client:
         yield client
 
 
@@ -393,7 +395,9 @@ def test_native_routes_keep_their_error_body(minilm: TestClient) -> None:
 
 
 def test_overloaded_and_unhealthy_are_tei_shaped(minilm: TestClient) -> None:
-    state = minilm.app.state.poolserve  # type: ignore[attr-defined]
+    if not isinstance(minilm, TestClient):
+        pytest.skip("sets the in-process app's state")
+    state = minilm.app.state.poolserve
     admission = state.engine.admission
     full = state.settings.max_num_queued_requests
     admission.reserve(full, 1)

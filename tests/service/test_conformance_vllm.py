@@ -25,6 +25,7 @@ from transformers import AutoTokenizer
 
 from poolserve.service.app import create_app
 from poolserve.service.settings import ServerSettings
+from tests.service.conftest import minilm_client
 from tests.tiny_models import MINILM_DIR
 from tests.tiny_rerankers import build_cross_encoder, save_cross_encoder
 
@@ -132,9 +133,10 @@ def ce_tokenizer(ce_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(ce_dir))
 
 
-@pytest.fixture(scope="module")
-def minilm() -> Iterator[TestClient]:
-    with TestClient(create_app(ServerSettings(served_model_name=["minilm"]))) as client:
+@pytest.fixture(scope="module", params=["app", "live"])
+def minilm(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """MiniLM behind the in-process app and behind a real server process."""
+    with minilm_client(request.param, lambda: request.getfixturevalue("live_minilm")) as client:
         yield client
 
 
