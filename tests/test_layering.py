@@ -1,4 +1,5 @@
-"""Imports point downstream only: service -> scheduler -> (models, pooling), all under poolserve.
+"""Imports point downstream only: service -> core -> scheduler -> (models, pooling), all under
+poolserve.
 
 Inside service: api and compat -> frontend -> scheduler; compat and api never import each other;
 only the app factory (and the CLI that starts the server) imports the edge; only the app factory
@@ -16,9 +17,10 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "poolserve"
 # package -> packages it must never import
 FORBIDDEN = {
-    "models": {"pooling", "scheduler", "service"},
-    "pooling": {"models", "scheduler", "service"},
-    "scheduler": {"service"},
+    "models": {"pooling", "scheduler", "core", "service"},
+    "pooling": {"models", "scheduler", "core", "service"},
+    "scheduler": {"core", "service"},
+    "core": {"service"},
     "service": set(),
 }
 
@@ -55,7 +57,7 @@ def test_no_back_edges(package: str) -> None:
 
 def test_no_relative_or_bare_imports() -> None:
     """Every project import names the poolserve root (no `import service`, no relative ones)."""
-    bare = {"models", "pooling", "scheduler", "service", "bench"}
+    bare = {"models", "pooling", "scheduler", "core", "service", "bench"}
     offenders = {}
     for path in PACKAGE.rglob("*.py"):
         tree = ast.parse(path.read_text())

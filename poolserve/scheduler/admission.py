@@ -107,6 +107,15 @@ class AdmissionControl:
         self._queued_requests -= num_requests
         self._queued_tokens -= num_tokens
 
+    def mirror(
+        self, queued_requests: int, queued_tokens: int, throughput_tokens_per_s: float | None
+    ) -> None:
+        """Take another instance's counters: a front end's view of the engine core's admission."""
+        self._queued_requests = queued_requests
+        self._queued_tokens = queued_tokens
+        if throughput_tokens_per_s is not None:
+            self.throughput_tokens_per_s = throughput_tokens_per_s
+
     def num_rejected(self, reason: OverloadReason) -> int:
         """Refusals so far for one reason."""
         return self._num_rejected[reason]

@@ -60,6 +60,7 @@ class Engine:
     ) -> None:
         self.loaded = loaded
         self.config = config
+        self.device = device
         limit = min(max_model_len or loaded.spec.max_model_len, loaded.spec.max_model_len)
         self.max_model_len = min(limit, max_prompt_tokens(config))
         self.observer = observer or NullObserver()

@@ -5,24 +5,21 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-import math
+import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
 
-import torch
+import zmq.asyncio
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
-from poolserve.models.errors import UnsupportedDtypeError, UnsupportedQuantizationError
-from poolserve.models.loader import load_model, resolve_dtype
-from poolserve.models.quantization import check_quantization
-from poolserve.models.spec import LoadedModel
+from poolserve.core.card import ModelCard
+from poolserve.core.client import EngineClient
+from poolserve.core.host import CoreConfig, CoreThread
 from poolserve.pooling.params import PoolingParams
 from poolserve.scheduler.admission import CharBudget
-from poolserve.scheduler.config import SchedulerConfig
-from poolserve.scheduler.engine import Engine
 from poolserve.service import dispatch
 from poolserve.service.api import admin, inference, retrieval
 from poolserve.service.compat import cohere, infinity, tei_embed, tei_predict, tei_tokens
@@ -46,22 +43,22 @@ from poolserve.service.state import ModelHandle, ServiceState, TextLimits
 
 logger = logging.getLogger(__name__)
 
-# --dtype values; auto (None) lets the loader pick per device: float32 on CPU, bfloat16 on CUDA.
-DTYPES: dict[str, torch.dtype | None] = {
-    "auto": None,
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
 WARMUP_TEXT = "poolserve warm-up"
+# What the process supervisor sends a front end when the engine core process has exited.
+CORE_LOST_SIGNAL = signal.SIGUSR1
 
 
-def create_app(settings: ServerSettings) -> FastAPI:
-    """A server app; the model loads in the lifespan, /ready turns 200 after warm-up."""
+def create_app(settings: ServerSettings, core_address: str | None = None) -> FastAPI:
+    """A server app; /ready turns 200 after warm-up.
+
+    With `core_address` the app is one front end of an engine core process listening there;
+    without, its lifespan runs the engine core in a thread of this process (loading the model).
+    """
     state = ServiceState(
         settings=settings,
         metrics=ServiceMetrics(),
         tracing=build_tracing(settings.otlp_traces_endpoint),
+        core_address=core_address,
     )
     inflight = InFlight()
 
@@ -73,8 +70,10 @@ def create_app(settings: ServerSettings) -> FastAPI:
         finally:
             state.draining = True
             if state.engine is not None:
+                await state.engine.close()
+            if state.core is not None:
                 # the HTTP side had the drain; work still queued now has nobody waiting for it
-                await state.engine.drain(0.0)
+                await asyncio.to_thread(state.core.stop)
             await asyncio.to_thread(state.tracing.shutdown)
 
     app = FastAPI(
@@ -117,60 +116,65 @@ def create_app(settings: ServerSettings) -> FastAPI:
     return app
 
 
-def resolve_device(name: str) -> torch.device:
-    """auto = cuda when available; cuda without a usable GPU is refused, naming the flag."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    elif name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is available to torch")
-    return torch.device(name)
+def core_config(settings: ServerSettings, defaults: PoolerDefaults) -> CoreConfig:
+    """What the engine core needs from the server's settings."""
+    return CoreConfig(
+        model=settings.model,
+        revision=settings.revision,
+        device=settings.device,
+        dtype=settings.dtype,
+        quantization=settings.quantization,
+        hf_overrides=settings.hf_overrides_dict,
+        max_model_len=settings.max_model_len,
+        embed_pooling=defaults.embed_pooling,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_queued_requests=settings.max_num_queued_requests,
+        max_num_queued_tokens=settings.max_num_queued_tokens,
+        long_prefill_token_threshold=settings.long_prefill_token_threshold,
+        block_size=settings.block_size,
+        num_kv_blocks=settings.num_kv_blocks,
+        async_scheduling=settings.async_scheduling,
+        enable_prefix_caching=settings.enable_prefix_caching,
+        record_timelines=settings.otlp_traces_endpoint is not None,
+        drain_timeout_s=settings.shutdown_timeout,
+    )
 
 
 async def _start(state: ServiceState) -> None:
-    """Load the model off the loop, start the engine, warm up, then report ready."""
+    """Reach the engine core (starting it here in single-process mode), warm up, report ready."""
     settings = state.settings
-    device = resolve_device(settings.device)
-    try:
-        # before the load: a dtype the device cannot run fails at once, not after a download
-        dtype = resolve_dtype(DTYPES[settings.dtype], device)
-    except UnsupportedDtypeError as exc:
-        raise ValueError(f"--dtype {settings.dtype}: {exc}; float32 runs everywhere") from exc
-    try:
-        check_quantization(settings.quantization, device, dtype)
-    except UnsupportedQuantizationError as exc:
-        raise ValueError(f"--quantization {settings.quantization}: {exc}") from exc
     defaults = parse_pooler_config(settings.pooler_config)
-    loaded = await asyncio.to_thread(
-        load_model,
-        settings.model,
-        device=device,
-        dtype=dtype,
-        hf_overrides=settings.hf_overrides_dict,
-        revision=settings.revision,
-        quantization=settings.quantization,
+    if state.core_address is None:
+        core = CoreThread(core_config(settings, defaults), observer=state.metrics)
+        await asyncio.to_thread(core.start)
+        state.core = core
+        address, context = core.address, zmq.asyncio.Context.shadow(core.context.underlying)
+    else:
+        address, context = state.core_address, zmq.asyncio.Context.instance()
+    engine = EngineClient(
+        address, context, timeout_s=settings.engine_core_timeout, observer=state.metrics
     )
-    handle = _model_handle(loaded, settings, defaults)
-    config = _scheduler_config(settings, loaded, handle.max_model_len)
-    engine = Engine(
-        loaded,
-        config,
-        device,
-        max_model_len=handle.max_model_len,
-        embed_pooling=defaults.embed_pooling,
-        observer=state.metrics,
-    )
-    state.model, state.engine = handle, engine
-    state.device, state.dtype = device.type, str(loaded.spec.dtype).removeprefix("torch.")
+    if state.core is None:
+        # the supervisor's word that the engine core process exited: fail fast, whatever the
+        # socket has noticed yet
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(CORE_LOST_SIGNAL, engine.lose, "the engine core process exited")
+    state.engine = engine
+    card = await engine.connect()
+    handle = _model_handle(card, settings, defaults)
+    state.model = handle
+    state.device, state.dtype = card.device, str(card.spec.dtype).removeprefix("torch.")
     state.supported_tasks = tuple(sorted(engine.supported_tasks, key=lambda t: t.value))
-    state.metrics.bind_engine(engine.snapshot, state.accepting)
-    engine.start()
+    state.metrics.bind_engine(engine.latest_snapshot, state.accepting)
     await _warm_up(state)
     state.ready = True
+    config = card.scheduler
     logger.info(
         "ready: model=%s served_as=%s tasks=%s device=%s dtype=%s max_model_len=%d "
         "max_num_batched_tokens=%d max_num_seqs=%d max_num_queued_tokens=%d num_kv_blocks=%d "
-        "async_scheduling=%s prefix_caching=%s",
-        loaded.path,
+        "async_scheduling=%s prefix_caching=%s engine_core=%s",
+        card.path,
         ",".join(handle.served_names),
         ",".join(t.value for t in state.supported_tasks),
         state.device,
@@ -182,25 +186,26 @@ async def _start(state: ServiceState) -> None:
         config.num_kv_blocks,
         config.async_scheduling,
         config.enable_prefix_caching,
+        "thread" if state.core is not None else state.core_address,
     )
 
 
 def _model_handle(
-    loaded: LoadedModel, settings: ServerSettings, defaults: PoolerDefaults
+    card: ModelCard, settings: ServerSettings, defaults: PoolerDefaults
 ) -> ModelHandle:
     """The served name, the effective max_model_len, the tokenizer and the text limits."""
-    limit = loaded.spec.max_model_len
+    limit = card.spec.max_model_len
     max_model_len = min(settings.max_model_len or limit, limit)
-    side: TruncationSide = "left" if loaded.tokenizer.truncation_side == "left" else "right"
-    tokenizer = copy.deepcopy(loaded.tokenizer)
+    side: TruncationSide = "left" if card.tokenizer.truncation_side == "left" else "right"
+    tokenizer = copy.deepcopy(card.tokenizer)
     # the service cuts prompts itself and refuses long ones clearly; silence the tokenizer's warning
     tokenizer.model_max_length = 1 << 30
-    st = loaded.sentence_transformers
+    st = card.sentence_transformers
     st_length = st.max_seq_length if st is not None else None
     limits = TextLimits.derive(settings, max_model_len)
     names = settings.served_model_names or (_default_name(settings.model),)
     return ModelHandle(
-        loaded=loaded,
+        card=card,
         served_name=names[0],
         aliases=names[1:],
         auto_truncate=settings.auto_truncate,
@@ -223,42 +228,6 @@ def _default_name(model: str | None) -> str:
         return DEFAULT_MODEL_ID
     local = Path(model).expanduser()
     return local.resolve().name if local.is_dir() else model
-
-
-def _scheduler_config(
-    settings: ServerSettings, loaded: LoadedModel, max_model_len: int
-) -> SchedulerConfig:
-    """Budgets from the flags; encoders need a whole prompt to fit one step."""
-    budget = settings.max_num_batched_tokens
-    if not loaded.spec.is_causal and budget < max_model_len:
-        raise ValueError(
-            f"encoder prompts cannot be chunked: --max-num-batched-tokens ({budget}) "
-            f"must be at least "
-            f"max_model_len ({max_model_len})"
-        )
-    blocks_for_longest = math.ceil(max_model_len / settings.block_size)
-    num_kv_blocks = settings.num_kv_blocks or blocks_for_longest + math.ceil(
-        budget / settings.block_size
-    )
-    if num_kv_blocks < blocks_for_longest and loaded.spec.is_causal:
-        raise ValueError(
-            f"--num-kv-blocks ({num_kv_blocks}) cannot hold one prompt of max_model_len "
-            f"({max_model_len}); it needs at least {blocks_for_longest}"
-        )
-    return SchedulerConfig(
-        max_num_batched_tokens=budget,
-        max_num_seqs=settings.max_num_seqs,
-        max_num_queued_requests=settings.max_num_queued_requests,
-        max_num_queued_tokens=settings.max_num_queued_tokens,
-        long_prefill_token_threshold=settings.long_prefill_token_threshold,
-        block_size=settings.block_size,
-        num_kv_blocks=num_kv_blocks,
-        enable_chunked_prefill=loaded.spec.is_causal,
-        async_scheduling=settings.async_scheduling,
-        # bidirectional attention: a position's KV depends on later tokens, so nothing is shared
-        enable_prefix_caching=settings.enable_prefix_caching and loaded.spec.is_causal,
-        record_timelines=settings.otlp_traces_endpoint is not None,
-    )
 
 
 async def _warm_up(state: ServiceState) -> None:

@@ -143,17 +143,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     configure_logging(settings.log_level, settings.log_format)
     # Before torch loads and threads start: allocations after this follow the fixed threshold.
     fix_mmap_threshold()
-    from poolserve.service.edge.server import (
-        run_server,  # imported late: loading torch is slow for --help
-    )
+    code = 0
+    if settings.api_server_count == 0:
+        from poolserve.service.edge.server import (
+            run_server,  # imported late: loading torch is slow for --help
+        )
 
-    run_server(settings)
+        run_server(settings)
+    else:
+        from poolserve.service.edge.processes import run_processes
+
+        code = run_processes(settings)
     # Drained and closed: skip the interpreter's teardown of torch and friends, which takes
     # seconds on a busy machine and would push the exit past --shutdown-timeout.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -168,6 +168,20 @@ class ServerSettings(BaseSettings):
         "requests may ask for `dimensions`; the same as --hf-overrides "
         "'{\"matryoshka_dimensions\": [...]}' (e.g. 1024,512,256,128,64).",
     )
+    api_server_count: int = Field(
+        1,
+        ge=0,
+        le=64,
+        description="Front-end processes (HTTP, tokenization, answers) sharing the port, beside "
+        "one engine-core process that owns the device (vLLM's flag); 0 runs the engine core in a "
+        "thread of one process (tests, small CPU installs).",
+    )
+    engine_core_timeout: float = Field(
+        10.0,
+        gt=0,
+        description="Seconds of silence after which a front end calls the engine core dead (its "
+        "requests and all new ones get 503); the core sends a heartbeat twice a second.",
+    )
     shutdown_timeout: float = Field(
         30.0,
         ge=0,

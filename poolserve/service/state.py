@@ -6,10 +6,11 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from poolserve.models.spec import LoadedModel
+from poolserve.core.card import ModelCard
+from poolserve.core.client import EngineClient
+from poolserve.core.host import CoreThread
 from poolserve.pooling.params import PoolingTask
 from poolserve.scheduler.admission import CharBudget
-from poolserve.scheduler.engine import Engine
 from poolserve.service.frontend.jobs import PoolerDefaults, TruncationSide
 from poolserve.service.frontend.pair_template import PairLayout
 from poolserve.service.frontend.prompts import Prompts
@@ -77,9 +78,9 @@ class SpecialTokens:
 
 @dataclass(frozen=True)
 class ModelHandle:
-    """A loaded model as the service sees it."""
+    """The served model as the service sees it."""
 
-    loaded: LoadedModel
+    card: ModelCard  # what the engine core told this front end about the model
     served_name: str
     max_model_len: int
     tokenizer: PreTrainedTokenizerBase  # never truncates: the service cuts tokens itself
@@ -108,7 +109,9 @@ class ServiceState:
     settings: ServerSettings
     metrics: ServiceMetrics
     model: ModelHandle | None = None
-    engine: Engine | None = None
+    engine: EngineClient | None = None  # the engine core, wherever it runs
+    core: CoreThread | None = None  # the engine core when it runs in this process
+    core_address: str | None = None  # the engine core process's socket (None: a thread here)
     ready: bool = False
     draining: bool = False
     leaving: bool = False  # SIGTERM arrived: /ready is 503, work is served until draining

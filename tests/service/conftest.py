@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,6 +22,31 @@ from tests.tiny_models import build_hf_model
 ClientFactory = Callable[..., "contextmanager[TestClient]"]
 # Every name the conformance modules' MiniLM clients send (Cohere's SDK always sends a model).
 LIVE_NAMES = ("minilm", "embed-v4.0", "embed-v5.0-fast")
+
+
+@contextmanager
+def queue_taken(client: TestClient, requests: int, tokens: int) -> Iterator[None]:
+    """Hold admission room in the engine core (as other requests would) until the block ends.
+
+    The room is taken on the core's loop and the block starts once the front end's copy of the
+    counters shows it (the core's next message carries them).
+    """
+    state = client.app.state.poolserve  # type: ignore[attr-defined]
+    core, front = state.core, state.engine
+    core.call(lambda: core.engine.admission.reserve(requests, tokens))
+    try:
+        _until(lambda: front.admission.queued_requests >= requests)
+        yield
+    finally:
+        core.call(lambda: core.engine.admission.release(requests, tokens))
+        _until(lambda: front.admission.queued_requests < requests)
+
+
+def _until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the front end never saw the core's counters"
+        time.sleep(0.01)
 
 
 @pytest.fixture(scope="session")

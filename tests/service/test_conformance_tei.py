@@ -25,7 +25,7 @@ from tokenizers import Tokenizer
 
 from poolserve.service.app import create_app
 from poolserve.service.settings import ServerSettings
-from tests.service.conftest import minilm_client
+from tests.service.conftest import minilm_client, queue_taken
 from tests.tiny_encoders import (
     TINY_ENCODERS,
     _perturb,
@@ -398,15 +398,11 @@ def test_overloaded_and_unhealthy_are_tei_shaped(minilm: TestClient) -> None:
     if not isinstance(minilm, TestClient):
         pytest.skip("sets the in-process app's state")
     state = minilm.app.state.poolserve
-    admission = state.engine.admission
     full = state.settings.max_num_queued_requests
-    admission.reserve(full, 1)
-    try:
+    with queue_taken(minilm, full, 1):
         response = minilm.post("/embed", json=README_EMBED)
         _tei_error(response, 429, "Overloaded")
         assert int(response.headers["retry-after"]) >= 1
-    finally:
-        admission.release(full, 1)
     state.draining = True
     try:
         _tei_error(minilm.post("/embed", json=README_EMBED), 503, "Unhealthy")

@@ -7,6 +7,8 @@ from typing import Any
 
 import pytest
 
+from tests.service.conftest import queue_taken
+
 KEY = "s3cret-key"
 
 
@@ -129,9 +131,7 @@ def test_admission_full_is_429_before_tokenization(make_client: Callable[..., An
     with make_client("llama", max_num_queued_requests=2, max_client_batch_size=8) as client:
         response = client.post("/v1/embeddings", json={"input": ["a", "b", "c"]})
         assert response.status_code == 400  # more than the queue can ever hold: not an overload
-        engine = client.app.state.poolserve.engine
-        engine.admission.reserve(2, 10)  # the queue is full right now
-        try:
+        with queue_taken(client, 2, 10):  # the queue is full right now
             tokenized_before = _tokenizations(client)
             response = client.post("/v1/embeddings", json={"input": "a"})
             _error(response, 429)
@@ -139,8 +139,6 @@ def test_admission_full_is_429_before_tokenization(make_client: Callable[..., An
             assert _tokenizations(client) == tokenized_before  # refused before any tokenization
             metrics = client.get("/metrics").text
             assert 'poolserve_rejected_requests_total{reason="queue_full"} 1.0' in metrics
-        finally:
-            engine.admission.release(2, 10)
 
 
 def test_draining_is_503(make_client: Callable[..., Any]) -> None:

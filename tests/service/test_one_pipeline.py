@@ -140,11 +140,11 @@ def served(
         submitted: list[tuple[int, int]] = []
         submit_many = state.engine.submit_many
 
-        def spy(
+        async def spy(
             prompts: Sequence[Sequence[int]], params: Any, priority: int = 0, *rest: Any
         ) -> Any:
             submitted.append((sum(len(p) for p in prompts), priority))
-            return submit_many(prompts, params, priority, *rest)
+            return await submit_many(prompts, params, priority, *rest)
 
         state.engine.submit_many = spy
         yield Served(MODELS[name], client, recorder, submitted)

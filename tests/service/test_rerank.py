@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 
 from poolserve.service.app import create_app
 from poolserve.service.settings import ServerSettings
+from tests.service.conftest import queue_taken
 from tests.tiny_rerankers import build_cross_encoder, save_cross_encoder
 
 QUERY = "what is the capital of france"
@@ -233,9 +234,9 @@ def test_a_rerank_is_one_admission(client: TestClient, monkeypatch: pytest.Monke
     calls: list[int] = []
     submit_many = engine.submit_many
 
-    def counted(prompts: Any, *args: Any) -> Any:
+    async def counted(prompts: Any, *args: Any) -> Any:
         calls.append(len(prompts))
-        return submit_many(prompts, *args)
+        return await submit_many(prompts, *args)
 
     monkeypatch.setattr(engine, "submit_many", counted)
     _post(client, "/v1/rerank", query=QUERY, documents=DOCUMENTS)
@@ -243,10 +244,7 @@ def test_a_rerank_is_one_admission(client: TestClient, monkeypatch: pytest.Monke
     # with room for fewer than all the documents, none is admitted: 429 before tokenizing
     admission = engine.admission
     room = admission.max_num_queued_requests - len(DOCUMENTS) + 1
-    admission.reserve(room, 0)
-    try:
+    with queue_taken(client, room, 1):
         response = client.post("/v1/rerank", json={"query": QUERY, "documents": DOCUMENTS})
-    finally:
-        admission.release(room, 0)
     assert response.status_code == 429 and "retry-after" in response.headers
     assert calls == [len(DOCUMENTS)] and admission.queued_requests == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from importlib.metadata import version
@@ -67,7 +68,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
 async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
     """Text of token ids."""
     _, model = check_serving(service_state(request), body.model)
-    vocab_size = model.loaded.spec.vocab_size
+    vocab_size = model.card.spec.vocab_size
     bad = [t for t in body.tokens if t >= vocab_size]
     if bad:
         raise InvalidRequestError(
@@ -114,7 +115,7 @@ async def info(request: Request) -> Response:
         {
             "model": model.served_name,
             "model_source": _source(s, model),
-            "architecture": model.loaded.spec.architecture,
+            "architecture": model.card.spec.architecture,
             "tasks": [t.value for t in state.supported_tasks],
             "dtype": state.dtype,
             "device": state.device,
@@ -135,8 +136,8 @@ async def info(request: Request) -> Response:
 
 def sentence_transformers_info(model: ModelHandle) -> dict[str, object]:
     """Prompts, the default prompt, the similarity function and Matryoshka sizes."""
-    st = model.loaded.sentence_transformers
-    spec = model.loaded.spec
+    st = model.card.sentence_transformers
+    spec = model.card.spec
     return {
         "prompts": dict(model.prompts.named),
         "default_prompt_name": model.prompts.default_name,
@@ -176,7 +177,7 @@ TEI_POOLING = {PoolingType.CLS: "cls", PoolingType.MEAN: "mean", PoolingType.LAS
 
 def _tei_model_type(state: ServiceState, model: ModelHandle) -> dict[str, object]:
     """TEI's model_type: a classifier (one label: a reranker) with its labels, or an embedder."""
-    labels = model.loaded.spec.labels
+    labels = model.card.spec.labels
     tasks = state.supported_tasks
     if PoolingTask.CLASSIFY in tasks and labels:
         kind = "reranker" if len(labels) == 1 else "classifier"
@@ -204,17 +205,17 @@ def _source(settings: ServerSettings, model: ModelHandle) -> str:
     if settings.model is None:
         return DEFAULT_MODEL_ID
     if Path(settings.model).expanduser().is_dir():
-        return model.loaded.path.name
+        return model.card.path.name
     return settings.model
 
 
 @router.get("/health", responses=UNAVAILABLE)
 async def health(request: Request) -> Response:
-    """Liveness: 200 while the process and the engine loop live."""
+    """Liveness: 200 while the process and the engine core live."""
     engine = service_state(request).engine
     if engine is not None and not engine.is_alive:
         return error_response(
-            503, "the engine loop has stopped", "service_unavailable", None, "engine_dead"
+            503, "the engine core has stopped", "service_unavailable", None, "engine_dead"
         )
     return _json({"status": "ok"})
 
@@ -233,5 +234,9 @@ async def ready(request: Request) -> Response:
 
 @router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(request: Request) -> Response:
-    """Prometheus text exposition."""
-    return Response(service_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    """Prometheus text exposition; the engine's gauges asked of the engine core now."""
+    state = service_state(request)
+    if state.engine is not None and state.engine.dead_reason is None and state.ready:
+        with contextlib.suppress(Exception):  # a core that does not answer: its families go
+            await state.engine.snapshot()
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -132,10 +132,10 @@ async def _reply(
     body: EmbeddingRequest | PoolingRequestBody,
     encode: Callable[[], bytes],
 ) -> Response:
-    """The JSON document, or the binary body vLLM's bytes formats ask for."""
+    """The JSON document, or the binary body vLLM's bytes formats ask for (both output-sized)."""
     if body.encoding_format in BINARY_FORMATS:
-        return await answer(request, outputs, lambda: _binary(fields, outputs, body))
-    return await answer(request, outputs, encode)
+        return await answer(request, outputs, lambda: _binary(fields, outputs, body), inline=True)
+    return await answer(request, outputs, encode, inline=True)
 
 
 @router.post("/v1/embeddings")
@@ -262,7 +262,7 @@ async def classify(body: ClassifyRequest, request: Request) -> Response:
     requested = Requested(use_activation=use_activation)
     run = await submit(request, body.job(PoolingTask.CLASSIFY, requested))
     outputs = await gather(request, run)
-    labels = run.model.loaded.spec.labels
+    labels = run.model.card.spec.labels
     data = []
     for i, o in enumerate(outputs):
         best = int(np.argmax(o.data))
@@ -278,4 +278,4 @@ async def classify(body: ClassifyRequest, request: Request) -> Response:
         "data": data,
         "usage": _usage(run),
     }
-    return await answer(request, outputs, lambda: dumps(reply))
+    return await answer(request, outputs, lambda: dumps(reply), inline=True)

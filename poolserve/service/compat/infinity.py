@@ -153,7 +153,7 @@ async def models(request: Request) -> Response:
     """The served model as Infinity's `OpenAIModelInfo`: its `ModelInfo` fields only."""
     state = service_state(request)
     engine, model = check_serving(state, None)
-    snapshot = engine.snapshot()
+    snapshot = await engine.snapshot()
     limit = state.settings.max_num_queued_requests
     card = {
         "id": model.served_name,

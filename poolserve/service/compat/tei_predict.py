@@ -75,7 +75,7 @@ async def predict(body: PredictRequest, request: Request) -> Response:
     started = time.monotonic()
     sequences = parse_inputs(body.inputs)
     state = service_state(request)
-    labels = check_serving(state, None)[1].loaded.spec.labels
+    labels = check_serving(state, None)[1].card.spec.labels
     check_batch_size(len(sequences.items), state.settings.max_client_batch_size, "inputs")
     if any(not "".join(item) for item in sequences.items):  # TEI's empty text or pair
         raise empty("inputs")

@@ -78,7 +78,7 @@ class DrainingServer(uvicorn.Server):
             now = time.monotonic()
             if not self.state.draining and now >= self.refuse_at:
                 self._start_refusing()
-            engine_busy = self.state.engine is not None and bool(self.state.engine.queues)
+            engine_busy = self.state.engine is not None and self.state.engine.busy
             idle = self.state.active_requests == 0 and not engine_busy
             if self.state.draining and (idle or now >= self.drain_deadline):
                 self.should_exit = True
@@ -222,9 +222,13 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         self.transport.close()
 
 
-def run_server(settings: ServerSettings) -> None:
-    """Serve until drained."""
-    app = create_app(settings)
+def run_server(
+    settings: ServerSettings,
+    core_address: str | None = None,
+    sockets: list[socket.socket] | None = None,
+) -> None:
+    """Serve until drained: one process, or one front end of an engine core at core_address."""
+    app = create_app(settings, core_address)
     state: ServiceState = app.state.poolserve
     config = EdgeConfig(
         app,
@@ -243,4 +247,4 @@ def run_server(settings: ServerSettings) -> None:
         ssl_certfile=settings.ssl_certfile,
     )
     server = DrainingServer(config, state, app.state.inflight)
-    server.run()  # uvicorn picks uvloop when installed
+    server.run(sockets)  # uvicorn picks uvloop when installed

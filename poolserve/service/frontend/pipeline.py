@@ -17,9 +17,9 @@ from dataclasses import dataclass, replace
 
 from fastapi import Request
 
+from poolserve.core.client import EngineClient
 from poolserve.pooling.params import PoolingParams, PoolingTask
 from poolserve.pooling.scorers import PairMode, scorer_plan
-from poolserve.scheduler.engine import Engine
 from poolserve.scheduler.errors import DrainingError
 from poolserve.scheduler.request import PoolingOutput
 from poolserve.service.errors import (
@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 class Submitted:
     """An HTTP request's prompts, admitted and queued in the engine."""
 
-    engine: Engine
+    engine: EngineClient
     model: ModelHandle
     futures: tuple[asyncio.Future[PoolingOutput], ...]
     num_prompt_tokens: int
@@ -83,7 +83,7 @@ def service_state(request: Request) -> ServiceState:
     return state
 
 
-def check_serving(state: ServiceState, model_name: str | None) -> tuple[Engine, ModelHandle]:
+def check_serving(state: ServiceState, model_name: str | None) -> tuple[EngineClient, ModelHandle]:
     """503 unless ready and not draining; 404 for another model's name."""
     if state.draining:
         state.metrics.on_reject("draining")
@@ -111,12 +111,16 @@ async def submit(request: Request, job: Job) -> Submitted:
     batch = await plan.tokenize()
     num_tokens = sum(len(ids) for ids in batch.token_ids)
     tokenized(request, started, len(batch.token_ids), num_tokens)
-    futures = engine.submit_many(batch.token_ids, batch.params, job.priority, batch.token_type_ids)
+    futures = await engine.submit_many(
+        batch.token_ids, batch.params, job.priority, batch.token_type_ids
+    )
     admitted(request, num_tokens)
     return Submitted(engine, model, tuple(futures), num_tokens, trace_of(request))
 
 
-def _plan_texts(job: TextJob, engine: Engine, model: ModelHandle, state: ServiceState) -> Plan:
+def _plan_texts(
+    job: TextJob, engine: EngineClient, model: ModelHandle, state: ServiceState
+) -> Plan:
     """One prompt per input (a sentence-transformers prompt prepended), or per conversation."""
     on_reject = state.metrics.on_reject
     chats = job.chats
@@ -166,7 +170,9 @@ async def _prompt_params(
     return replace(params, prompt_tokens=count)
 
 
-def _plan_pairs(job: ScoreJob, engine: Engine, model: ModelHandle, state: ServiceState) -> Plan:
+def _plan_pairs(
+    job: ScoreJob, engine: EngineClient, model: ModelHandle, state: ServiceState
+) -> Plan:
     """One prompt per pair (laid out as the model was trained), or one per text to compare."""
     check_pairs(job, state.settings.max_client_batch_size)
     task, joint = job.task, True
@@ -187,7 +193,7 @@ def _plan_pairs(job: ScoreJob, engine: Engine, model: ModelHandle, state: Servic
     )
     mode = _joint_mode(model, engine.pooling_info.is_decoder) if joint else PromptMode.SEPARATE
     # decoders take no token type ids, whatever the tokenizer's pair template gives
-    typed_model = model.loaded.model.num_token_types > 0
+    typed_model = model.card.num_token_types > 0
 
     async def run() -> Batch:
         prompts = await tokenize_job(job, model, mode, cuts, state.metrics.on_reject)
@@ -203,7 +209,7 @@ def _joint_mode(model: ModelHandle, is_decoder: bool) -> PromptMode:
     """vLLM's layout of a pair (use_sep_token): the tokenizer's pair template, or, for an LLM
     read through LM-head rows, the two texts as one; a decoder tokenizer without a pair
     template joins the two texts too, as tokenizer(query, document) then does."""
-    if not model.loaded.spec.pair_separator:
+    if not model.card.spec.pair_separator:
         return PromptMode.CONCATENATE
     if is_decoder and model.pair_template is None:
         return PromptMode.CONCATENATE

@@ -1,11 +1,19 @@
-"""Prometheus metrics (prefix `poolserve_`, fixed buckets); one registry per app, no globals."""
+"""Prometheus metrics (prefix `poolserve_`, fixed buckets); one registry per app, no globals.
+
+With several processes (front ends and the engine core) prometheus-client's multiprocess mode
+is on (`PROMETHEUS_MULTIPROC_DIR`, set by the process supervisor before any child starts):
+each process writes its counters and histograms to files there, and any front end's /metrics
+sums them; the engine's gauges come from the core itself, asked at scrape time.
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from poolserve.scheduler.stats import EngineSnapshot
@@ -28,6 +36,7 @@ LATENCY_BUCKETS = (
     60.0,
 )
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+MULTIPROCESS_DIR = "PROMETHEUS_MULTIPROC_DIR"  # prometheus-client's switch to multiprocess mode
 REJECT_REASONS = ("queue_full", "tokens_full", "tokenizing_full", "draining", "not_ready")
 
 
@@ -89,15 +98,25 @@ class ServiceMetrics:
         for reason in REJECT_REASONS:
             self.rejected.labels(reason)
 
+        self._engine: _EngineCollector | None = None
+
     def bind_engine(
-        self, snapshot: Callable[[], EngineSnapshot], ready: Callable[[], bool]
+        self, snapshot: Callable[[], EngineSnapshot | None], ready: Callable[[], bool]
     ) -> None:
-        """Export the engine's gauges and counters, read at scrape time."""
-        self.registry.register(_EngineCollector(snapshot, ready))
+        """Export the engine's gauges and counters, read at scrape time (None: unknown now)."""
+        self._engine = _EngineCollector(snapshot, ready)
+        self.registry.register(self._engine)
 
     def render(self) -> bytes:
-        """The text exposition format."""
-        return generate_latest(self.registry)
+        """The text exposition format: this process's metrics, or every process's."""
+        directory = os.environ.get(MULTIPROCESS_DIR)
+        if not directory:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, directory)
+        if self._engine is not None:
+            registry.register(self._engine)
+        return generate_latest(registry)
 
     # EngineObserver
     def on_step(self, num_tokens: int, duration_s: float) -> None:
@@ -117,13 +136,20 @@ class ServiceMetrics:
 class _EngineCollector(Collector):
     """Reads an engine snapshot on every scrape."""
 
-    def __init__(self, snapshot: Callable[[], EngineSnapshot], ready: Callable[[], bool]) -> None:
+    def __init__(
+        self, snapshot: Callable[[], EngineSnapshot | None], ready: Callable[[], bool]
+    ) -> None:
         self.snapshot = snapshot
         self.ready = ready
 
     def collect(self) -> Iterator[Metric]:
         """Yield the engine's metric families."""
+        yield GaugeMetricFamily(
+            "poolserve_ready", "1 when the server accepts work, else 0.", value=int(self.ready())
+        )
         s = self.snapshot()
+        if s is None:
+            return  # the engine core did not answer: its families are left out, not zeroed
         gauges = {
             "poolserve_running_requests": ("Inputs in a step right now.", s.num_running),
             "poolserve_waiting_requests": ("Inputs waiting for their first step.", s.num_waiting),
@@ -144,7 +170,6 @@ class _EngineCollector(Collector):
                 "Pooling states of requests not yet finished or released; zero at idle.",
                 s.num_open_poolers,
             ),
-            "poolserve_ready": ("1 when the server accepts work, else 0.", int(self.ready())),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)

@@ -1,0 +1,266 @@
+"""Where the engine core runs: its own process (served with front-end processes), or a thread.
+
+Both load the model, build the engine and serve it with `EngineCore` on a ROUTER socket; front
+ends reach either through `EngineClient`, so the single-process mode (tests, small CPU
+installs) runs the same code paths over ZMQ's in-process transport.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import signal
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import zmq
+import zmq.asyncio
+
+from poolserve.core.client import open_socket
+from poolserve.core.server import EngineCore
+from poolserve.models.errors import UnsupportedDtypeError, UnsupportedQuantizationError
+from poolserve.models.loader import load_model, resolve_dtype
+from poolserve.models.quantization import check_quantization
+from poolserve.models.spec import LoadedModel
+from poolserve.pooling.params import PoolingType
+from poolserve.scheduler.config import SchedulerConfig
+from poolserve.scheduler.engine import Engine
+from poolserve.scheduler.observer import EngineObserver
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# --dtype values; auto (None) lets the loader pick per device: float32 on CPU, bfloat16 on CUDA.
+DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+# A core whose engine died (a device error) tells its front ends, then exits after this long.
+DEAD_EXIT_DELAY_S = 1.0
+
+
+@dataclass(frozen=True)
+class CoreConfig:
+    """Everything the engine core needs to load the model and build its engine."""
+
+    model: str | None
+    revision: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    quantization: str | None = None
+    hf_overrides: dict[str, Any] | None = None
+    max_model_len: int | None = None
+    embed_pooling: PoolingType | None = None
+    max_num_batched_tokens: int = 4096
+    max_num_seqs: int = 256
+    max_num_queued_requests: int = 1024
+    max_num_queued_tokens: int = 262144
+    long_prefill_token_threshold: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: the longest prompt plus one step's tokens
+    async_scheduling: bool = True
+    enable_prefix_caching: bool = True
+    record_timelines: bool = False
+    drain_timeout_s: float = 30.0
+
+
+def resolve_device(name: str) -> torch.device:
+    """auto = cuda when available; cuda without a usable GPU is refused, naming the flag."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    elif name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available to torch")
+    return torch.device(name)
+
+
+def build_engine(config: CoreConfig, observer: EngineObserver | None = None) -> Engine:
+    """Load the model and build its engine (blocking; not started)."""
+    device = resolve_device(config.device)
+    try:
+        # before the load: a dtype the device cannot run fails at once, not after a download
+        dtype = resolve_dtype(DTYPES[config.dtype], device)
+    except UnsupportedDtypeError as exc:
+        raise ValueError(f"--dtype {config.dtype}: {exc}; float32 runs everywhere") from exc
+    try:
+        check_quantization(config.quantization, device, dtype)
+    except UnsupportedQuantizationError as exc:
+        raise ValueError(f"--quantization {config.quantization}: {exc}") from exc
+    loaded = load_model(
+        config.model,
+        device=device,
+        dtype=dtype,
+        hf_overrides=config.hf_overrides,
+        revision=config.revision,
+        quantization=config.quantization,
+    )
+    limit = loaded.spec.max_model_len
+    max_model_len = min(config.max_model_len or limit, limit)
+    return Engine(
+        loaded,
+        scheduler_config(config, loaded, max_model_len),
+        device,
+        max_model_len=max_model_len,
+        embed_pooling=config.embed_pooling,
+        observer=observer,
+    )
+
+
+def scheduler_config(
+    config: CoreConfig, loaded: LoadedModel, max_model_len: int
+) -> SchedulerConfig:
+    """Budgets from the flags; encoders need a whole prompt to fit one step."""
+    budget = config.max_num_batched_tokens
+    if not loaded.spec.is_causal and budget < max_model_len:
+        raise ValueError(
+            f"encoder prompts cannot be chunked: --max-num-batched-tokens ({budget}) "
+            f"must be at least max_model_len ({max_model_len})"
+        )
+    blocks_for_longest = math.ceil(max_model_len / config.block_size)
+    num_kv_blocks = config.num_kv_blocks or blocks_for_longest + math.ceil(
+        budget / config.block_size
+    )
+    if num_kv_blocks < blocks_for_longest and loaded.spec.is_causal:
+        raise ValueError(
+            f"--num-kv-blocks ({num_kv_blocks}) cannot hold one prompt of max_model_len "
+            f"({max_model_len}); it needs at least {blocks_for_longest}"
+        )
+    return SchedulerConfig(
+        max_num_batched_tokens=budget,
+        max_num_seqs=config.max_num_seqs,
+        max_num_queued_requests=config.max_num_queued_requests,
+        max_num_queued_tokens=config.max_num_queued_tokens,
+        long_prefill_token_threshold=config.long_prefill_token_threshold,
+        block_size=config.block_size,
+        num_kv_blocks=num_kv_blocks,
+        enable_chunked_prefill=loaded.spec.is_causal,
+        async_scheduling=config.async_scheduling,
+        # bidirectional attention: a position's KV depends on later tokens, so nothing is shared
+        enable_prefix_caching=config.enable_prefix_caching and loaded.spec.is_causal,
+        record_timelines=config.record_timelines,
+    )
+
+
+class CoreThread:
+    """The engine core in a thread of this process, on ZMQ's in-process transport."""
+
+    def __init__(self, config: CoreConfig, observer: EngineObserver | None = None) -> None:
+        self.config = config
+        self.observer = observer
+        self.context = zmq.Context()
+        self.address = f"inproc://poolserve-core-{id(self):x}"
+        self.core: EngineCore | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._served: asyncio.Task[None] | None = None
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="poolserve-core", daemon=True)
+
+    @property
+    def engine(self) -> Engine:
+        """The engine this thread serves (for in-process inspection)."""
+        assert self.core is not None, "start() first"
+        return self.core.engine
+
+    def call(self, function: Callable[[], T]) -> T:
+        """Run `function` on the core's event loop and return its result (inspection, tests)."""
+        assert self._loop is not None, "start() first"
+
+        async def run() -> T:
+            return function()
+
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result()
+
+    def start(self) -> None:
+        """Load, build, bind; returns once front ends can connect (blocking), or raises."""
+        self._thread.start()
+        self._started.wait()
+        if self._error is not None:
+            raise self._error
+
+    def stop(self) -> None:
+        """Cancel the queued work, stop the engine and the thread (blocking)."""
+        if self._loop is not None and self._served is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._served.cancel)
+        self._thread.join()
+        self.context.term()
+
+    def _main(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._serve())
+        except BaseException as exc:  # a load error reaches start(); later ones are logged
+            if not self._started.is_set():
+                self._error = exc
+            else:
+                logger.exception("engine core thread stopped")
+        finally:
+            self._started.set()
+            loop.close()
+
+    async def _serve(self) -> None:
+        engine = build_engine(self.config, self.observer)
+        socket = open_socket(zmq.asyncio.Context.shadow(self.context.underlying), zmq.ROUTER)
+        socket.bind(self.address)
+        engine.start()
+        self.core = EngineCore(engine, socket)
+        self._served = asyncio.current_task()
+        self._started.set()
+        try:
+            await self.core.serve()
+        except asyncio.CancelledError:
+            pass
+        finally:
+            await engine.drain(0.0)
+            socket.close(linger=0)
+
+
+async def serve_core_process(
+    config: CoreConfig, address: str, observer: EngineObserver | None = None
+) -> int:
+    """The engine core process: serve until SIGTERM (drain, 0) or the engine dies (1)."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    engine = await asyncio.to_thread(build_engine, config, observer)
+    context = zmq.asyncio.Context()
+    socket = open_socket(context, zmq.ROUTER)
+    socket.bind(address)
+    engine.start()
+    core = EngineCore(engine, socket)
+    served = asyncio.ensure_future(core.serve())
+    stopped = asyncio.ensure_future(stop.wait())
+    died = asyncio.ensure_future(_engine_death(engine))
+    await asyncio.wait((served, stopped, died), return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if died.done():
+        logger.error("engine core: %s; exiting", engine.dead_reason)
+        await asyncio.sleep(DEAD_EXIT_DELAY_S)  # beats carry the reason to every front end
+        code = 1
+    elif served.done():
+        logger.error("engine core: serving stopped", exc_info=served.exception())
+        code = 1
+    else:
+        clean = await engine.drain(config.drain_timeout_s)
+        logger.info("engine core: drained (%s)", "clean" if clean else "timed out")
+    for task in (served, stopped, died):
+        task.cancel()
+    await engine.stop()
+    socket.close(linger=0)
+    context.term()
+    return code
+
+
+async def _engine_death(engine: Engine) -> None:
+    while engine.dead_reason is None and engine.is_alive:
+        await asyncio.sleep(0.1)
+    if engine.dead_reason is None:
+        engine.dead_reason = "the engine loop stopped"

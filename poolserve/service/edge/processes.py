@@ -1,0 +1,232 @@
+"""`--api-server-count N`: one engine-core process and N front-end processes on one port.
+
+This process is the supervisor: it binds the port (the front ends inherit the socket and the
+kernel spreads connections over them), starts the engine core and the front ends, and watches
+them. SIGTERM (or SIGINT) drains: every front end drains as a single server does, then the
+core finishes what is left and stops; exit 0. Any child that exits on its own takes the server
+down, loudly and non-zero: a lost engine core first turns every front end's answers into 503
+(its connection closes), a lost front end stops the rest. Restarting is the orchestrator's job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import FrameType
+
+from poolserve.core.host import serve_core_process
+from poolserve.service.app import CORE_LOST_SIGNAL, core_config
+from poolserve.service.edge.memory import fix_mmap_threshold
+from poolserve.service.frontend.jobs import parse_pooler_config
+from poolserve.service.observability.logs import configure_logging
+from poolserve.service.observability.metrics import MULTIPROCESS_DIR, ServiceMetrics
+from poolserve.service.settings import ServerSettings
+
+logger = logging.getLogger(__name__)
+
+# After the engine core is lost, front ends keep answering 503 this long before they stop.
+LOST_CORE_GRACE_S = 1.0
+# How often the supervisor looks at its children.
+WATCH_INTERVAL_S = 0.1
+# Tells a child which process supervises it.
+SUPERVISOR_PID = "POOLSERVE_SUPERVISOR_PID"
+# Linux prctl option: the signal a child gets when its parent dies.
+PR_SET_PDEATHSIG = 1
+# What a child gets beyond --shutdown-timeout to exit after SIGTERM before it is killed.
+EXIT_GRACE_S = 5.0
+
+
+def run_processes(settings: ServerSettings) -> int:
+    """Serve with an engine-core process and N front ends until drained; the exit code."""
+    workdir = Path(tempfile.mkdtemp(prefix="poolserve-"))
+    metrics_dir = workdir / "metrics"
+    metrics_dir.mkdir()
+    settings_file = workdir / "settings.json"
+    settings_file.write_text(settings.model_dump_json())
+    # each child's prometheus-client reads it when first imported
+    env = {**os.environ, MULTIPROCESS_DIR: str(metrics_dir), SUPERVISOR_PID: str(os.getpid())}
+    address = f"ipc://{workdir / 'engine-core.sock'}"
+    listener = _bind(settings)
+    supervisor = _Supervisor(settings)
+    try:
+        supervisor.core = _spawn(["core", str(settings_file), address], env)
+        supervisor.front_ends = [
+            _spawn(["api", str(settings_file), address, str(listener.fileno())], env, listener)
+            for _ in range(settings.api_server_count)
+        ]
+        listener.close()  # the front ends hold it now
+        return supervisor.watch()
+    finally:
+        supervisor.kill_all()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _spawn(
+    args: list[str], env: dict[str, str], listener: socket.socket | None = None
+) -> subprocess.Popen[bytes]:
+    """A child in its own process group: a terminal's Ctrl-C reaches the supervisor only,
+    which turns it into one orderly drain."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "poolserve.service.edge.processes", *args],
+        env=env,
+        pass_fds=() if listener is None else (listener.fileno(),),
+        process_group=0,
+    )
+
+
+class _Supervisor:
+    """Watches the children; forwards the first exit signal as a drain."""
+
+    def __init__(self, settings: ServerSettings) -> None:
+        self.settings = settings
+        self.core: subprocess.Popen[bytes] | None = None
+        self.front_ends: list[subprocess.Popen[bytes]] = []
+        self.stopping = False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, sig: int, frame: FrameType | None) -> None:
+        # a second signal reaches the front ends as their second one: they exit at once
+        logger.info(
+            "signal %d: %s %d front end(s)",
+            sig,
+            "stopping" if self.stopping else "draining",
+            len(self.front_ends),
+        )
+        self.stopping = True
+        for front_end in self.front_ends:
+            _signal(front_end, signal.SIGTERM)
+
+    def watch(self) -> int:
+        """Block until the server has stopped; 0 after a clean drain."""
+        assert self.core is not None
+        while True:
+            gone = [p for p in self.front_ends if p.poll() is not None]
+            if self.core.poll() is not None:
+                return self._core_gone()
+            if gone and not self.stopping:
+                return self._front_end_gone(gone)
+            if self.stopping and len(gone) == len(self.front_ends):
+                return self._drained()
+            time.sleep(WATCH_INTERVAL_S)
+
+    def _core_gone(self) -> int:
+        assert self.core is not None
+        code = self.core.returncode
+        if self.stopping and all(p.poll() is not None for p in self.front_ends):
+            return 0 if code == 0 else 1
+        logger.error("the engine core exited (code %s): stopping the server", code)
+        for front_end in self.front_ends:
+            _signal(front_end, CORE_LOST_SIGNAL)  # its requests answer 503 now
+        time.sleep(LOST_CORE_GRACE_S)  # front ends answer 503 meanwhile
+        self._stop(self.front_ends)
+        return 1
+
+    def _front_end_gone(self, gone: list[subprocess.Popen[bytes]]) -> int:
+        assert self.core is not None
+        for front_end in gone:
+            logger.error(
+                "front end %d exited (code %s): stopping the server",
+                front_end.pid,
+                front_end.returncode,
+            )
+        self._stop([*self.front_ends, self.core])
+        return 1
+
+    def _drained(self) -> int:
+        """Every front end is done; nobody waits for the core's work any more: stop it."""
+        assert self.core is not None
+        codes = [p.returncode for p in self.front_ends]
+        self._stop([self.core])
+        logger.info("drained: front ends exited %s, engine core %s", codes, self.core.returncode)
+        clean = all(code == 0 for code in [*codes, self.core.returncode])
+        return 0 if clean else 1
+
+    def _stop(self, processes: list[subprocess.Popen[bytes]]) -> None:
+        """SIGTERM, then SIGKILL what has not exited within the shutdown timeout."""
+        for process in processes:
+            _signal(process, signal.SIGTERM)
+        deadline = time.monotonic() + self.settings.shutdown_timeout + EXIT_GRACE_S
+        for process in processes:
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+    def kill_all(self) -> None:
+        """Nothing outlives the supervisor."""
+        for process in [*self.front_ends, *([self.core] if self.core else [])]:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+def _signal(process: subprocess.Popen[bytes], sig: int) -> None:
+    if process.poll() is None:
+        process.send_signal(sig)
+
+
+def _bind(settings: ServerSettings) -> socket.socket:
+    """The listening socket every front end accepts on."""
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((settings.host, settings.port))
+    listener.listen(2048)
+    listener.set_inheritable(True)
+    return listener
+
+
+def _child_of_supervisor(parent: int) -> None:
+    """The child stops (SIGTERM) when the supervisor dies, however it dies."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # the supervisor died before the line above ran
+        os._exit(1)
+
+
+def _core_main(settings: ServerSettings, address: str) -> None:
+    """The engine-core process: load, serve, exit with the core's code."""
+    configure_logging(settings.log_level, settings.log_format)
+    fix_mmap_threshold()
+    config = core_config(settings, parse_pooler_config(settings.pooler_config))
+    code = asyncio.run(serve_core_process(config, address, observer=ServiceMetrics()))
+    logging.shutdown()
+    os._exit(code)
+
+
+def _front_end_main(settings: ServerSettings, address: str, listener: socket.socket) -> None:
+    """A front-end process: the app on the shared socket, served until drained."""
+    configure_logging(settings.log_level, settings.log_format)
+    fix_mmap_threshold()
+    from poolserve.service.edge.server import run_server  # after the malloc setting
+
+    run_server(settings, core_address=address, sockets=[listener])
+    logging.shutdown()
+    os._exit(0)
+
+
+def main(argv: list[str]) -> None:
+    """A child's entry: `core SETTINGS ADDRESS` or `api SETTINGS ADDRESS FD`."""
+    role, settings_file, address, *fd = argv
+    _child_of_supervisor(int(os.environ[SUPERVISOR_PID]))
+    settings = ServerSettings.model_validate_json(Path(settings_file).read_text())
+    if role == "core":
+        _core_main(settings, address)
+    else:
+        _front_end_main(settings, address, socket.socket(fileno=int(fd[0])))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
