@@ -13,10 +13,11 @@ import torch.nn.functional as F
 import transformers
 from safetensors import safe_open
 
+from poolserve.core.host import DTYPES, resolve_device
 from poolserve.models import load_model
 from poolserve.models.errors import UnsupportedDtypeError
 from poolserve.models.loader import resolve_dtype
-from poolserve.service.app import DTYPES, _start, resolve_device
+from poolserve.service.app import _start
 from poolserve.service.observability.metrics import ServiceMetrics
 from poolserve.service.settings import ServerSettings
 from poolserve.service.state import ServiceState
