@@ -1,4 +1,4 @@
-"""`EngineClient`: a front end's engine, the surface the request pipeline calls, over ZMQ.
+"""`EngineClient`: a front end's engine, the surface the request pipeline calls, on a socket.
 
 Checks that need only the model card (parameters, prompt lengths and ids, token types) and
 the early 429 (against the core's admission counters, mirrored from every message it sends)
@@ -15,12 +15,9 @@ import logging
 import pickle
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
-import zmq
-import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
 
 from poolserve.core import protocol
 from poolserve.core.card import ModelCard
@@ -37,6 +34,7 @@ from poolserve.core.protocol import (
     Snapshot,
     Submit,
 )
+from poolserve.core.wire import MessageStream
 from poolserve.pooling.model_info import PoolingModelInfo
 from poolserve.pooling.params import PoolingParams, PoolingTask
 from poolserve.pooling.validation import validate_params
@@ -55,35 +53,22 @@ REPLY_KEYS: dict[type, Callable[[Any], int]] = {
     Refused: lambda message: message.batch,
     Snapshot: lambda message: message.token,
 }
+# How often a front end tries to reach an engine core that is not listening yet.
+CONNECT_RETRY_S = 0.1
 # A /metrics scrape waits this long for the core's counters.
 QUERY_TIMEOUT_S = 5.0
-
-
-def open_socket(context: zmq.asyncio.Context, kind: int) -> zmq.asyncio.Socket:
-    """A socket with unbounded queues (admission bounds the work) that closes at once."""
-    socket = context.socket(kind)
-    socket.setsockopt(zmq.SNDHWM, 0)
-    socket.setsockopt(zmq.RCVHWM, 0)
-    socket.setsockopt(zmq.LINGER, 0)
-    return socket
 
 
 class EngineClient:
     """The engine as one front end sees it; every method runs on the front end's event loop."""
 
     def __init__(
-        self,
-        address: str,
-        context: zmq.asyncio.Context,
-        *,
-        timeout_s: float,
-        observer: EngineObserver | None = None,
+        self, path: str, *, timeout_s: float, observer: EngineObserver | None = None
     ) -> None:
-        self.address = address
+        self.path = path  # the engine core's Unix socket
         self.timeout_s = timeout_s
         self.observer = observer or NullObserver()
-        self.socket = open_socket(context, zmq.DEALER)
-        self.socket.connect(address)
+        self.stream: MessageStream | None = None
         self.dead_reason: str | None = None
         self.draining = False
         self._loop_alive = True  # the core's engine loop, as its last message said
@@ -97,23 +82,29 @@ class EngineClient:
         self._tasks: list[asyncio.Task[None]] = []
         self._last_heard = time.monotonic()
         self.last_snapshot: EngineSnapshot | None = None
-        self._handlers: dict[type, Callable[[object, list[zmq.Frame]], None]] = {
+        self._handlers: dict[type, Callable[[Any, list[memoryview]], None]] = {
             Card: self._on_reply,
             Accepted: self._on_reply,
             Refused: self._on_reply,
             Snapshot: self._on_reply,
-            Results: self._on_results,  # type: ignore[dict-item]
+            Results: self._on_results,
             Beat: lambda message, frames: None,
         }
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def connect(self) -> ModelCard:
-        """Introduce this front end and wait for the model card (the core may still be loading)."""
+        """Introduce this front end and wait for the model card (the core may still be loading:
+        until it listens, the connection is retried; the supervisor stops a server whose core
+        fails to start)."""
         loop = asyncio.get_running_loop()
-        self._tasks.append(loop.create_task(self._read(), name="poolserve-core-reader"))
-        if not self.address.startswith("inproc://"):  # in-process transports report no events
-            watch = self._watch_connection()
-            self._tasks.append(loop.create_task(watch, name="poolserve-core-monitor"))
+        while True:
+            try:
+                _, self.stream = await loop.create_unix_connection(
+                    lambda: MessageStream(self._on_message, self._on_lost), self.path
+                )
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                await asyncio.sleep(CONNECT_RETRY_S)
         reply = self._expect(-1)
         self._send(Hello())
         card = await reply
@@ -136,7 +127,9 @@ class EngineClient:
         self._pending.clear()
         self._id_of.clear()
         self._replies.clear()
-        self.socket.close(linger=0)
+        if self.stream is not None:
+            stream, self.stream = self.stream, None  # closing it ourselves is no loss
+            stream.close()
 
     # ---- what the pipeline calls ----------------------------------------------------------
     @property
@@ -275,27 +268,31 @@ class EngineClient:
         return None if self.dead_reason is not None else self.last_snapshot
 
     # ---- receiving --------------------------------------------------------------------------
-    async def _read(self) -> None:
-        while True:
-            header, *frames = await self.socket.recv_multipart(copy=False)
-            self._last_heard = time.monotonic()
-            message = protocol.decode_to_front_end(header.buffer)
-            self._mirror(message.load)
-            self._handlers[type(message)](message, frames)
+    def _on_message(
+        self, stream: MessageStream, header: memoryview, frames: list[memoryview]
+    ) -> None:
+        self._last_heard = time.monotonic()
+        message = protocol.decode_to_front_end(header)
+        self._mirror(message.load)
+        self._handlers[type(message)](message, frames)
 
-    def _on_reply(self, message: object, frames: list[zmq.Frame]) -> None:
+    def _on_lost(self, stream: MessageStream, exc: Exception | None) -> None:
+        if self.stream is not None and self.dead_reason is None:
+            self.lose("the engine core's connection closed")
+
+    def _on_reply(self, message: object, frames: list[memoryview]) -> None:
         key = REPLY_KEYS[type(message)](message)
         reply = self._replies.pop(key, None)
         if reply is not None and not reply.done():
             reply.set_result(message)
 
-    def _on_results(self, message: Results, frames: list[zmq.Frame]) -> None:
+    def _on_results(self, message: Results, frames: list[memoryview]) -> None:
         for head, frame in zip(message.outputs, frames, strict=True):
             future = self._pending.pop(head.id, None)
             if future is None or future.done():
                 continue
             self._id_of.pop(future, None)
-            data = np.frombuffer(frame.buffer, dtype=np.dtype(head.dtype)).reshape(head.shape)
+            data = np.frombuffer(frame, dtype=np.dtype(head.dtype)).reshape(head.shape)
             timeline = None if head.timeline is None else pickle.loads(head.timeline)
             future.set_result(
                 PoolingOutput(
@@ -338,17 +335,6 @@ class EngineClient:
             if silent > self.timeout_s and self.dead_reason is None:
                 self.lose(f"the engine core has not answered for {silent:.1f} s")
 
-    async def _watch_connection(self) -> None:
-        """The core's connection closing means its process is gone."""
-        monitor = self.socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        try:
-            while True:
-                event = parse_monitor_message(await monitor.recv_multipart())
-                if event["event"] == zmq.EVENT_DISCONNECTED and self.dead_reason is None:
-                    self.lose("the engine core's connection closed")
-        finally:
-            monitor.close(linger=0)
-
     def lose(self, reason: str) -> None:
         """The core itself is gone or mute: nothing it owes this front end will come."""
         logger.error("engine core lost: %s", reason)
@@ -376,18 +362,11 @@ class EngineClient:
         return reply
 
     def _send(self, message: protocol.ToCore, frames: Sequence[object] = ()) -> None:
-        # unbounded queues (HWM 0): the send is queued at once, nothing to wait for
-        frames = [protocol.encode(message), *frames]
-        sent = cast("asyncio.Future[object]", self.socket.send_multipart(frames, copy=False))
-        sent.add_done_callback(_log_failure)
+        assert self.stream is not None, "connect() first"
+        self.stream.send(protocol.encode(message), frames)
 
     def _forget(self, future: asyncio.Future[PoolingOutput]) -> int | None:
         request_id = self._id_of.pop(future, None)
         if request_id is not None:
             self._pending.pop(request_id, None)
         return request_id
-
-
-def _log_failure(sent: asyncio.Future[object]) -> None:
-    if not sent.cancelled() and sent.exception() is not None:
-        logger.error("a message to the engine core failed", exc_info=sent.exception())

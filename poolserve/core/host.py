@@ -1,8 +1,8 @@
 """Where the engine core runs: its own process (served with front-end processes), or a thread.
 
-Both load the model, build the engine and serve it with `EngineCore` on a ROUTER socket; front
+Both load the model, build the engine and serve it with `EngineCore` on a Unix socket; front
 ends reach either through `EngineClient`, so the single-process mode (tests, small CPU
-installs) runs the same code paths over ZMQ's in-process transport.
+installs) runs the same code paths, the socket included.
 """
 
 from __future__ import annotations
@@ -10,17 +10,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
+import shutil
 import signal
+import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
-import zmq
-import zmq.asyncio
 
-from poolserve.core.client import open_socket
 from poolserve.core.server import EngineCore
 from poolserve.models.errors import UnsupportedDtypeError, UnsupportedQuantizationError
 from poolserve.models.loader import load_model, resolve_dtype
@@ -42,6 +42,7 @@ DTYPES: dict[str, torch.dtype | None] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+SOCKET_NAME = "engine-core.sock"
 # A core whose engine died (a device error) tells its front ends, then exits after this long.
 DEAD_EXIT_DELAY_S = 1.0
 
@@ -68,7 +69,6 @@ class CoreConfig:
     async_scheduling: bool = True
     enable_prefix_caching: bool = True
     record_timelines: bool = False
-    drain_timeout_s: float = 30.0
 
 
 def resolve_device(name: str) -> torch.device:
@@ -148,13 +148,13 @@ def scheduler_config(
 
 
 class CoreThread:
-    """The engine core in a thread of this process, on ZMQ's in-process transport."""
+    """The engine core in a thread of this process, on a Unix socket in a private directory."""
 
     def __init__(self, config: CoreConfig, observer: EngineObserver | None = None) -> None:
         self.config = config
         self.observer = observer
-        self.context = zmq.Context()
-        self.address = f"inproc://poolserve-core-{id(self):x}"
+        self._directory = tempfile.mkdtemp(prefix="poolserve-core-")
+        self.path = os.path.join(self._directory, SOCKET_NAME)
         self.core: EngineCore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._served: asyncio.Task[None] | None = None
@@ -189,7 +189,7 @@ class CoreThread:
         if self._loop is not None and self._served is not None and self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._served.cancel)
         self._thread.join()
-        self.context.term()
+        shutil.rmtree(self._directory, ignore_errors=True)
 
     def _main(self) -> None:
         loop = asyncio.new_event_loop()
@@ -207,36 +207,39 @@ class CoreThread:
 
     async def _serve(self) -> None:
         engine = build_engine(self.config, self.observer)
-        socket = open_socket(zmq.asyncio.Context.shadow(self.context.underlying), zmq.ROUTER)
-        socket.bind(self.address)
         engine.start()
-        self.core = EngineCore(engine, socket)
+        self.core = EngineCore(engine)
+        server = await asyncio.get_running_loop().create_unix_server(
+            self.core.connection, self.path
+        )
         self._served = asyncio.current_task()
         self._started.set()
         try:
-            await self.core.serve()
+            await self.core.beat()
         except asyncio.CancelledError:
             pass
         finally:
+            server.close()
             await engine.drain(0.0)
-            socket.close(linger=0)
 
 
 async def serve_core_process(
-    config: CoreConfig, address: str, observer: EngineObserver | None = None
+    config: CoreConfig, path: str, observer: EngineObserver | None = None
 ) -> int:
-    """The engine core process: serve until SIGTERM (drain, 0) or the engine dies (1)."""
+    """The engine core process: serve on `path` until SIGTERM (0) or the engine dies (1).
+
+    The supervisor sends SIGTERM once every front end has drained: nobody waits for what is
+    left, so the engine stops at once.
+    """
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     engine = await asyncio.to_thread(build_engine, config, observer)
-    context = zmq.asyncio.Context()
-    socket = open_socket(context, zmq.ROUTER)
-    socket.bind(address)
     engine.start()
-    core = EngineCore(engine, socket)
-    served = asyncio.ensure_future(core.serve())
+    core = EngineCore(engine)
+    server = await loop.create_unix_server(core.connection, path)
+    served = asyncio.ensure_future(core.beat())
     stopped = asyncio.ensure_future(stop.wait())
     died = asyncio.ensure_future(_engine_death(engine))
     await asyncio.wait((served, stopped, died), return_when=asyncio.FIRST_COMPLETED)
@@ -249,13 +252,12 @@ async def serve_core_process(
         logger.error("engine core: serving stopped", exc_info=served.exception())
         code = 1
     else:
-        clean = await engine.drain(config.drain_timeout_s)
-        logger.info("engine core: drained (%s)", "clean" if clean else "timed out")
+        clean = await engine.drain(0.0)
+        logger.info("engine core: stopped (%s)", "idle" if clean else "work left was cancelled")
     for task in (served, stopped, died):
         task.cancel()
+    server.close()
     await engine.stop()
-    socket.close(linger=0)
-    context.term()
     return code
 
 

@@ -1,4 +1,4 @@
-"""`EngineCore`: one engine served to any number of front ends over a ZMQ ROUTER socket.
+"""`EngineCore`: one engine served to any number of front ends on a Unix socket.
 
 The core's event loop only moves messages: a Submit becomes one `Engine.submit_many` (the
 engine's own admission decides, counted across every front end), each output is queued for
@@ -18,8 +18,6 @@ from functools import partial
 from typing import cast
 
 import numpy as np
-import zmq
-import zmq.asyncio
 
 from poolserve.core import protocol
 from poolserve.core.card import ModelCard
@@ -38,6 +36,7 @@ from poolserve.core.protocol import (
     Submit,
     WireError,
 )
+from poolserve.core.wire import MessageStream
 from poolserve.scheduler.engine import Engine
 from poolserve.scheduler.request import PoolingOutput
 
@@ -47,24 +46,21 @@ logger = logging.getLogger(__name__)
 # an idle core audible well inside any sensible timeout.
 BEAT_INTERVAL_S = 0.5
 
-Key = tuple[bytes, int]  # (front end identity, its request id)
+Key = tuple[MessageStream, int]  # (a front end's connection, its request id)
+Done = PoolingOutput | BaseException | None  # None: the engine stopped before it finished
 
 
 class EngineCore:
-    """Serves one started engine on a bound ROUTER socket until stopped."""
+    """Serves one started engine to every front end that connects, until stopped."""
 
-    def __init__(self, engine: Engine, socket: zmq.asyncio.Socket) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.socket = socket
         self.card = ModelCard.of(engine).dumps()
-        self.front_ends: set[bytes] = set()
+        self.front_ends: set[MessageStream] = set()
         self.pending: dict[Key, asyncio.Future[PoolingOutput]] = {}
-        self._outbox: defaultdict[bytes, list[tuple[int, PoolingOutput | BaseException | None]]] = (
-            defaultdict(list)
-        )
+        self._outbox: defaultdict[MessageStream, list[tuple[int, Done]]] = defaultdict(list)
         self._flush_scheduled = False
-        self._beat_task: asyncio.Future[None] | None = None
-        self._told: dict[bytes, Load] = {}  # the load each front end last heard
+        self._told: dict[MessageStream, Load] = {}  # the load each front end last heard
         self._handlers = {
             Hello: self._hello,
             Submit: self._submit,
@@ -72,23 +68,39 @@ class EngineCore:
             Query: self._query,
         }
 
-    async def serve(self) -> None:
-        """Answer front ends and send heartbeats until cancelled."""
-        self._beat_task = asyncio.ensure_future(self._beat())
-        try:
-            while True:
-                identity, header, *frames = await self.socket.recv_multipart(copy=False)
-                self._handle(identity.bytes, header.buffer, [f.buffer for f in frames])
-        finally:
-            self._beat_task.cancel()
+    def connection(self) -> MessageStream:
+        """The protocol of one front end's connection (the Unix server's factory)."""
+        stream = MessageStream(self._handle, self._lost)
+        self.front_ends.add(stream)
+        return stream
 
-    def _handle(self, who: bytes, header: memoryview, frames: Sequence[memoryview]) -> None:
+    async def beat(self) -> None:
+        """Heartbeats with the admission counters, until cancelled."""
+        while True:
+            await asyncio.sleep(BEAT_INTERVAL_S)
+            beat = Beat(self.load())
+            for who in self.front_ends:
+                self._send(who, beat)
+
+    def _handle(self, who: MessageStream, header: memoryview, frames: list[memoryview]) -> None:
         try:
             message = protocol.decode_to_core(header)
         except Exception:  # only the server's own front ends connect: log it and go on
-            logger.exception("engine core: undecodable message from %r", who)
+            logger.exception("engine core: undecodable message")
             return
         self._handlers[type(message)](who, message, frames)  # type: ignore[operator]
+
+    def _lost(self, who: MessageStream, exc: Exception | None) -> None:
+        """A front end went away: the work it asked for is freed, nobody waits for it."""
+        self.front_ends.discard(who)
+        self._told.pop(who, None)
+        mine = [key for key in self.pending if key[0] is who]
+        for key in mine:
+            future = self.pending.pop(key)
+            if not future.done():
+                self.engine.cancel_future(future)
+        if mine:
+            logger.warning("engine core: a front end left; %d request(s) cancelled", len(mine))
 
     def load(self) -> Load:
         """The admission counters and health every reply carries."""
@@ -103,11 +115,10 @@ class EngineCore:
         )
 
     # ---- handlers ----------------------------------------------------------------------------
-    def _hello(self, who: bytes, message: Hello, frames: Sequence[memoryview]) -> None:
-        self.front_ends.add(who)
+    def _hello(self, who: MessageStream, message: Hello, frames: Sequence[memoryview]) -> None:
         self._send(who, Card(self.card, self.load()))
 
-    def _submit(self, who: bytes, message: Submit, frames: Sequence[memoryview]) -> None:
+    def _submit(self, who: MessageStream, message: Submit, frames: Sequence[memoryview]) -> None:
         try:
             prompts, types = protocol.split_prompts(message, frames)
             futures = self.engine.submit_many(
@@ -124,18 +135,20 @@ class EngineCore:
             future.add_done_callback(partial(self._done, who, request_id))
         self._send(who, Accepted(message.batch, self.load()))
 
-    def _cancel(self, who: bytes, message: Cancel, frames: Sequence[memoryview]) -> None:
+    def _cancel(self, who: MessageStream, message: Cancel, frames: Sequence[memoryview]) -> None:
         for request_id in message.ids:
             future = self.pending.pop((who, request_id), None)
             if future is not None and not future.done():
                 self.engine.cancel_future(future)
 
-    def _query(self, who: bytes, message: Query, frames: Sequence[memoryview]) -> None:
+    def _query(self, who: MessageStream, message: Query, frames: Sequence[memoryview]) -> None:
         payload = pickle.dumps(self.engine.snapshot())
         self._send(who, Snapshot(message.token, payload, self.load()))
 
     # ---- outputs ------------------------------------------------------------------------------
-    def _done(self, who: bytes, request_id: int, future: asyncio.Future[PoolingOutput]) -> None:
+    def _done(
+        self, who: MessageStream, request_id: int, future: asyncio.Future[PoolingOutput]
+    ) -> None:
         """Queue a finished request for its front end; one flush per loop turn sends them."""
         if self.pending.pop((who, request_id), None) is None:
             return  # cancelled by its front end: nobody waits for it
@@ -171,25 +184,13 @@ class EngineCore:
         self._outbox.clear()
 
     def _send(
-        self, who: bytes, message: protocol.ToFrontEnd, buffers: Sequence[object] = ()
+        self, who: MessageStream, message: protocol.ToFrontEnd, buffers: Sequence[object] = ()
     ) -> None:
+        if who not in self.front_ends:
+            return  # gone: what it asked for was cancelled
         self._told[who] = message.load
-        # unbounded queues (HWM 0, admission bounds the work): a send never waits, never drops
-        frames = [who, protocol.encode(message), *buffers]
-        sent = cast("asyncio.Future[object]", self.socket.send_multipart(frames, copy=False))
-        sent.add_done_callback(_log_failure)
-
-    async def _beat(self) -> None:
-        while True:
-            await asyncio.sleep(BEAT_INTERVAL_S)
-            beat = Beat(self.load())
-            for who in self.front_ends:
-                self._send(who, beat)
-
-
-def _log_failure(sent: asyncio.Future[object]) -> None:
-    if not sent.cancelled() and sent.exception() is not None:
-        logger.error("engine core: a message to a front end failed", exc_info=sent.exception())
+        # never waits: the transport buffers, and admission bounds what can be owed
+        who.send(protocol.encode(message), buffers)
 
 
 def _head(request_id: int, output: PoolingOutput) -> OutputHead:

@@ -11,7 +11,6 @@ from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
 
-import zmq.asyncio
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
@@ -137,7 +136,6 @@ def core_config(settings: ServerSettings, defaults: PoolerDefaults) -> CoreConfi
         async_scheduling=settings.async_scheduling,
         enable_prefix_caching=settings.enable_prefix_caching,
         record_timelines=settings.otlp_traces_endpoint is not None,
-        drain_timeout_s=settings.shutdown_timeout,
     )
 
 
@@ -146,15 +144,11 @@ async def _start(state: ServiceState) -> None:
     settings = state.settings
     defaults = parse_pooler_config(settings.pooler_config)
     if state.core_address is None:
-        core = CoreThread(core_config(settings, defaults), observer=state.metrics)
-        await asyncio.to_thread(core.start)
-        state.core = core
-        address, context = core.address, zmq.asyncio.Context.shadow(core.context.underlying)
-    else:
-        address, context = state.core_address, zmq.asyncio.Context.instance()
-    engine = EngineClient(
-        address, context, timeout_s=settings.engine_core_timeout, observer=state.metrics
-    )
+        state.core = CoreThread(core_config(settings, defaults), observer=state.metrics)
+        await asyncio.to_thread(state.core.start)
+    path = state.core.path if state.core is not None else state.core_address
+    assert path is not None
+    engine = EngineClient(path, timeout_s=settings.engine_core_timeout, observer=state.metrics)
     if state.core is None:
         # the supervisor's word that the engine core process exited: fail fast, whatever the
         # socket has noticed yet

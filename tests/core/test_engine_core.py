@@ -18,8 +18,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import zmq
-import zmq.asyncio
 
 from poolserve.core import protocol
 from poolserve.core.card import ModelCard
@@ -64,8 +62,7 @@ def core(tiny_model_dir: Callable[[str], Path]) -> Iterator[CoreThread]:
 
 
 def _client(core: CoreThread, timeout_s: float = 10.0) -> EngineClient:
-    context = zmq.asyncio.Context.shadow(core.context.underlying)
-    return EngineClient(core.address, context, timeout_s=timeout_s)
+    return EngineClient(core.path, timeout_s=timeout_s)
 
 
 class _Held:
@@ -222,7 +219,7 @@ def test_a_silent_core_fails_what_waits_and_what_comes(core: CoreThread) -> None
         try:
             with _Held(core):
                 (future,) = await client.submit_many([[5, 6, 7]], EMBED)
-                core.call(lambda: core.core._beat_task.cancel())  # type: ignore[union-attr]
+                core._loop.call_soon_threadsafe(time.sleep, 2.0)  # type: ignore[union-attr]
                 with pytest.raises(EngineDeadError):
                     await asyncio.wait_for(future, 5)
                 assert not client.is_alive and client.dead_reason is not None
@@ -232,6 +229,49 @@ def test_a_silent_core_fails_what_waits_and_what_comes(core: CoreThread) -> None
             await client.close()
 
     asyncio.run(run())
+
+
+def test_a_closed_core_connection_fails_what_waits(core: CoreThread) -> None:
+    async def run() -> None:
+        client = _client(core)
+        await client.connect()
+        try:
+            with _Held(core):
+                (future,) = await client.submit_many([[5, 6, 7]], EMBED)
+                core.call(lambda: [stream.close() for stream in list(core.core.front_ends)])  # type: ignore[union-attr]
+                with pytest.raises(EngineDeadError, match="connection closed"):
+                    await asyncio.wait_for(future, 5)
+                with pytest.raises(EngineDeadError):
+                    await client.submit_many([[5]], EMBED)
+        finally:
+            await client.close()
+
+    asyncio.run(run())
+
+
+def test_a_front_end_that_leaves_frees_its_work(core: CoreThread) -> None:
+    engine = core.engine
+    front_ends = core.core.front_ends  # type: ignore[union-attr]
+
+    async def run() -> None:
+        client = _client(core)
+        await client.connect()
+        with _Held(core):
+            futures = await client.submit_many(PROMPTS[:3], EMBED)
+            assert core.call(lambda: engine.admission.queued_requests) == 3
+            assert client.stream is not None
+            client.stream.close()  # as a front-end process that dies
+            outcomes = await asyncio.gather(*futures, return_exceptions=True)
+            assert all(isinstance(o, EngineDeadError) for o in outcomes)
+            deadline = time.monotonic() + 5
+            while core.call(lambda: (len(front_ends), len(core.core.pending))) != (0, 0):  # type: ignore[union-attr]
+                assert time.monotonic() < deadline, "the core kept the front end's work"
+                await asyncio.sleep(0.01)
+        await client.close()
+
+    asyncio.run(run())
+    _until(lambda: core.call(lambda: engine.admission.queued_requests) == 0)
+    assert core.call(lambda: engine.clone_stats.num_open_poolers) == 0
 
 
 def test_card_carries_structure_and_no_weights(core: CoreThread) -> None:

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from poolserve.core.host import serve_core_process
+from poolserve.core.host import SOCKET_NAME, serve_core_process
 from poolserve.service.app import CORE_LOST_SIGNAL, core_config
 from poolserve.service.edge.memory import fix_mmap_threshold
 from poolserve.service.frontend.jobs import parse_pooler_config
@@ -55,7 +55,7 @@ def run_processes(settings: ServerSettings) -> int:
     settings_file.write_text(settings.model_dump_json())
     # each child's prometheus-client reads it when first imported
     env = {**os.environ, MULTIPROCESS_DIR: str(metrics_dir), SUPERVISOR_PID: str(os.getpid())}
-    address = f"ipc://{workdir / 'engine-core.sock'}"
+    address = str(workdir / SOCKET_NAME)
     listener = _bind(settings)
     supervisor = _Supervisor(settings)
     try:
