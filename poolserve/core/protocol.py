@@ -1,7 +1,8 @@
 """What front ends and the engine core say to each other (framed on the socket by wire.py).
 
-Every message is one msgpack header (msgspec, a tagged union) followed by raw buffers: token ids go to the core as one flat int64 buffer, pooled outputs come back as one
-buffer each, so no array is ever turned into Python lists on either side.
+Every message is one msgpack header (msgspec, a tagged union) followed by raw buffers: token
+ids go to the core as one flat int64 buffer, pooled outputs come back as one buffer each, so
+no array is ever turned into Python lists on either side.
 """
 
 from __future__ import annotations
