@@ -126,6 +126,7 @@ class EngineCore:
                 message.params,
                 message.priority,
                 cast("list[Sequence[int] | None] | None", types),
+                checked=True,  # the front end checked them against the model card
             )
         except Exception as exc:  # the engine's refusal, for the front end to raise as its own
             self._send(who, Refused(message.batch, protocol.wire_error(exc), self.load()))

@@ -9,6 +9,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import cast
 
 import numpy as np
 import torch
@@ -144,13 +145,25 @@ class Engine:
         params: PoolingParams,
         priority: int = 0,
         token_type_ids: Sequence[Sequence[int] | None] | None = None,
+        *,
+        checked: bool = False,
     ) -> list[asyncio.Future[PoolingOutput]]:
-        """Admit all prompts (each with optional type ids) or none; each gets a future."""
+        """Admit all prompts (each with optional type ids) or none; each gets a future.
+
+        `checked`: the prompts are int64 arrays whose lengths, ids, type ids and parameters
+        were already checked against this engine (by a front end holding its model card), so
+        the engine's one thread does not do that work again.
+        """
         self.precheck(len(prompts))
-        vocab_size = self.loaded.spec.vocab_size
-        token_ids = [checked_prompt(p, self.max_model_len, vocab_size) for p in prompts]
-        types = checked_token_types(token_type_ids, token_ids, self.loaded.model.num_token_types)
-        self.check_params(params)
+        if checked:
+            token_ids = cast("list[np.ndarray]", list(prompts))
+            types = cast("list[np.ndarray | None]", list(token_type_ids or [None] * len(token_ids)))
+        else:
+            vocab_size = self.loaded.spec.vocab_size
+            token_ids = [checked_prompt(p, self.max_model_len, vocab_size) for p in prompts]
+            num_types = self.loaded.model.num_token_types
+            types = checked_token_types(token_type_ids, token_ids, num_types)
+            self.check_params(params)
         try:
             self.admission.reserve(len(token_ids), sum(len(ids) for ids in token_ids))
         except OverloadedError as exc:
