@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
+import orjson
 import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -87,6 +88,27 @@ def test_outputs_equal_sentence_transformers_under_concurrency(
         results = list(pool.map(embed, list(range(len(TEXTS))) * 3))
     for i, got in results:
         np.testing.assert_allclose(got, reference[i], atol=1e-5)
+
+
+def test_streamed_token_embeddings_equal_sentence_transformers(
+    two_front_ends: tuple[str, subprocess.Popen[bytes]],
+) -> None:
+    url = two_front_ends[0]
+    texts = [" ".join(f"word{i}" for i in range(120)), *TEXTS[:3]]
+    model = SentenceTransformer(str(MINILM_DIR), device="cpu")
+    reference = model.encode(texts, output_value="token_embeddings")
+    body = {"input": texts, "task": "token_embed", "stream": True, "encoding_format": "base64"}
+    with httpx.stream("POST", f"{url}/v1/pooling", json=body, timeout=60) as response:
+        assert response.headers["content-type"].startswith("application/x-ndjson")
+        lines = [orjson.loads(line) for line in response.iter_lines() if line]
+    *items, usage = lines
+    assert sorted(item["index"] for item in items) == list(range(len(texts)))
+    assert usage["usage"]["prompt_tokens"] == sum(len(r) for r in reference)
+    for item in items:
+        got = np.frombuffer(base64.b64decode(item["data"]), "<f4").reshape(item["shape"])
+        want = reference[item["index"]].numpy()
+        want = want / np.linalg.norm(want, axis=-1, keepdims=True)  # token_embed normalizes rows
+        np.testing.assert_allclose(got, want, atol=1e-5)
 
 
 def _samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
