@@ -69,6 +69,9 @@ class CoreConfig:
     async_scheduling: bool = True
     enable_prefix_caching: bool = True
     record_timelines: bool = False
+    # torch's intra-op threads on the CPU (None: torch's default): an engine-core process
+    # leaves a core to each front end, or its forwards' threads starve the HTTP work
+    cpu_threads: int | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -83,6 +86,9 @@ def resolve_device(name: str) -> torch.device:
 def build_engine(config: CoreConfig, observer: EngineObserver | None = None) -> Engine:
     """Load the model and build its engine (blocking; not started)."""
     device = resolve_device(config.device)
+    if device.type == "cpu" and config.cpu_threads is not None:
+        torch.set_num_threads(config.cpu_threads)
+        logger.info("engine core: %d torch thread(s) on the CPU", config.cpu_threads)
     try:
         # before the load: a dtype the device cannot run fails at once, not after a download
         dtype = resolve_dtype(DTYPES[config.dtype], device)
@@ -147,8 +153,13 @@ def scheduler_config(
     )
 
 
-class CoreThread:
-    """The engine core in a thread of this process, on a Unix socket in a private directory."""
+class LocalCore:
+    """The engine core on the running event loop, on a Unix socket in a private directory.
+
+    The single-process mode: the front end's loop also runs the engine's loop task and the
+    core's side of the socket, so a burst of requests reaches the engine as one step, as it
+    does across processes, without a second Python thread contending for the GIL.
+    """
 
     def __init__(self, config: CoreConfig, observer: EngineObserver | None = None) -> None:
         self.config = config
@@ -156,71 +167,83 @@ class CoreThread:
         self._directory = tempfile.mkdtemp(prefix="poolserve-core-")
         self.path = os.path.join(self._directory, SOCKET_NAME)
         self.core: EngineCore | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._served: asyncio.Task[None] | None = None
-        self._started = threading.Event()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._main, name="poolserve-core", daemon=True)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._server: asyncio.Server | None = None
+        self._beats: asyncio.Future[None] | None = None
 
     @property
     def engine(self) -> Engine:
-        """The engine this thread serves (for in-process inspection)."""
+        """The engine served (for in-process inspection)."""
         assert self.core is not None, "start() first"
         return self.core.engine
 
     def call(self, function: Callable[[], T]) -> T:
-        """Run `function` on the core's event loop and return its result (inspection, tests)."""
-        assert self._loop is not None, "start() first"
+        """Run `function` on the core's loop from another thread (inspection, tests)."""
+        assert self.loop is not None, "start() first"
 
         async def run() -> T:
             return function()
 
-        return asyncio.run_coroutine_threadsafe(run(), self._loop).result()
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result()
 
-    def start(self) -> None:
-        """Load, build, bind; returns once front ends can connect (blocking), or raises."""
-        self._thread.start()
-        self._started.wait()
-        if self._error is not None:
-            raise self._error
-
-    def stop(self) -> None:
-        """Cancel the queued work, stop the engine and the thread (blocking)."""
-        if self._loop is not None and self._served is not None and self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._served.cancel)
-        self._thread.join()
-        shutil.rmtree(self._directory, ignore_errors=True)
-
-    def _main(self) -> None:
-        loop = asyncio.new_event_loop()
-        self._loop = loop
+    async def start(self) -> None:
+        """Load and build off the loop, start the engine, listen."""
         try:
-            loop.run_until_complete(self._serve())
-        except BaseException as exc:  # a load error reaches start(); later ones are logged
-            if not self._started.is_set():
-                self._error = exc
-            else:
-                logger.exception("engine core thread stopped")
-        finally:
-            self._started.set()
-            loop.close()
-
-    async def _serve(self) -> None:
-        engine = build_engine(self.config, self.observer)
+            engine = await asyncio.to_thread(build_engine, self.config, self.observer)
+        except BaseException:
+            shutil.rmtree(self._directory, ignore_errors=True)
+            raise
         engine.start()
         self.core = EngineCore(engine)
-        server = await asyncio.get_running_loop().create_unix_server(
-            self.core.connection, self.path
-        )
-        self._served = asyncio.current_task()
-        self._started.set()
-        try:
-            await self.core.beat()
-        except asyncio.CancelledError:
-            pass
-        finally:
-            server.close()
-            await engine.drain(0.0)
+        self.loop = asyncio.get_running_loop()
+        self._server = await self.loop.create_unix_server(self.core.connection, self.path)
+        self._beats = asyncio.ensure_future(self.core.beat())
+
+    async def stop(self) -> None:
+        """Stop listening; work still queued has nobody waiting for it: cancel it, stop."""
+        if self._beats is not None:
+            self._beats.cancel()
+        if self._server is not None:
+            self._server.close()
+        if self.core is not None:
+            await self.core.engine.drain(0.0)
+        shutil.rmtree(self._directory, ignore_errors=True)
+
+
+class CoreThread:
+    """A `LocalCore` on its own loop in a thread: a core for a caller without a loop."""
+
+    def __init__(self, config: CoreConfig, observer: EngineObserver | None = None) -> None:
+        self.local = LocalCore(config, observer)
+        self.path = self.local.path
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="poolserve-core")
+
+    @property
+    def engine(self) -> Engine:
+        """The engine served."""
+        return self.local.engine
+
+    @property
+    def core(self) -> EngineCore | None:
+        """The core serving it."""
+        return self.local.core
+
+    def call(self, function: Callable[[], T]) -> T:
+        """Run `function` on the core's loop and return its result."""
+        return self.local.call(function)
+
+    def start(self) -> None:
+        """Load, build, listen (blocking); raises what the start raised."""
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self.local.start(), self._loop).result()
+
+    def stop(self) -> None:
+        """Stop the core, then the thread (blocking)."""
+        asyncio.run_coroutine_threadsafe(self.local.stop(), self._loop).result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
 
 
 async def serve_core_process(

@@ -16,7 +16,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from poolserve.core.card import ModelCard
 from poolserve.core.client import EngineClient
-from poolserve.core.host import CoreConfig, CoreThread
+from poolserve.core.host import CoreConfig, LocalCore
 from poolserve.pooling.params import PoolingParams
 from poolserve.scheduler.admission import CharBudget
 from poolserve.service import dispatch
@@ -72,7 +72,7 @@ def create_app(settings: ServerSettings, core_address: str | None = None) -> Fas
                 await state.engine.close()
             if state.core is not None:
                 # the HTTP side had the drain; work still queued now has nobody waiting for it
-                await asyncio.to_thread(state.core.stop)
+                await state.core.stop()
             await asyncio.to_thread(state.tracing.shutdown)
 
     app = FastAPI(
@@ -144,8 +144,8 @@ async def _start(state: ServiceState) -> None:
     settings = state.settings
     defaults = parse_pooler_config(settings.pooler_config)
     if state.core_address is None:
-        state.core = CoreThread(core_config(settings, defaults), observer=state.metrics)
-        await asyncio.to_thread(state.core.start)
+        state.core = LocalCore(core_config(settings, defaults), observer=state.metrics)
+        await state.core.start()
     path = state.core.path if state.core is not None else state.core_address
     assert path is not None
     engine = EngineClient(path, timeout_s=settings.engine_core_timeout, observer=state.metrics)

@@ -8,7 +8,7 @@ from transformers import PreTrainedTokenizerBase
 
 from poolserve.core.card import ModelCard
 from poolserve.core.client import EngineClient
-from poolserve.core.host import CoreThread
+from poolserve.core.host import LocalCore
 from poolserve.pooling.params import PoolingTask
 from poolserve.scheduler.admission import CharBudget
 from poolserve.service.frontend.jobs import PoolerDefaults, TruncationSide
@@ -110,7 +110,7 @@ class ServiceState:
     metrics: ServiceMetrics
     model: ModelHandle | None = None
     engine: EngineClient | None = None  # the engine core, wherever it runs
-    core: CoreThread | None = None  # the engine core when it runs in this process
+    core: LocalCore | None = None  # the engine core when it runs in this process
     core_address: str | None = None  # the engine core process's socket (None: a thread here)
     ready: bool = False
     draining: bool = False
