@@ -93,6 +93,7 @@ class _Supervisor:
         self.core: subprocess.Popen[bytes] | None = None
         self.front_ends: list[subprocess.Popen[bytes]] = []
         self.stopping = False
+        self.deadline = float("inf")  # once stopping: when whatever still runs is killed
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
 
@@ -104,6 +105,9 @@ class _Supervisor:
             "stopping" if self.stopping else "draining",
             len(self.front_ends),
         )
+        if not self.stopping:
+            # a front end still starting (its core loading) cannot drain: it is killed then
+            self.deadline = time.monotonic() + self.settings.shutdown_timeout + EXIT_GRACE_S
         self.stopping = True
         for front_end in self.front_ends:
             _signal(front_end, signal.SIGTERM)
@@ -119,6 +123,12 @@ class _Supervisor:
                 return self._front_end_gone(gone)
             if self.stopping and len(gone) == len(self.front_ends):
                 return self._drained()
+            if time.monotonic() > self.deadline:
+                logger.error("front ends still running at the shutdown deadline: killed")
+                for front_end in self.front_ends:
+                    if front_end.poll() is None:
+                        front_end.kill()
+                        front_end.wait()
             time.sleep(WATCH_INTERVAL_S)
 
     def _core_gone(self) -> int:
