@@ -4,8 +4,9 @@ PART is offline, served, token, rerank, engine, planner, prefix, soak or all. Ea
 imported only when it runs (the served part and the engine parts load heavy dependencies), and
 receives the remaining arguments. `all` runs every peer benchmark in turn with the same flags
 (only `--quick` is passed on to all of them); the soak run is separate, since it needs a quiet
-machine for minutes. So are `fleet` (replicas behind HAProxy), `fleet-ray` (Ray Serve) and
-`precision` (fidelity and speed of each --dtype and --quantization, not a peer comparison).
+machine for minutes. So are `fleet` (replicas behind HAProxy), `fleet-ray` (Ray Serve),
+`precision` (fidelity and speed of each --dtype and --quantization, not a peer comparison) and
+`frontend` (per-request cost of the HTTP front ends on a near-free model, driven by wrk).
 """
 
 from __future__ import annotations
@@ -48,13 +49,14 @@ PARTS: dict[str, Callable[[Sequence[str]], None]] = {
     "planner": _planner,
     "prefix": lambda argv: _with_argv("prefix_bench", argv),
 }
-# Not part of `all`: a stability run of many minutes, fleet runs (HAProxy, Ray) and the precision
-# run, not comparisons with peers.
+# Not part of `all`: a stability run of many minutes, fleet runs (HAProxy, Ray), the precision
+# run (not comparisons with peers), and the front-end run (wrk, several server starts).
 SEPARATE: dict[str, Callable[[Sequence[str]], None]] = {
     "soak": lambda argv: _with_list("soak", argv),
     "fleet": lambda argv: _with_list("fleet", argv),
     "fleet-ray": lambda argv: _with_list("fleet_ray", argv),
     "precision": lambda argv: _with_list("precision", argv),
+    "frontend": lambda argv: _with_list("frontend", argv),
 }
 
 

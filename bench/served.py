@@ -257,6 +257,13 @@ def model_cases(mode: Mode, tmp: Path) -> list[ModelCase]:
 def running(
     server: ServerCase, model: ModelCase, port: int, log_dir: Path
 ) -> Iterator[subprocess.Popen[bytes]]:
+    """Start one server of this benchmark on one model (see `spawn`)."""
+    with spawn(server.command(model, port), log_dir / f"{server.name}.log") as process:
+        yield process
+
+
+@contextlib.contextmanager
+def spawn(command: Sequence[str], log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
     """Start a server process in its own session; always terminate (then kill) it."""
     env = {
         **os.environ,
@@ -266,9 +273,9 @@ def running(
         "TRANSFORMERS_OFFLINE": "1",
         "PYTHONPATH": str(ROOT),
     }
-    log = (log_dir / f"{server.name}.log").open("ab")
+    log = log_path.open("ab")
     process = subprocess.Popen(
-        server.command(model, port),
+        list(command),
         cwd=ROOT,
         env=env,
         stdout=log,
@@ -312,8 +319,8 @@ async def start_all(
                 f"http://127.0.0.1:{port}",
                 server.ready_path,
                 READY_TIMEOUT_S,
-                lambda p=process: p.poll() is None,
-            )  # type: ignore[misc]
+                lambda p=process: p.poll() is None,  # type: ignore[misc]
+            )
         except (RuntimeError, TimeoutError) as exc:
             tail = (log_dir / f"{server.name}.log").read_text(errors="replace")[-2000:]
             logger.error("%s failed to start: %s\n%s", server.name, exc, tail)
