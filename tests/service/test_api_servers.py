@@ -204,3 +204,12 @@ def test_a_lost_front_end_takes_the_server_down_loudly() -> None:
     front_ends[0].kill()
     assert process.wait(30) not in (0, None)
     assert _gone([core, front_ends[1]], 5)
+
+
+def test_a_killed_supervisor_leaves_nothing_running() -> None:
+    port = free_port()
+    process = start_server(port, "--api-server-count", "2", "--shutdown-timeout", "2")
+    core, front_ends = _children(process)
+    process.kill()  # SIGKILL: the supervisor gets no chance to stop its children
+    process.wait(10)
+    assert _gone([core, *front_ends], 15)

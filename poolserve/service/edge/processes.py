@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from types import FrameType
@@ -199,12 +200,22 @@ def _bind(settings: ServerSettings) -> socket.socket:
     return listener
 
 
-def _child_of_supervisor(parent: int) -> None:
-    """The child stops (SIGTERM) when the supervisor dies, however it dies."""
+def _child_of_supervisor(parent: int, grace_s: float) -> None:
+    """The child stops when the supervisor dies, however it dies.
+
+    The kernel sends SIGTERM (a drain); a child that cannot drain (a front end still waiting
+    for its engine core) exits anyway once `grace_s` has passed: nothing outlives the server.
+    """
     if sys.platform == "linux":
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != parent:  # the supervisor died before the line above ran
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(WATCH_INTERVAL_S * 5)
+        time.sleep(grace_s)
         os._exit(1)
+
+    threading.Thread(target=watch, name="poolserve-parent-watch", daemon=True).start()
 
 
 def _core_main(settings: ServerSettings, address: str) -> None:
@@ -234,8 +245,8 @@ def _front_end_main(settings: ServerSettings, address: str, listener: socket.soc
 def main(argv: list[str]) -> None:
     """A child's entry: `core SETTINGS ADDRESS` or `api SETTINGS ADDRESS FD`."""
     role, settings_file, address, *fd = argv
-    _child_of_supervisor(int(os.environ[SUPERVISOR_PID]))
     settings = ServerSettings.model_validate_json(Path(settings_file).read_text())
+    _child_of_supervisor(int(os.environ[SUPERVISOR_PID]), settings.shutdown_timeout + EXIT_GRACE_S)
     if role == "core":
         _core_main(settings, address)
     else:
