@@ -8,7 +8,7 @@ import socket
 import time
 from http import HTTPStatus
 from types import FrameType
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import uvicorn
@@ -105,6 +105,49 @@ def _abort_stalled(server_state: UvicornState) -> None:
             transport.abort()
 
 
+class CorkedTransport:
+    """A transport whose writes within one turn of the event loop leave in one system call.
+
+    uvicorn writes a response's head and its body separately; on a busy server the system
+    calls, not the bytes, are what a small answer costs. Everything else is the transport's.
+    """
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._parts: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        """Queue bytes for the end of this loop turn."""
+        if not data:
+            return
+        if not self._parts:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._parts.append(data)
+
+    def _flush(self) -> None:
+        parts, self._parts = self._parts, []
+        if parts and not self._transport.is_closing():
+            self._transport.writelines(parts)
+
+    def close(self) -> None:
+        """Write what is queued, then close."""
+        self._flush()
+        self._transport.close()
+
+    def abort(self) -> None:
+        """Drop what is queued and the connection."""
+        self._parts.clear()
+        self._transport.abort()
+
+    def get_write_buffer_size(self) -> int:
+        """Bytes not yet sent, queued here included."""
+        queued = sum(len(part) for part in self._parts)
+        return self._transport.get_write_buffer_size() + queued
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 class EdgeConfig(uvicorn.Config):
     """uvicorn's config plus the request-head timeout that EdgeHttpProtocol enforces."""
 
@@ -126,7 +169,7 @@ class EdgeHttpProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         """Start the clock: a connection that sends nothing is closed too."""
-        super().connection_made(transport)
+        super().connection_made(cast(asyncio.Transport, CorkedTransport(transport)))
         self._arm_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
