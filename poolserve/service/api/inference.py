@@ -27,6 +27,7 @@ from poolserve.service.frontend.encoding import (
     Encoded,
     StrictJSONRoute,
     answer,
+    as_float32,
     binary_parts,
     document,
     dumps,
@@ -155,6 +156,12 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     }
 
     def encode() -> bytes:
+        if body.encoding_format == "float":  # one document, the floats straight from numpy
+            data = [
+                {"object": "embedding", "index": i, "embedding": as_float32(o.data)}
+                for i, o in enumerate(outputs)
+            ]
+            return dumps({**fields, "data": data})
         items = (
             encode_item(
                 {"object": "embedding", "index": i},

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import re
 import time
-import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +43,9 @@ OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/version"})
 # Sent twice, these could be read one way by a proxy and another by us: refused.
 SINGLE_HEADERS = frozenset({"authorization", "content-length", "content-type", "host"})
 REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+# uuid.uuid4().hex without building a UUID object (a third of its cost): version 4, RFC variant
+_UUID4_KEEP = ~((0xF000 << 64) | (0xC000 << 48))
+_UUID4_SET = (0x4000 << 64) | (0x8000 << 48)
 
 
 def is_open(scope: Scope) -> bool:
@@ -67,6 +70,7 @@ class Exchange:
     """One request in flight, as the edge sees it."""
 
     task: asyncio.Task[Any]
+    open_path: bool = False  # a probe, the metrics or the version: no key, not counted
     status: int = 500  # what is counted when the app fails before answering
     started: bool = False
     complete: bool = False
@@ -135,6 +139,7 @@ class EdgeMiddleware:
         self.api_key = api_key.encode() if api_key else None
         self.payload_limit = state.settings.payload_limit
         self.body_timeout = state.settings.body_timeout
+        self.counted = Counted(state)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -143,7 +148,7 @@ class EdgeMiddleware:
         start = time.monotonic()
         task = asyncio.current_task()
         assert task is not None
-        exchange = Exchange(task)
+        exchange = Exchange(task, is_open(scope))
         headers, repeated = _first_values(scope["headers"])
         given = headers.get("x-request-id")
         # kept in the request's state, so a route may adopt a body's request_id (vLLM's field)
@@ -151,7 +156,7 @@ class EdgeMiddleware:
         request_id = state["request_id"] = _request_id(given)
         state["request_id_given"] = request_id == given
         send_edge = self._sender(exchange, send, state)
-        counted = not is_open(scope)
+        counted = not exchange.open_path
         trace = self.state.tracing.start(scope, headers, start, request_id) if counted else NO_TRACE
         state[TRACE_KEY] = trace
         self.state.active_requests += counted
@@ -181,7 +186,7 @@ class EdgeMiddleware:
     ) -> None:
         """Refuse at the edge, or run the app; what escapes it is answered here, once."""
         try:
-            self._check(is_open(scope), headers, repeated)
+            self._check(exchange.open_path, headers, repeated)
         except APIError as exc:
             await response_for(exc, CLOSE)(scope, receive, send)
             return
@@ -228,8 +233,13 @@ class EdgeMiddleware:
 
         async def receive_edge() -> Message:
             nonlocal seen, body_done
+            if body_done:  # only the disconnect is left to wait for: no timer
+                message = await receive()
+                if message["type"] == "http.disconnect" and not exchange.complete:
+                    exchange.client_gone = True
+                return message
             try:
-                async with asyncio.timeout_at(None if body_done else deadline):
+                async with asyncio.timeout_at(deadline):
                     message = await receive()
             except TimeoutError:
                 raise EdgeError(
@@ -256,14 +266,17 @@ class EdgeMiddleware:
 
         async def send_edge(message: Message) -> None:
             if message["type"] == "http.response.start":
-                headers = [*message.get("headers", []), *SECURITY_HEADERS]
+                headers = list(message.get("headers", ()))
+                closes = False
+                for key, value in headers:
+                    if key == b"connection":
+                        closes = True
+                    elif key == b"content-type" and value.startswith(NDJSON):
+                        exchange.streaming = True
+                headers += SECURITY_HEADERS
                 headers.append((b"x-request-id", str(state["request_id"]).encode()))
-                closes = any(k == b"connection" for k, _ in headers)
-                leaving = self.state.draining or self.state.leaving
-                if leaving and not closes:  # keep-alive clients go elsewhere
-                    headers.append((b"connection", b"close"))
-                types = (v for k, v in headers if k == b"content-type")
-                exchange.streaming = any(v.startswith(NDJSON) for v in types)
+                if (self.state.draining or self.state.leaving) and not closes:
+                    headers.append((b"connection", b"close"))  # keep-alive clients go elsewhere
                 exchange.status, exchange.started = message["status"], True
                 message = {**message, "headers": headers}
             await send(message)
@@ -302,17 +315,19 @@ class EdgeMiddleware:
         status = exchange.outcome()
         trace.finish(getattr(route, "path", None), status, end)
         if self.state.settings.access_log:  # its 499 line says the client closed the connection
-            level = logging.DEBUG if is_open(scope) else logging.INFO
-            record = access_record(scope, endpoint, status, end - start, request_id, trace.trace_id)
-            log_access(ACCESS_LOG, record, level)
+            level = logging.DEBUG if exchange.open_path else logging.INFO
+            if ACCESS_LOG.isEnabledFor(level):
+                record = access_record(
+                    scope, endpoint, status, end - start, request_id, trace.trace_id
+                )
+                log_access(ACCESS_LOG, record, level)
         elif status == CLIENT_CLOSED:
             logger.info(
                 "client closed the connection before its answer: %s %s",
                 scope["method"],
                 clip(scope["path"]),
             )
-        self.state.metrics.requests.labels(endpoint, task, str(status)).inc()
-        self.state.metrics.request_duration.labels(endpoint).observe(end - start)
+        self.counted.add(endpoint, task, status, end - start)
 
 
 def _first_values(raw: Iterable[tuple[bytes, bytes]]) -> tuple[dict[str, str], str | None]:
@@ -332,4 +347,32 @@ def _request_id(given: str | None) -> str:
     """The client's id when it is short and plain (it is echoed and logged), else a new one."""
     if given is not None and REQUEST_ID.fullmatch(given):
         return given
-    return uuid.uuid4().hex
+    return f"{int.from_bytes(os.urandom(16)) & _UUID4_KEEP | _UUID4_SET:032x}"
+
+
+class Counted:
+    """The request metrics' labelled children, looked up once per label set, not per request.
+
+    `.labels(...)` validates and hashes its values under a lock on every call (~4 us for the
+    two metrics); the children never change while the metrics object lives.
+    """
+
+    def __init__(self, state: ServiceState) -> None:
+        self.state = state
+        self.metrics = state.metrics
+        self.children: dict[tuple[str, str, int], tuple[Any, Any]] = {}
+
+    def add(self, endpoint: str, task: str, status: int, seconds: float) -> None:
+        """Count one request and observe its duration."""
+        metrics = self.state.metrics
+        if metrics is not self.metrics:  # replaced (tests do): start over
+            self.metrics, self.children = metrics, {}
+        key = (endpoint, task, status)
+        children = self.children.get(key)
+        if children is None:
+            requests = metrics.requests.labels(endpoint, task, str(status))
+            duration = metrics.request_duration.labels(endpoint)
+            # bounded: routes x tasks x statuses is small, unmatched paths share one endpoint
+            children = self.children[key] = (requests, duration)
+        children[0].inc()
+        children[1].observe(seconds)

@@ -93,7 +93,10 @@ def prompt_length(
     (SEP, EOS): the leading ones (CLS) count as prompt. Without special tokens (a request's
     `add_special_tokens: false`) the prompt's own tokens are all that lead the text.
     """
-    ids = list(tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
-    if add_special_tokens and ids and ids[-1] in set(tokenizer.all_special_ids):
+    # imported here: the service state imports this module, and truncation imports the state
+    from poolserve.service.frontend.truncation import encode_batch
+
+    ids = encode_batch(tokenizer, [prompt], add_special_tokens)[0].ids
+    if add_special_tokens and ids and ids[-1] in tokenizer.all_special_ids:
         return len(ids) - 1
     return len(ids)

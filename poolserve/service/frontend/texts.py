@@ -10,7 +10,7 @@ from typing import TypeVar
 from poolserve.scheduler.errors import OverloadedError
 from poolserve.service.errors import InvalidRequestError, PayloadTooLargeError
 from poolserve.service.frontend.jobs import Truncate, TruncationSide
-from poolserve.service.frontend.truncation import Window, content_windows
+from poolserve.service.frontend.truncation import Window, content_windows, encode_batch
 from poolserve.service.state import ModelHandle, SpecialTokens
 
 T = TypeVar("T")
@@ -18,6 +18,14 @@ T = TypeVar("T")
 NO_SPECIALS = SpecialTokens((), ())
 # Encodability is checked in slices so a huge text never needs a second full-size copy.
 ENCODE_CHECK_CHARS = 1 << 20
+# Tokenizing this many characters or fewer runs on the event loop instead of a worker thread.
+# Measured on 2 cores (docs/benchmarks.md "Per-request CPU: the fast path"): the thread hop
+# costs 15-35 us of CPU (executor queue, a thread wake-up, the result handed back to the loop),
+# what encoding ~100 characters costs (~0.2 us each); one text of 256 to 2048 characters took
+# 60-270 us less CPU per request inline, at concurrency 1 and 64 alike. Inline, the loop is held
+# for the whole encode, ~0.25 ms at 1024 characters: past that one request's tokenization adds
+# more to every other request's latency than the hop costs, so it goes to a worker thread.
+INLINE_CHARS = 1024
 
 
 class InputTooLongError(InvalidRequestError):
@@ -179,7 +187,7 @@ async def tokenize(
     specials = specials_for(model, add_special_tokens)
     num_chars = text_cost(texts, model, truncation, specials)
     return await run_budgeted(
-        model, num_chars, on_reject, encode_texts, model, texts, truncation, specials
+        model, num_chars, on_reject, encode_texts, model, texts, truncation, specials, inline=True
     )
 
 
@@ -196,10 +204,9 @@ async def tokenize_prompt(
 
     def encode() -> list[int]:
         check_encodable([prompt], "prompt")
-        encoded = model.tokenizer(prompt, add_special_tokens=add_special_tokens)
-        return list(encoded["input_ids"])
+        return encode_batch(model.tokenizer, [prompt], add_special_tokens)[0].ids
 
-    return await run_budgeted(model, len(prompt), on_reject, encode)
+    return await run_budgeted(model, len(prompt), on_reject, encode, inline=True)
 
 
 async def run_budgeted(
@@ -208,13 +215,23 @@ async def run_budgeted(
     on_reject: Callable[[str], None],
     work: Callable[..., T],
     *args: object,
+    inline: bool = False,
 ) -> T:
-    """Run work in a thread while num_chars of the character budget are held (429 if full)."""
+    """Run work while num_chars of the character budget are held (429 if full).
+
+    Work whose cost follows its characters (tokenizing) may run `inline` on the loop when it has
+    at most INLINE_CHARS of them; everything else runs in a worker thread.
+    """
     try:
         model.tokenizing.reserve(num_chars)
     except OverloadedError as exc:
         on_reject(exc.reason.value)
         raise
+    if inline and num_chars <= INLINE_CHARS:
+        try:
+            return work(*args)
+        finally:
+            model.tokenizing.release(num_chars)
     running = asyncio.get_running_loop().run_in_executor(None, work, *args)
 
     def finished(future: asyncio.Future[T]) -> None:
