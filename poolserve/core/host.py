@@ -8,6 +8,7 @@ installs) runs the same code paths, the socket included.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import math
 import os
@@ -261,6 +262,8 @@ async def serve_core_process(
     engine = await asyncio.to_thread(build_engine, config, observer)
     engine.start()
     core = EngineCore(engine)
+    gc.collect()
+    gc.freeze()  # the model and the engine live as long as the process: never walk them again
     server = await loop.create_unix_server(core.connection, path)
     served = asyncio.ensure_future(core.beat())
     stopped = asyncio.ensure_future(stop.wait())

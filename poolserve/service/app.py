@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import gc
 import logging
 import signal
 from collections.abc import AsyncIterator
@@ -47,17 +48,21 @@ WARMUP_TEXT = "poolserve warm-up"
 CORE_LOST_SIGNAL = signal.SIGUSR1
 
 
-def create_app(settings: ServerSettings, core_address: str | None = None) -> FastAPI:
+def create_app(
+    settings: ServerSettings, core_address: str | None = None, *, owns_process: bool = False
+) -> FastAPI:
     """A server app; /ready turns 200 after warm-up.
 
     With `core_address` the app is one front end of an engine core process listening there;
-    without, its lifespan runs the engine core in a thread of this process (loading the model).
+    without, its lifespan runs the engine core on its own loop (loading the model).
+    `owns_process`: the app is all this process serves (its objects may be frozen after start).
     """
     state = ServiceState(
         settings=settings,
         metrics=ServiceMetrics(),
         tracing=build_tracing(settings.otlp_traces_endpoint),
         core_address=core_address,
+        owns_process=owns_process,
     )
     inflight = InFlight()
 
@@ -162,6 +167,11 @@ async def _start(state: ServiceState) -> None:
     state.supported_tasks = tuple(sorted(engine.supported_tasks, key=lambda t: t.value))
     state.metrics.bind_engine(engine.latest_snapshot, state.accepting)
     await _warm_up(state)
+    if state.owns_process:
+        # what start-up made lives as long as the process: out of the collector's way, so
+        # its full collections stop walking it on every request (measured: ~75 us a request)
+        gc.collect()
+        gc.freeze()
     state.ready = True
     config = card.scheduler
     logger.info(

@@ -111,7 +111,8 @@ class ServiceState:
     model: ModelHandle | None = None
     engine: EngineClient | None = None  # the engine core, wherever it runs
     core: LocalCore | None = None  # the engine core when it runs in this process
-    core_address: str | None = None  # the engine core process's socket (None: a thread here)
+    core_address: str | None = None  # the engine core process's socket (None: a core here)
+    owns_process: bool = False  # a server process of its own (not an app among others, tests)
     ready: bool = False
     draining: bool = False
     leaving: bool = False  # SIGTERM arrived: /ready is 503, work is served until draining

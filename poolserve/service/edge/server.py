@@ -271,7 +271,7 @@ def run_server(
     sockets: list[socket.socket] | None = None,
 ) -> None:
     """Serve until drained: one process, or one front end of an engine core at core_address."""
-    app = create_app(settings, core_address)
+    app = create_app(settings, core_address, owns_process=True)
     state: ServiceState = app.state.poolserve
     config = EdgeConfig(
         app,

@@ -111,8 +111,12 @@ async def tokenize_job(
     capped = cuts.max_doc_tokens is not None or cuts.max_query_tokens is not None
     if mode is PromptMode.CONCATENATE and not capped:
         num_chars = _check_joined(job, model, cuts)
-        return await run_budgeted(model, num_chars, on_reject, _joined_prompts, job, model, cuts)
-    return await run_budgeted(model, num_chars, on_reject, _prompts, job, model, mode, cuts)
+        return await run_budgeted(
+            model, num_chars, on_reject, _joined_prompts, job, model, cuts, inline=True
+        )
+    return await run_budgeted(
+        model, num_chars, on_reject, _prompts, job, model, mode, cuts, inline=True
+    )
 
 
 def _check_joined(job: ScoreJob, model: ModelHandle, cuts: PairTruncation) -> int:

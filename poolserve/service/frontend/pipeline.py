@@ -165,7 +165,14 @@ async def _prompt_params(
     if model.prompts.include_prompt or params.task is not PoolingTask.EMBED:
         return params
     count = await run_budgeted(
-        model, len(prompt), on_reject, prompt_length, model.tokenizer, prompt, add_special_tokens
+        model,
+        len(prompt),
+        on_reject,
+        prompt_length,
+        model.tokenizer,
+        prompt,
+        add_special_tokens,
+        inline=True,
     )
     return replace(params, prompt_tokens=count)
 
