@@ -25,8 +25,8 @@ from poolserve.service.api.schemas import RerankRequestBody, TokenizeRequest
 from poolserve.service.compat import infinity, tei_embed, tei_predict, tei_rerank, tei_tokens
 from poolserve.service.compat.tei_common import TEIRoute, mark
 from poolserve.service.errors import InvalidRequestError
-from poolserve.service.frontend.encoding import StrictJSONRoute
 from poolserve.service.frontend.pipeline import check_serving, service_state
+from poolserve.service.frontend.routing import StrictJSONRoute
 
 router = APIRouter(route_class=StrictJSONRoute)
 # paths where a TEI body is answered (errors included) in TEI's shape, beside other families'

@@ -18,8 +18,9 @@ from poolserve.pooling.params import PoolingTask, PoolingType
 from poolserve.service.api.schemas import DetokenizeRequest, TokenizeRequest
 from poolserve.service.errors import InvalidRequestError, error_response
 from poolserve.service.frontend.chat import render_messages
-from poolserve.service.frontend.encoding import StrictJSONRoute, dumps
+from poolserve.service.frontend.encoding import dumps
 from poolserve.service.frontend.pipeline import check_serving, service_state
+from poolserve.service.frontend.routing import StrictJSONRoute
 from poolserve.service.frontend.texts import tokenize_prompt
 from poolserve.service.settings import DEFAULT_MODEL_ID, ServerSettings
 from poolserve.service.state import ModelHandle, ServiceState

@@ -25,7 +25,6 @@ from poolserve.service.api.schemas import (
 from poolserve.service.errors import InvalidRequestError, error_line
 from poolserve.service.frontend.encoding import (
     Encoded,
-    StrictJSONRoute,
     answer,
     as_float32,
     binary_parts,
@@ -43,6 +42,7 @@ from poolserve.service.frontend.pipeline import (
     service_state,
     submit,
 )
+from poolserve.service.frontend.routing import StrictJSONRoute
 
 router = APIRouter(route_class=StrictJSONRoute)
 # /v1/pooling answers NDJSON when asked to stream

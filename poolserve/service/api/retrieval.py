@@ -18,9 +18,10 @@ from starlette.responses import Response
 
 from poolserve.service.api.schemas import RerankRequestBody, ScoreRequestBody
 from poolserve.service.errors import InvalidRequestError
-from poolserve.service.frontend.encoding import StrictJSONRoute, answer, dumps
+from poolserve.service.frontend.encoding import answer, dumps
 from poolserve.service.frontend.jobs import ScoreJob, Truncate
 from poolserve.service.frontend.pipeline import check_serving, service_state
+from poolserve.service.frontend.routing import StrictJSONRoute
 from poolserve.service.frontend.scoring import Scored, score
 
 logger = logging.getLogger(__name__)

@@ -23,9 +23,10 @@ from poolserve.pooling.params import PoolingTask
 from poolserve.scheduler.request import PoolingOutput
 from poolserve.service.errors import InvalidRequestError
 from poolserve.service.frontend.bodies import RequestBody
-from poolserve.service.frontend.encoding import StrictJSONRoute, answer, dumps, to_dtype_bytes
+from poolserve.service.frontend.encoding import answer, dumps, to_dtype_bytes
 from poolserve.service.frontend.jobs import Requested, TextJob, Truncate
 from poolserve.service.frontend.pipeline import check_serving, gather, service_state, submit
+from poolserve.service.frontend.routing import StrictJSONRoute
 from poolserve.service.frontend.texts import check_batch_size
 from poolserve.service.state import ModelHandle
 

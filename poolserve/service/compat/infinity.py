@@ -19,15 +19,10 @@ from poolserve.pooling.params import PoolingTask
 from poolserve.scheduler.request import PoolingOutput
 from poolserve.service.errors import InvalidRequestError
 from poolserve.service.frontend.bodies import RequestBody
-from poolserve.service.frontend.encoding import (
-    StrictJSONRoute,
-    answer,
-    document,
-    dumps,
-    encode_item,
-)
+from poolserve.service.frontend.encoding import answer, document, dumps, encode_item
 from poolserve.service.frontend.jobs import ScoreJob, TextJob
 from poolserve.service.frontend.pipeline import check_serving, gather, service_state, submit
+from poolserve.service.frontend.routing import StrictJSONRoute
 from poolserve.service.frontend.scoring import score
 from poolserve.service.frontend.texts import check_batch_size
 from poolserve.service.state import ModelHandle

@@ -17,9 +17,10 @@ from starlette.responses import Response
 from poolserve.scheduler.request import PoolingOutput
 from poolserve.service.errors import ERROR_FAMILY_KEY, TEI_FAMILY, InvalidRequestError
 from poolserve.service.frontend.bodies import RequestBody
-from poolserve.service.frontend.encoding import JSON, Encoded, StrictJSONRoute, answer, dumps
+from poolserve.service.frontend.encoding import JSON, Encoded, answer, dumps
 from poolserve.service.frontend.jobs import Job, Truncate
 from poolserve.service.frontend.pipeline import gather, service_state, submit
+from poolserve.service.frontend.routing import StrictJSONRoute
 
 # TEI's enum takes its variant names and their lower-case aliases
 Direction = Literal["left", "right", "Left", "Right"]
