@@ -70,9 +70,6 @@ class CoreConfig:
     async_scheduling: bool = True
     enable_prefix_caching: bool = True
     record_timelines: bool = False
-    # torch's intra-op threads on the CPU (None: torch's default): an engine-core process
-    # leaves a core to each front end, or its forwards' threads starve the HTTP work
-    cpu_threads: int | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -87,9 +84,6 @@ def resolve_device(name: str) -> torch.device:
 def build_engine(config: CoreConfig, observer: EngineObserver | None = None) -> Engine:
     """Load the model and build its engine (blocking; not started)."""
     device = resolve_device(config.device)
-    if device.type == "cpu" and config.cpu_threads is not None:
-        torch.set_num_threads(config.cpu_threads)
-        logger.info("engine core: %d torch thread(s) on the CPU", config.cpu_threads)
     try:
         # before the load: a dtype the device cannot run fails at once, not after a download
         dtype = resolve_dtype(DTYPES[config.dtype], device)

@@ -143,6 +143,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     configure_logging(settings.log_level, settings.log_format)
     # Before torch loads and threads start: allocations after this follow the fixed threshold.
     fix_mmap_threshold()
+    # Idle OpenMP threads sleep instead of spinning, so the forward's thread team does not take
+    # the cores the HTTP work needs between steps (docs/benchmarks.md, "Front end: per-request
+    # cost": 2-3x the requests on 2 cores); an operator's value wins. Children inherit it.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     code = 0
     if settings.api_server_count == 0:
         from poolserve.service.edge.server import (

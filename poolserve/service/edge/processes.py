@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import dataclasses
 import logging
 import os
 import shutil
@@ -223,9 +222,6 @@ def _core_main(settings: ServerSettings, address: str) -> None:
     configure_logging(settings.log_level, settings.log_format)
     fix_mmap_threshold()
     config = core_config(settings, parse_pooler_config(settings.pooler_config))
-    if "OMP_NUM_THREADS" not in os.environ:  # the operator's word wins
-        spare = len(os.sched_getaffinity(0)) - settings.api_server_count
-        config = dataclasses.replace(config, cpu_threads=max(1, spare))
     code = asyncio.run(serve_core_process(config, address, observer=ServiceMetrics()))
     logging.shutdown()
     os._exit(code)
