@@ -117,6 +117,7 @@ class EngineClient:
 
     async def close(self) -> None:
         """Stop listening; requests still waiting end as cancelled (the server stopped first)."""
+        self.dead_reason = self.dead_reason or "this front end is shutting down"
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -213,28 +214,17 @@ class EngineClient:
         self._send(Submit(batch, request_ids, lengths, params, priority, typed), frames)
         try:
             answer = await reply
-        finally:
-            if not reply.done() or isinstance(reply.result(), Refused):
-                for future in futures:
-                    self._forget(future)
+        except BaseException:
+            # the caller left (or the core was lost) before the core answered: whatever it
+            # admits meanwhile is cancelled there, and nothing stays pending here
+            for future in futures:
+                self.cancel_future(future)
+            raise
         if isinstance(answer, Refused):
+            for future in futures:
+                self._forget(future)
             raise protocol.rebuild_error(answer.error)
         return futures
-
-    async def submit(
-        self,
-        prompt: Sequence[int],
-        params: PoolingParams,
-        priority: int = 0,
-        token_type_ids: Sequence[int] | None = None,
-    ) -> PoolingOutput:
-        """Submit one prompt and await its output (cancelling the await cancels the request)."""
-        (future,) = await self.submit_many([prompt], params, priority, [token_type_ids])
-        try:
-            return await asyncio.shield(future)
-        except asyncio.CancelledError:
-            self.cancel_future(future)
-            raise
 
     def cancel_future(self, future: asyncio.Future[PoolingOutput]) -> None:
         """Cancel the request behind a future: the core frees its work."""

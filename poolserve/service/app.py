@@ -240,4 +240,5 @@ async def _warm_up(state: ServiceState) -> None:
     model = state.model
     # the request path's own tokenization, so its first use is warm too
     (ids,) = encode_texts(model, [WARMUP_TEXT], truncation_for(Truncate(), model))
-    await state.engine.submit(ids, PoolingParams(task=state.default_task))
+    (output,) = await state.engine.submit_many([ids], PoolingParams(task=state.default_task))
+    await output

@@ -192,6 +192,31 @@ def test_cancelling_frees_the_cores_work(core: CoreThread) -> None:
     asyncio.run(run())
 
 
+def test_a_caller_that_leaves_before_admission_frees_the_cores_work(core: CoreThread) -> None:
+    engine = core.engine
+
+    async def run() -> None:
+        client = _client(core)
+        await client.connect()
+        try:
+            with _Held(core):
+                task = asyncio.ensure_future(client.submit_many(PROMPTS[:2], EMBED))
+                await asyncio.sleep(0)  # the Submit is sent; its answer has not come
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                assert not client.busy
+                deadline = time.monotonic() + 5
+                while core.call(lambda: len(core.core.pending)):  # type: ignore[union-attr]
+                    assert time.monotonic() < deadline, "the core kept work nobody waits for"
+                    await asyncio.sleep(0.01)
+        finally:
+            await client.close()
+
+    asyncio.run(run())
+    _until(lambda: core.call(lambda: engine.admission.queued_requests) == 0)
+
+
 def test_refusals_are_the_engines_own_errors(core: CoreThread) -> None:
     async def run() -> None:
         client = _client(core)
