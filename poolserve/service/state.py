@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from poolserve.core.card import ModelCard
@@ -95,6 +96,12 @@ class ModelHandle:
     prompts: Prompts = field(default_factory=Prompts)  # sentence-transformers prompts
     # tokenizer(a, b)'s layout, probed once at start (None: the tokenizer shows no such template)
     pair_template: PairLayout | None = None
+
+    def label_of(self, probs: np.ndarray) -> str:
+        """The best class's name: the model's id2label entry, else LABEL_<index>."""
+        labels = self.card.spec.labels
+        best = int(np.argmax(probs))
+        return labels[best] if best < len(labels) else f"LABEL_{best}"
 
     @property
     def served_names(self) -> tuple[str, ...]:

@@ -146,7 +146,7 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     normalize = _normalize(task, body.normalize, body.use_activation)
     requested = Requested(dimensions=body.dimensions, normalize=normalize)
     run = await submit(request, body.job(task, requested))
-    outputs = await gather(request, run)
+    outputs = await gather(run)
     fields: dict[str, object] = {
         "id": _response_id("embd", request, body),
         "object": "list",
@@ -202,7 +202,7 @@ async def pooling(body: PoolingRequestBody, request: Request) -> Response:
     response_id = _response_id("pool", request, body)  # also sets x-request-id for a stream
     if body.stream:
         return NDJSONResponse(_stream(request, body, run))
-    outputs = await gather(request, run)
+    outputs = await gather(run)
     fields: dict[str, object] = {
         "id": response_id,
         "object": "list",
@@ -268,15 +268,16 @@ async def classify(body: ClassifyRequest, request: Request) -> Response:
     )
     requested = Requested(use_activation=use_activation)
     run = await submit(request, body.job(PoolingTask.CLASSIFY, requested))
-    outputs = await gather(request, run)
-    labels = run.model.card.spec.labels
-    data = []
-    for i, o in enumerate(outputs):
-        best = int(np.argmax(o.data))
-        label = labels[best] if best < len(labels) else f"LABEL_{best}"
-        data.append(
-            {"index": i, "label": label, "probs": o.data, "num_classes": int(o.data.shape[-1])}
-        )
+    outputs = await gather(run)
+    data = [
+        {
+            "index": i,
+            "label": run.model.label_of(o.data),
+            "probs": o.data,
+            "num_classes": int(o.data.shape[-1]),
+        }
+        for i, o in enumerate(outputs)
+    ]
     reply = {
         "id": _response_id("classify", request, body),
         "object": "list",

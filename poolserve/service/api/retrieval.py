@@ -22,7 +22,7 @@ from poolserve.service.frontend.encoding import answer, dumps
 from poolserve.service.frontend.jobs import ScoreJob, Truncate
 from poolserve.service.frontend.pipeline import check_serving, service_state
 from poolserve.service.frontend.routing import StrictJSONRoute
-from poolserve.service.frontend.scoring import Scored, score
+from poolserve.service.frontend.scoring import Scored, best_first, score
 
 logger = logging.getLogger(__name__)
 router = APIRouter(route_class=StrictJSONRoute)
@@ -155,8 +155,7 @@ async def _rerank(body: RerankRequestBody, request: Request, defaults: Defaults)
     options = _options(body, request, defaults)
     job = ScoreJob.one_query(body.query, documents, "documents", **options)
     scored = await score(request, job)
-    # a stable sort: equal scores keep their input order, as vLLM's does
-    order = sorted(range(len(documents)), key=lambda i: -scored.scores[i])[: body.top_n or None]
+    order = best_first(scored.scores, body.top_n)
     results = [
         {"index": i, "document": {"text": documents[i]}, "relevance_score": scored.scores[i]}
         if body.return_documents

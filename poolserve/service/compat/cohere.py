@@ -182,7 +182,7 @@ async def embed(body: CohereEmbedRequest, request: Request) -> Response:
         priority=body.priority,
     )
     run = await submit(request, job)
-    outputs = await gather(request, run)
+    outputs = await gather(run)
     _check_lengths(outputs, limit, field)
     return await answer(
         request, outputs, lambda: _encode(texts, kinds, outputs, run.num_prompt_tokens)

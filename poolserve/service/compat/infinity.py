@@ -138,7 +138,7 @@ async def _embed(
     for indices, job in jobs:
         if indices:
             run = await submit(request, job)
-            outputs.update(zip(indices, await gather(request, run), strict=True))
+            outputs.update(zip(indices, await gather(run), strict=True))
             num_tokens += run.num_prompt_tokens
     return [outputs[i] for i in range(len(texts))], num_tokens
 

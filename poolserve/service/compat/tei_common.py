@@ -115,7 +115,7 @@ class Ran:
 async def run(request: Request, job: Job, chars: int) -> Ran:
     """One job through the pipeline; `chars`: its characters as TEI counts them."""
     started = time.monotonic()
-    outputs = await gather(request, await submit(request, job))
+    outputs = await gather(await submit(request, job))
     return Ran.of(outputs, time.monotonic() - started, chars)
 
 

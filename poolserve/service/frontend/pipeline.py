@@ -1,10 +1,11 @@
-"""The one door to the engine: a job in, engine futures out, accounted the same for every route.
+"""The one door to the engine: a job in, engine futures out, accounted the same for every caller.
 
-Every inference route, native or compat, texts or pairs, calls `submit`: serving checks, the
-parameters merge, 429 before any work, tokenization off the loop (its span and metric), one
-all-or-nothing submission, prompt tokens in the metric, the access log and the trace. `gather`
-and `as_completed` wait for the outputs (a client that leaves cancels its work); `answer` in
-`encoding.py` sends the reply.
+Every inference route, native or compat, texts or pairs, calls `submit`, and the Python API
+(`poolserve/offline/`) calls `submit_job` with the same jobs: serving checks, the parameters
+merge, 429 before any work, tokenization off the loop (its span and metric), one all-or-nothing
+submission, prompt tokens in the metric, and for an HTTP request the access log and the trace.
+`gather` and `as_completed` wait for the outputs (a caller that leaves cancels its work);
+`answer` in `encoding.py` sends an HTTP reply.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from fastapi import Request
 
@@ -48,15 +50,84 @@ from poolserve.service.state import ModelHandle, ServiceState
 logger = logging.getLogger(__name__)
 
 
+class Caller(Protocol):
+    """Who a job runs for: how its work is accounted beyond the metrics, and when it leaves."""
+
+    @property
+    def trace(self) -> RequestTrace:
+        """The caller's trace (the no-op one when nobody traces it)."""
+
+    def tokenized(self, started: float, ended: float, num_inputs: int, num_tokens: int) -> None:
+        """The job's tokenization ran from `started` to `ended` (time.monotonic())."""
+
+    def admitted(self, task: PoolingTask, num_tokens: int) -> None:
+        """The engine took the job's prompts."""
+
+    async def left(self) -> None:
+        """Returns when the caller has gone (never, for one that waits for its answer)."""
+
+
+class InProcess:
+    """A caller in this process (the Python API): nothing to log or trace, never leaves."""
+
+    trace: RequestTrace = NO_TRACE
+
+    def tokenized(self, started: float, ended: float, num_inputs: int, num_tokens: int) -> None:
+        """Nothing beyond the metrics."""
+
+    def admitted(self, task: PoolingTask, num_tokens: int) -> None:
+        """Nothing beyond the metrics."""
+
+    async def left(self) -> None:
+        """It waits for its answer: cancelling the wait is how it leaves."""
+        await asyncio.get_running_loop().create_future()
+
+
+IN_PROCESS = InProcess()
+
+
+class HTTPCaller:
+    """An HTTP request: its span, its access log line, and the connection that may close."""
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self.trace = trace_of(request)
+
+    def tokenized(self, started: float, ended: float, num_inputs: int, num_tokens: int) -> None:
+        """The tokenize span."""
+        attributes = {"poolserve.inputs": num_inputs, "poolserve.prompt_tokens": num_tokens}
+        self.trace.record(SpanRecord("tokenize", started, ended, attributes))
+
+    def admitted(self, task: PoolingTask, num_tokens: int) -> None:
+        """Prompt tokens in the access log and on the request span."""
+        scope_state = self.request.scope.setdefault("state", {})
+        # a request may submit more than one job (TEI's /predict of texts and pairs): they add up
+        total = scope_state.get(PROMPT_TOKENS_KEY, 0) + num_tokens
+        scope_state[PROMPT_TOKENS_KEY] = total
+        self.trace.set({"poolserve.prompt_tokens": total, "poolserve.task": task.value})
+
+    async def left(self) -> None:
+        """Returns when the client closes the connection (the body has been read already)."""
+        while True:
+            message = await self.request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+
 @dataclass(frozen=True)
 class Submitted:
-    """An HTTP request's prompts, admitted and queued in the engine."""
+    """A job's prompts, admitted and queued in the engine."""
 
     engine: EngineClient
     model: ModelHandle
     futures: tuple[asyncio.Future[PoolingOutput], ...]
     num_prompt_tokens: int
-    trace: RequestTrace = NO_TRACE
+    caller: Caller = IN_PROCESS
+
+    @property
+    def trace(self) -> RequestTrace:
+        """The caller's trace."""
+        return self.caller.trace
 
 
 @dataclass(frozen=True)
@@ -100,9 +171,13 @@ def check_serving(state: ServiceState, model_name: str | None) -> tuple[EngineCl
 
 
 async def submit(request: Request, job: Job) -> Submitted:
+    """An HTTP request's job through the pipeline (`submit_job`)."""
+    request.state.task = job.task.value  # for the access log, even when the job is refused
+    return await submit_job(service_state(request), job, HTTPCaller(request))
+
+
+async def submit_job(state: ServiceState, job: Job, caller: Caller = IN_PROCESS) -> Submitted:
     """Checks, then 429 before any work, then tokenization off the loop, then one submission."""
-    state = service_state(request)
-    request.state.task = job.task.value
     engine, model = check_serving(state, job.model)
     plan = PLANNERS[type(job)](job, engine, model, state)
     engine.check_params(plan.params)
@@ -110,12 +185,15 @@ async def submit(request: Request, job: Job) -> Submitted:
     started = time.monotonic()
     batch = await plan.tokenize()
     num_tokens = sum(len(ids) for ids in batch.token_ids)
-    tokenized(request, started, len(batch.token_ids), num_tokens)
+    ended = time.monotonic()
+    state.metrics.tokenization.observe(ended - started)
+    caller.tokenized(started, ended, len(batch.token_ids), num_tokens)
     futures = await engine.submit_many(
         batch.token_ids, batch.params, job.priority, batch.token_type_ids
     )
-    admitted(request, num_tokens)
-    return Submitted(engine, model, tuple(futures), num_tokens, trace_of(request))
+    state.metrics.prompt_tokens.inc(num_tokens)
+    caller.admitted(job.task, num_tokens)
+    return Submitted(engine, model, tuple(futures), num_tokens, caller)
 
 
 def _plan_texts(
@@ -227,27 +305,8 @@ def _joint_mode(model: ModelHandle, is_decoder: bool) -> PromptMode:
 PLANNERS: dict[type, Callable[..., Plan]] = {TextJob: _plan_texts, ScoreJob: _plan_pairs}
 
 
-def tokenized(request: Request, started: float, num_inputs: int, num_tokens: int) -> None:
-    """Account a request's tokenization (from time.monotonic() `started`): metric and span."""
-    ended = time.monotonic()
-    service_state(request).metrics.tokenization.observe(ended - started)
-    attributes = {"poolserve.inputs": num_inputs, "poolserve.prompt_tokens": num_tokens}
-    trace_of(request).record(SpanRecord("tokenize", started, ended, attributes))
-
-
-def admitted(request: Request, num_tokens: int) -> None:
-    """Account prompt tokens the engine took: the metric, the access log, the request span."""
-    service_state(request).metrics.prompt_tokens.inc(num_tokens)
-    scope_state = request.scope.setdefault("state", {})
-    # a request may submit more than one job (TEI's /predict of texts and pairs): they add up
-    total = scope_state.get(PROMPT_TOKENS_KEY, 0) + num_tokens
-    scope_state[PROMPT_TOKENS_KEY] = total
-    task = str(getattr(request.state, "task", "none"))
-    trace_of(request).set({"poolserve.prompt_tokens": total, "poolserve.task": task})
-
-
-async def gather(request: Request, run: Submitted) -> list[PoolingOutput]:
-    """All outputs in input order; a client that goes away cancels the rest of its work."""
+async def gather(run: Submitted) -> list[PoolingOutput]:
+    """All outputs in input order; a caller that goes away cancels the rest of its work."""
     if not run.futures:
         return []
     finished = asyncio.get_running_loop().create_future()
@@ -263,7 +322,7 @@ async def gather(request: Request, run: Submitted) -> list[PoolingOutput]:
 
     for future in run.futures:
         future.add_done_callback(on_done)
-    watcher = asyncio.ensure_future(_disconnected(request))
+    watcher = asyncio.ensure_future(run.caller.left())
     try:
         await asyncio.wait((finished, watcher), return_when=asyncio.FIRST_COMPLETED)
         if not finished.done():
@@ -305,11 +364,3 @@ def _cancel_unfinished(run: Submitted) -> None:
     for future in run.futures:
         if not future.done():
             run.engine.cancel_future(future)
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client closes the connection (the body has been read already)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return

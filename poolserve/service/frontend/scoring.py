@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -9,7 +10,7 @@ from fastapi import Request
 from poolserve.pooling.scorers import scorer_plan
 from poolserve.scheduler.request import PoolingOutput
 from poolserve.service.frontend.jobs import ScoreJob
-from poolserve.service.frontend.pipeline import gather, submit
+from poolserve.service.frontend.pipeline import Submitted, gather, submit
 
 
 @dataclass(frozen=True)
@@ -23,9 +24,13 @@ class Scored:
 
 
 async def score(request: Request, job: ScoreJob) -> Scored:
-    """The job through the one pipeline, then each pair's score."""
-    run = await submit(request, job)
-    outputs = await gather(request, run)
+    """An HTTP request's job through the one pipeline, then each pair's score."""
+    return await scores_of(job, await submit(request, job))
+
+
+async def scores_of(job: ScoreJob, run: Submitted) -> Scored:
+    """The submitted job's outputs, then each pair's score."""
+    outputs = await gather(run)
     compare = scorer_plan(run.engine.pooling_info).compare
     if compare is None:  # the head scored each pair's prompt
         scores = tuple(float(o.data.reshape(-1)[0]) for o in outputs)
@@ -33,3 +38,9 @@ async def score(request: Request, job: ScoreJob) -> Scored:
         queries, documents = outputs[: len(job.queries)], outputs[len(job.queries) :]
         scores = tuple(compare(queries[q].data, documents[d].data) for q, d in job.pairs)
     return Scored(scores, tuple(outputs), run.num_prompt_tokens, run.model.served_name)
+
+
+def best_first(scores: Sequence[float], top_n: int | None) -> list[int]:
+    """Indices by score, best first, the `top_n` best (0: all); a stable sort keeps equal
+    scores in their input order, as vLLM's does."""
+    return sorted(range(len(scores)), key=lambda i: -scores[i])[: top_n or None]

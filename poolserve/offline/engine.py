@@ -1,0 +1,308 @@
+"""`AsyncPoolingEngine`: the server's app run in this process, called without HTTP.
+
+The app's own lifespan loads the model, starts the engine core on the caller's event loop and
+warms up; every call builds the same job a route builds and sends it through the same pipeline
+(`submit_job`), so outputs equal the server's. A call with more inputs than one request may carry
+is cut into pieces that run concurrently (continuous batching takes them together) and wait for
+room when the engine's queue is full, instead of failing with the server's 429.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar, cast
+
+import httpx
+import numpy as np
+from fastapi import FastAPI
+
+from poolserve.offline.outputs import Classification, Pooled, Ranked, Reply
+from poolserve.pooling.params import PoolingTask
+from poolserve.scheduler.errors import OverloadedError
+from poolserve.service.app import create_app
+from poolserve.service.frontend.jobs import Requested, ScoreJob, TextJob, Truncate, TruncationSide
+from poolserve.service.frontend.pipeline import gather, submit_job
+from poolserve.service.frontend.scoring import best_first, scores_of
+from poolserve.service.settings import ServerSettings
+from poolserve.service.state import ModelHandle, ServiceState
+
+T = TypeVar("T")
+
+# Inputs per piece: enough for the engine to fill steps, few enough that a piece's tokenization
+# (in a worker thread) overlaps the forwards of the pieces before it.
+PIECE_INPUTS = 128
+# Pieces in flight at once for the whole engine, whatever the number of concurrent calls.
+PIECES_IN_FLIGHT = 8
+# How long a piece refused for a full queue waits before it asks again.
+RETRY_S = 0.01
+
+Inputs = str | Sequence[str] | Sequence[Sequence[int]]
+
+
+class AsyncPoolingEngine:
+    """A model served in this process: `await engine.embed(texts)` and friends.
+
+    Keyword arguments are `ServerSettings` fields (the flags of `poolserve serve`, e.g.
+    `dtype="bfloat16"`, `max_model_len=512`, `pooler_config='{"normalize": false}'`);
+    POOLSERVE_* variables apply as they do to the server. Use it as an async context manager,
+    or call `start()` and `close()`.
+    """
+
+    def __init__(self, model: str | None = None, **settings: Any) -> None:
+        if model is not None:
+            settings["model"] = model
+        self.settings = ServerSettings(**{**settings, "api_server_count": 0})
+        self.app: FastAPI = create_app(self.settings)
+        self._lifespan: contextlib.AbstractAsyncContextManager[Any] | None = None
+        self._http: httpx.AsyncClient | None = None
+        self._slots: asyncio.Semaphore | None = None
+
+    @classmethod
+    def from_settings(cls, settings: ServerSettings) -> AsyncPoolingEngine:
+        """An engine with the settings a server would run (the CLI's jobs use this)."""
+        return cls(**settings.model_dump(exclude_unset=True))
+
+    async def start(self) -> None:
+        """Load the model, start the engine and warm up (the server's start-up)."""
+        lifespan = self.app.router.lifespan_context(self.app)
+        await lifespan.__aenter__()
+        self._lifespan = lifespan
+        self._slots = asyncio.Semaphore(PIECES_IN_FLIGHT)
+        headers = {}
+        if self.settings.api_key is not None:
+            headers["authorization"] = f"Bearer {self.settings.api_key}"
+        self._http = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=self.app),
+            base_url="http://poolserve",
+            headers=headers,
+            timeout=None,
+        )
+
+    async def close(self) -> None:
+        """Stop the engine; work still queued is cancelled."""
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+        if self._lifespan is not None:
+            lifespan, self._lifespan = self._lifespan, None
+            await lifespan.__aexit__(None, None, None)
+
+    async def __aenter__(self) -> AsyncPoolingEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    @property
+    def state(self) -> ServiceState:
+        """The server state the app runs on."""
+        state: ServiceState = self.app.state.poolserve
+        return state
+
+    @property
+    def model(self) -> ModelHandle:
+        """The served model: its name, tokenizer, limits and card."""
+        model = self.state.model
+        if model is None:
+            raise RuntimeError("the engine is not started: use `async with` or await start()")
+        return model
+
+    @property
+    def supported_tasks(self) -> tuple[PoolingTask, ...]:
+        """The tasks the model serves."""
+        return self.state.supported_tasks
+
+    async def encode(
+        self,
+        inputs: Inputs,
+        task: PoolingTask | str,
+        *,
+        normalize: bool | None = None,
+        dimensions: int | None = None,
+        use_activation: bool | None = None,
+        step_tag_id: int | None = None,
+        returned_token_ids: Sequence[int] | None = None,
+        truncate_prompt_tokens: int | None = None,
+        truncation_side: TruncationSide | None = None,
+        prompt_name: str | None = None,
+        prompt: str | None = None,
+        add_special_tokens: bool | None = None,
+        priority: int = 0,
+    ) -> list[Pooled]:
+        """Every input pooled for `task` (any of the model's tasks, token-level included).
+
+        Inputs are texts or token-id lists; the options mean what `/v1/pooling`'s fields mean.
+        """
+        task = PoolingTask(task)
+        requested = Requested(
+            dimensions=dimensions,
+            normalize=normalize,
+            use_activation=use_activation,
+            step_tag_id=step_tag_id,
+            returned_token_ids=None if returned_token_ids is None else tuple(returned_token_ids),
+        )
+        truncate = Truncate(truncate_prompt_tokens, truncation_side)
+
+        async def piece(items: list[Any]) -> list[Pooled]:
+            job = TextJob(
+                task,
+                items,
+                requested=requested,
+                prompt_name=prompt_name,
+                prompt=prompt,
+                truncate=truncate,
+                add_special_tokens=add_special_tokens,
+                priority=priority,
+            )
+            outputs = await gather(await submit_job(self.state, job))
+            return [Pooled(o.data, o.num_prompt_tokens) for o in outputs]
+
+        return await self._pieces(_as_inputs(inputs), piece)
+
+    async def embed(self, inputs: Inputs, **options: Any) -> list[Pooled]:
+        """One embedding per input; options as `encode`'s (`normalize`, `dimensions`, ...)."""
+        return await self.encode(inputs, PoolingTask.EMBED, **options)
+
+    async def embed_array(self, inputs: Inputs, **options: Any) -> np.ndarray:
+        """The embeddings as one `[inputs, dim]` float32 array."""
+        pooled = await self.embed(inputs, **options)
+        if not pooled:
+            return np.zeros((0, 0), dtype=np.float32)
+        return np.stack([p.data for p in pooled])
+
+    async def classify(self, inputs: Inputs, **options: Any) -> list[Classification]:
+        """Class probabilities and the best label of each input (`use_activation=False`: logits)."""
+        pooled = await self.encode(inputs, PoolingTask.CLASSIFY, **options)
+        model = self.model
+        return [Classification(p.data, model.label_of(p.data), p.prompt_tokens) for p in pooled]
+
+    async def score(
+        self,
+        queries: str | Sequence[str],
+        documents: str | Sequence[str],
+        *,
+        use_activation: bool | None = None,
+        truncate_prompt_tokens: int | None = None,
+        truncation_side: TruncationSide | None = None,
+        priority: int = 0,
+    ) -> list[float]:
+        """vLLM's /score: one query against each document, or query i against document i."""
+        firsts, seconds = _texts(queries, "queries"), _texts(documents, "documents")
+        if len(firsts) > 1 and len(firsts) != len(seconds):
+            raise ValueError(
+                f"{len(firsts)} queries and {len(seconds)} documents: pair them 1:1, 1:N or N:N"
+            )
+        truncate = Truncate(truncate_prompt_tokens, truncation_side)
+
+        async def piece(indices: list[int]) -> list[float]:
+            one = len(firsts) == 1
+            chosen = firsts if one else tuple(firsts[i] for i in indices)
+            pairs = tuple((0 if one else n, n) for n in range(len(indices)))
+            job = ScoreJob(
+                chosen,
+                tuple(seconds[i] for i in indices),
+                pairs,
+                "queries",
+                "documents",
+                truncate=truncate,
+                use_activation=use_activation,
+                priority=priority,
+            )
+            return list((await scores_of(job, await submit_job(self.state, job))).scores)
+
+        return await self._pieces(list(range(len(seconds))), piece)
+
+    async def rerank(
+        self, query: str, documents: Sequence[str], *, top_n: int = 0, **options: Any
+    ) -> list[Ranked]:
+        """The documents best first (equal scores keep their order), the `top_n` best (0: all)."""
+        documents = _texts(documents, "documents")
+        scores = await self.score(query, documents, **options)
+        return [Ranked(i, scores[i], documents[i]) for i in best_first(scores, top_n)]
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> Reply:
+        """One HTTP request answered by the in-process server, exactly as it would over a socket."""
+        if self._http is None:
+            raise RuntimeError("the engine is not started: use `async with` or await start()")
+        sent = {"content-type": "application/json", **(headers or {})}
+        response = await self._http.request(method, path, content=body, headers=sent)
+        return Reply(response.status_code, dict(response.headers), response.content)
+
+    async def _pieces(
+        self, items: list[Any], run: Callable[[list[Any]], Awaitable[list[T]]]
+    ) -> list[T]:
+        """`run` over pieces of `items`, concurrently within the engine's slots, in order."""
+        slots = self._slots
+        if slots is None:
+            raise RuntimeError("the engine is not started: use `async with` or await start()")
+        chars = self.model.limits.max_request_chars
+
+        async def one(piece: list[Any]) -> list[T]:
+            async with slots:
+                while True:
+                    try:
+                        return await run(piece)
+                    except OverloadedError:  # the queue is full: wait for room, not a 429
+                        await asyncio.sleep(RETRY_S)
+
+        results = await _gather_all([one(p) for p in _split(items, PIECE_INPUTS, chars)])
+        return [value for part in results for value in part]
+
+
+async def _gather_all(calls: list[Awaitable[list[T]]]) -> list[list[T]]:
+    """Every call's result in order; the first failure cancels the others and raises."""
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _split(items: list[Any], most: int, chars: int) -> list[list[Any]]:
+    """Consecutive pieces of at most `most` items and, for texts, `chars` characters."""
+    pieces: list[list[Any]] = []
+    piece: list[Any] = []
+    size = 0
+    for item in items:
+        length = len(item) if isinstance(item, str) else 0
+        if piece and (len(piece) == most or size + length > chars):
+            pieces.append(piece)
+            piece, size = [], 0
+        piece.append(item)
+        size += length
+    if piece:
+        pieces.append(piece)
+    return pieces
+
+
+def _as_inputs(inputs: Inputs) -> list[Any]:
+    """Texts or token-id lists, checked as a request body's `input` is."""
+    if isinstance(inputs, str):
+        return [inputs]
+    items = list(inputs)
+    if all(isinstance(item, str) for item in items):
+        return items
+    for item in items:
+        if isinstance(item, str) or not all(
+            isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in item
+        ):
+            raise TypeError("inputs must be texts or lists of token ids, not a mix")
+    return [[int(t) for t in cast(Sequence[int], item)] for item in items]
+
+
+def _texts(texts: str | Sequence[str], name: str) -> tuple[str, ...]:
+    """One text or several, all strings."""
+    values = (texts,) if isinstance(texts, str) else tuple(texts)
+    if not all(isinstance(text, str) for text in values):
+        raise TypeError(f"{name} must be texts")
+    return values
