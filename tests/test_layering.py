@@ -1,5 +1,5 @@
-"""Imports point downstream only: service -> core -> scheduler -> (models, pooling), all under
-poolserve.
+"""Imports point downstream only: cli -> jobs -> offline -> service -> core -> scheduler ->
+(models, pooling), all under poolserve.
 
 Inside service: api and compat -> frontend -> scheduler; compat and api never import each other;
 only the app factory (and the CLI that starts the server) imports the edge; only the app factory
@@ -16,12 +16,15 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "poolserve"
 # package -> packages it must never import
+ABOVE_SERVICE = {"offline", "jobs", "cli"}
 FORBIDDEN = {
-    "models": {"pooling", "scheduler", "core", "service"},
-    "pooling": {"models", "scheduler", "core", "service"},
-    "scheduler": {"core", "service"},
-    "core": {"service"},
-    "service": set(),
+    "models": {"pooling", "scheduler", "core", "service", *ABOVE_SERVICE},
+    "pooling": {"models", "scheduler", "core", "service", *ABOVE_SERVICE},
+    "scheduler": {"core", "service", *ABOVE_SERVICE},
+    "core": {"service", *ABOVE_SERVICE},
+    "service": ABOVE_SERVICE,
+    "offline": {"jobs", "cli"},
+    "jobs": {"cli"},
 }
 
 
@@ -57,7 +60,7 @@ def test_no_back_edges(package: str) -> None:
 
 def test_no_relative_or_bare_imports() -> None:
     """Every project import names the poolserve root (no `import service`, no relative ones)."""
-    bare = {"models", "pooling", "scheduler", "core", "service", "bench"}
+    bare = {"models", "pooling", "scheduler", "core", "service", "offline", "jobs", "bench"}
     offenders = {}
     for path in PACKAGE.rglob("*.py"):
         tree = ast.parse(path.read_text())

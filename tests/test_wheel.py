@@ -52,4 +52,4 @@ def test_wheel_has_one_import_root(tmp_path: Path) -> None:
     # every package of the source tree ships (a folder without __init__.py would be left out)
     packages = {p.parent.relative_to(ROOT).as_posix() for p in (ROOT / "poolserve").rglob("*.py")}
     assert packages <= {name.rsplit("/", 1)[0] for name in names}
-    assert "poolserve = poolserve.service.cli:main" in entry_points
+    assert "poolserve = poolserve.cli:main" in entry_points

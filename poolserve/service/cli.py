@@ -1,4 +1,4 @@
-"""`poolserve serve`: command-line entry point; every flag is also a POOLSERVE_* variable."""
+"""`poolserve serve`: the server's command line; every flag is also a POOLSERVE_* variable."""
 
 from __future__ import annotations
 
@@ -28,12 +28,17 @@ LIST_FORMS = "several values, a JSON list or comma-separated"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser, documented from the settings' field descriptions."""
+    """The `poolserve serve` parser (the whole command line, with the jobs, is poolserve/cli.py)."""
     parser = argparse.ArgumentParser(
         prog="poolserve", description="A pooling microservice for language models."
     )
-    parser.add_argument("-v", "--version", action="version", version=_version())
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("-v", "--version", action="version", version=package_version())
+    add_serve_command(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
+def add_serve_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`serve [MODEL]` and every setting's flag."""
     serve = commands.add_parser(
         "serve",
         help="Start the HTTP server.",
@@ -47,12 +52,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MODEL",
         help="The model to serve, as --model takes it (as `vllm serve MODEL` does).",
     )
+    add_settings_flags(serve)
+
+
+def add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    """A flag for every server setting (jobs take the model and its settings as `serve` does)."""
     for name, field in ServerSettings.model_fields.items():
-        _add_flag(serve, name, field)
-    return parser
+        _add_flag(parser, name, field)
 
 
-def _version() -> str:
+def package_version() -> str:
     """The installed package's version (as vLLM prints its own: the number alone)."""
     try:
         return version("poolserve")
@@ -105,7 +114,12 @@ def parse_settings(argv: Sequence[str] | None = None) -> ServerSettings:
     """Parse flags over the environment into validated settings (exits 2 on bad values)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    positional = args.model_tag
+    return settings_from_args(parser, args)
+
+
+def settings_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ServerSettings:
+    """The settings the parsed flags give, over the environment (exits 2 on bad values)."""
+    positional = getattr(args, "model_tag", None)
     if positional is not None and args.model is not None and positional != args.model:
         parser.error(
             f"the model is given twice, as {positional!r} and as --model {args.model!r}: "
@@ -113,8 +127,11 @@ def parse_settings(argv: Sequence[str] | None = None) -> ServerSettings:
         )
     if positional is not None:
         args.model = positional
-    skipped = {"command", "model_tag"}
-    given = {k: v for k, v in vars(args).items() if k not in skipped and v is not None}
+    given = {
+        name: getattr(args, name)
+        for name in ServerSettings.model_fields
+        if getattr(args, name, None) is not None
+    }
     try:
         settings = ServerSettings(**given)
         if settings.otlp_traces_endpoint is not None:
@@ -139,7 +156,11 @@ def _problem(loc: tuple[int | str, ...], message: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Run the server until SIGTERM/SIGINT, then drain and exit 0."""
-    settings = parse_settings(argv)
+    serve(parse_settings(argv))
+
+
+def serve(settings: ServerSettings) -> None:
+    """Serve with these settings until SIGTERM/SIGINT, drain, then end the process."""
     configure_logging(settings.log_level, settings.log_format)
     # Before torch loads and threads start: allocations after this follow the fixed threshold.
     fix_mmap_threshold()

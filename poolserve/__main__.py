@@ -1,0 +1,5 @@
+"""`python -m poolserve`: the `poolserve` command."""
+
+from poolserve.cli import main
+
+main()

@@ -1,0 +1,52 @@
+"""`poolserve`: the command line. `serve` runs the server; the jobs run a model over files.
+
+Each command adds its own subparser and sets `run(args) -> exit code` on it; the model and its
+settings are flags of every command, as `poolserve serve` takes them
+(`poolserve.service.cli.add_settings_flags`, `settings_from_args`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from poolserve.service.cli import add_serve_command, package_version, serve, settings_from_args
+
+if TYPE_CHECKING:  # argparse's class takes a type argument only for type checkers
+    Commands = argparse._SubParsersAction[argparse.ArgumentParser]
+
+
+def _add_serve(commands: Commands) -> None:
+    """`serve`: the HTTP server (it ends the process itself)."""
+    add_serve_command(commands)
+    parser = commands.choices["serve"]
+    parser.set_defaults(run=lambda args: serve(settings_from_args(parser, args)))
+
+
+# command -> what adds its subparser; jobs import their heavy modules only when they run
+COMMANDS: tuple[Callable[[Commands], None], ...] = (_add_serve,)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every command's parser."""
+    parser = argparse.ArgumentParser(
+        prog="poolserve", description="A pooling microservice for language models."
+    )
+    parser.add_argument("-v", "--version", action="version", version=package_version())
+    commands = parser.add_subparsers(dest="command", required=True)
+    for add in COMMANDS:
+        add(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run the command named on the command line; exit with its code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    sys.exit(args.run(args))
+
+
+if __name__ == "__main__":
+    main()

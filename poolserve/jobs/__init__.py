@@ -1,0 +1,1 @@
+"""Jobs: a model run over files from the command line, on the Python API (poolserve.offline)."""
