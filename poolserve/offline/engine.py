@@ -20,7 +20,7 @@ from fastapi import FastAPI
 
 from poolserve.offline.outputs import Classification, Pooled, Ranked, Reply
 from poolserve.pooling.params import PoolingTask
-from poolserve.scheduler.errors import OverloadedError
+from poolserve.scheduler.errors import OverloadedError, RequestTooLargeError
 from poolserve.service.app import create_app
 from poolserve.service.frontend.jobs import Requested, ScoreJob, TextJob, Truncate, TruncationSide
 from poolserve.service.frontend.pipeline import gather, submit_job
@@ -244,7 +244,9 @@ class AsyncPoolingEngine:
         slots = self._slots
         if slots is None:
             raise RuntimeError("the engine is not started: use `async with` or await start()")
-        chars = self.model.limits.max_request_chars
+        model = self.model
+        # a piece fits the engine's queue alone (half of it: other pieces keep it busy)
+        most = max(1, min(PIECE_INPUTS, model.card.scheduler.max_num_queued_requests // 2))
 
         async def one(piece: list[Any]) -> list[T]:
             async with slots:
@@ -253,8 +255,17 @@ class AsyncPoolingEngine:
                         return await run(piece)
                     except OverloadedError:  # the queue is full: wait for room, not a 429
                         await asyncio.sleep(RETRY_S)
+                    except RequestTooLargeError:
+                        if len(piece) == 1:  # one prompt above the queue's limits: its error
+                            raise
+                        break
+            # more tokens than the queue holds: halves, each on its own slot
+            half = len(piece) // 2
+            first, second = await _gather_all([one(piece[:half]), one(piece[half:])])
+            return first + second
 
-        results = await _gather_all([one(p) for p in _split(items, PIECE_INPUTS, chars)])
+        pieces = _split(items, most, model.limits.max_request_chars)
+        results = await _gather_all([one(p) for p in pieces])
         return [value for part in results for value in part]
 
 
