@@ -23,10 +23,12 @@ from typing import Any, TypeVar
 import torch
 
 from poolserve.core.server import EngineCore
+from poolserve.kinds import HeadKind
 from poolserve.models.errors import UnsupportedDtypeError, UnsupportedQuantizationError
 from poolserve.models.loader import load_model, resolve_dtype
 from poolserve.models.quantization import check_quantization
 from poolserve.models.spec import LoadedModel
+from poolserve.pooling.heads import LogitCalibration
 from poolserve.pooling.params import PoolingType
 from poolserve.scheduler.config import SchedulerConfig
 from poolserve.scheduler.engine import Engine
@@ -43,6 +45,8 @@ DTYPES: dict[str, torch.dtype | None] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+# Heads whose logits --pooler-config's logit_mean/logit_sigma calibrate.
+CLASSIFIER_HEADS = frozenset({HeadKind.SEQUENCE_CLASSIFIER, HeadKind.TOKEN_CLASSIFIER})
 SOCKET_NAME = "engine-core.sock"
 # A core whose engine died (a device error) tells its front ends, then exits after this long.
 DEAD_EXIT_DELAY_S = 1.0
@@ -60,6 +64,9 @@ class CoreConfig:
     hf_overrides: dict[str, Any] | None = None
     max_model_len: int | None = None
     embed_pooling: PoolingType | None = None
+    # vLLM's logit_mean/logit_sigma (--pooler-config): classifier logits calibrated in the core
+    logit_mean: float | None = None
+    logit_sigma: float | None = None
     max_num_batched_tokens: int = 4096
     max_num_seqs: int = 256
     max_num_queued_requests: int = 1024
@@ -93,6 +100,8 @@ def build_engine(config: CoreConfig, observer: EngineObserver | None = None) -> 
         check_quantization(config.quantization, device, dtype)
     except UnsupportedQuantizationError as exc:
         raise ValueError(f"--quantization {config.quantization}: {exc}") from exc
+    # before the load: a zero sigma fails at once
+    calibration = LogitCalibration(config.logit_mean, config.logit_sigma)
     loaded = load_model(
         config.model,
         device=device,
@@ -103,6 +112,8 @@ def build_engine(config: CoreConfig, observer: EngineObserver | None = None) -> 
     )
     limit = loaded.spec.max_model_len
     max_model_len = min(config.max_model_len or limit, limit)
+    if calibration != LogitCalibration() and loaded.spec.head_kind not in CLASSIFIER_HEADS:
+        logger.warning("logit_mean/logit_sigma have no effect: the model has no classifier head")
     return Engine(
         loaded,
         scheduler_config(config, loaded, max_model_len),
@@ -110,6 +121,7 @@ def build_engine(config: CoreConfig, observer: EngineObserver | None = None) -> 
         max_model_len=max_model_len,
         embed_pooling=config.embed_pooling,
         observer=observer,
+        calibration=calibration,
     )
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
 import httpx
@@ -21,10 +21,13 @@ from fastapi import FastAPI
 from poolserve.offline.outputs import Classification, Pooled, Ranked, Reply
 from poolserve.pooling.params import PoolingTask
 from poolserve.scheduler.errors import OverloadedError, RequestTooLargeError
+from poolserve.service.api.schemas import LateChunkingBody
 from poolserve.service.app import create_app
+from poolserve.service.errors import InvalidRequestError
 from poolserve.service.frontend.jobs import Requested, ScoreJob, TextJob, Truncate, TruncationSide
 from poolserve.service.frontend.pipeline import gather, submit_job
 from poolserve.service.frontend.scoring import best_first, scores_of
+from poolserve.service.frontend.spans import LateChunking
 from poolserve.service.settings import ServerSettings
 from poolserve.service.state import ModelHandle, ServiceState
 
@@ -131,10 +134,14 @@ class AsyncPoolingEngine:
         prompt: str | None = None,
         add_special_tokens: bool | None = None,
         priority: int = 0,
+        late_chunking: Mapping[str, Any] | None = None,
     ) -> list[Pooled]:
         """Every input pooled for `task` (any of the model's tasks, token-level included).
 
         Inputs are texts or token-id lists; the options mean what `/v1/pooling`'s fields mean.
+        `late_chunking` (task embed, texts) is the wire's object, `{"spans": [[(start, end),
+        ...] per input]}` or `{"chunk_size": n}`: each input runs whole and its `Pooled.data`
+        is `[num_spans, dim]`, one embedding per span in order.
         """
         task = PoolingTask(task)
         requested = Requested(
@@ -145,8 +152,10 @@ class AsyncPoolingEngine:
             returned_token_ids=None if returned_token_ids is None else tuple(returned_token_ids),
         )
         truncate = Truncate(truncate_prompt_tokens, truncation_side)
+        late = None if late_chunking is None else LateChunkingBody.model_validate(late_chunking)
 
         async def piece(items: list[Any]) -> list[Pooled]:
+            items, chunking = _late_piece(items, late)
             job = TextJob(
                 task,
                 items,
@@ -156,15 +165,22 @@ class AsyncPoolingEngine:
                 truncate=truncate,
                 add_special_tokens=add_special_tokens,
                 priority=priority,
+                late_chunking=chunking,
             )
             outputs = await gather(await submit_job(self.state, job))
             return [Pooled(o.data, o.num_prompt_tokens) for o in outputs]
 
-        return await self._pieces(_as_inputs(inputs), piece)
+        return await self._pieces(_with_spans(_as_inputs(inputs), late), piece)
 
-    async def embed(self, inputs: Inputs, **options: Any) -> list[Pooled]:
-        """One embedding per input; options as `encode`'s (`normalize`, `dimensions`, ...)."""
-        return await self.encode(inputs, PoolingTask.EMBED, **options)
+    async def embed(
+        self, inputs: Inputs, *, late_chunking: Mapping[str, Any] | None = None, **options: Any
+    ) -> list[Pooled]:
+        """One embedding per input; options as `encode`'s (`normalize`, `dimensions`, ...).
+
+        With `late_chunking` (`{"spans": ...}` or `{"chunk_size": n}`, see `encode`) each
+        input's `data` is `[num_spans, dim]`: one embedding per span, pooled from the whole text.
+        """
+        return await self.encode(inputs, PoolingTask.EMBED, late_chunking=late_chunking, **options)
 
     async def embed_array(self, inputs: Inputs, **options: Any) -> np.ndarray:
         """The embeddings as one `[inputs, dim]` float32 array."""
@@ -285,7 +301,8 @@ def _split(items: list[Any], most: int, chars: int) -> list[list[Any]]:
     piece: list[Any] = []
     size = 0
     for item in items:
-        length = len(item) if isinstance(item, str) else 0
+        text = item[0] if isinstance(item, tuple) else item  # (text, spans) with late chunking
+        length = len(text) if isinstance(text, str) else 0
         if piece and (len(piece) == most or size + length > chars):
             pieces.append(piece)
             piece, size = [], 0
@@ -309,6 +326,28 @@ def _as_inputs(inputs: Inputs) -> list[Any]:
         ):
             raise TypeError("inputs must be texts or lists of token ids, not a mix")
     return [[int(t) for t in cast(Sequence[int], item)] for item in items]
+
+
+def _with_spans(items: list[Any], late: LateChunkingBody | None) -> list[Any]:
+    """Each text paired with its own spans when late chunking names spans, so they stay
+    together when the call is cut into pieces; else the items as they are."""
+    if late is None or late.spans is None:
+        return items
+    if len(late.spans) != len(items):
+        message = f"spans has {len(late.spans)} lists for {len(items)} inputs: send one per input"
+        raise InvalidRequestError(message, "late_chunking.spans")
+    return [(item, tuple(ranges)) for item, ranges in zip(items, late.spans, strict=True)]
+
+
+def _late_piece(
+    items: list[Any], late: LateChunkingBody | None
+) -> tuple[list[Any], LateChunking | None]:
+    """A piece's inputs and its own late-chunking record (its texts' spans only)."""
+    if late is None:
+        return items, None
+    if late.spans is None:
+        return items, LateChunking(chunk_size=late.chunk_size)
+    return [text for text, _ in items], LateChunking(tuple(spans for _, spans in items))
 
 
 def _texts(texts: str | Sequence[str], name: str) -> tuple[str, ...]:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +30,33 @@ def _activate(logits: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(logits) if logits.shape[-1] == 1 else torch.softmax(logits, dim=-1)
 
 
+@dataclass(frozen=True)
+class LogitCalibration:
+    """vLLM's `logit_mean` and `logit_sigma`: classifier logits become `(logit - mean) / sigma`
+    before any activation (a model-level setting, the same for every request)."""
+
+    mean: float | None = None
+    sigma: float | None = None
+
+    def __post_init__(self) -> None:
+        for name, value in (("logit_mean", self.mean), ("logit_sigma", self.sigma)):
+            if value is not None and not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value}")
+        if self.sigma == 0:
+            raise ValueError("logit_sigma cannot be 0 (division by zero)")
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """The calibrated logits (the same tensor when nothing is set)."""
+        if self.mean is not None:
+            logits = logits - self.mean
+        if self.sigma is not None:
+            logits = logits / self.sigma
+        return logits
+
+
+NO_CALIBRATION = LogitCalibration()
+
+
 class Head(ABC):
     """Maps one request's pooled states to its float32 output."""
 
@@ -37,6 +67,10 @@ class Head(ABC):
     @abstractmethod
     def __call__(self, pooled: torch.Tensor) -> torch.Tensor:
         """The task output for this request."""
+
+    def calibrated(self, calibration: LogitCalibration) -> Head:
+        """This head with its classifier logits calibrated; a head without logits is itself."""
+        return self
 
 
 class EmbeddingHead(Head):
@@ -63,14 +97,24 @@ class EmbeddingHead(Head):
 class ClassifierHead(Head):
     """The checkpoint's score layer on one pooled row `[hidden]` or per token `[T, hidden]`."""
 
-    def __init__(self, score: nn.Module, use_activation: bool) -> None:
+    def __init__(
+        self,
+        score: nn.Module,
+        use_activation: bool,
+        calibration: LogitCalibration = NO_CALIBRATION,
+    ) -> None:
         self.score = score
         self.use_activation = use_activation
+        self.calibration = calibration
 
     def __call__(self, pooled: torch.Tensor) -> torch.Tensor:
-        """`[..., hidden]` -> `[..., num_labels]`: probabilities, or raw logits."""
-        logits = run_fp32(self.score, pooled.float())  # [..., num_labels]
+        """`[..., hidden]` -> `[..., num_labels]`: probabilities, or (calibrated) logits."""
+        logits = self.calibration(run_fp32(self.score, pooled.float()))  # [..., num_labels]
         return _activate(logits) if self.use_activation else logits
+
+    def calibrated(self, calibration: LogitCalibration) -> Head:
+        """The same classifier, its logits calibrated before the activation (as vLLM's)."""
+        return ClassifierHead(self.score, self.use_activation, calibration)
 
 
 class TokenEmbeddingHead(Head):
@@ -112,6 +156,12 @@ class EmbedTokenClassifyHead(Head):
         embedding = self.embed(self.reduce(pooled))  # [D]
         token_outputs = self.tokens(pooled)  # [T, L]
         return torch.cat([embedding, token_outputs.reshape(-1)])
+
+    def calibrated(self, calibration: LogitCalibration) -> Head:
+        """The per-token classifier part calibrated; the embedding is not a logit."""
+        head = copy.copy(self)
+        head.tokens = ClassifierHead(self.tokens.score, self.tokens.use_activation, calibration)
+        return head
 
 
 class ProcessRewardHead(Head):

@@ -1,4 +1,4 @@
-"""Pooling methods with per-request chunk state: CLS, LAST, MEAN, ALL and STEP.
+"""Pooling methods with per-request chunk state: CLS, LAST, MEAN, ALL, STEP and span means.
 
 Every method sees each chunk of its request in order and returns `None` until the last one.
 Chunks arrive as views into the runner's persistent hidden-state buffer, which the next step
@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from poolserve.pooling.errors import PoolingStateError
 from poolserve.pooling.params import PoolingType
 from poolserve.pooling.stats import CloneStats
 
@@ -177,6 +178,52 @@ class SkipCLSPool(CLSPool):
         self._fallback = None
 
 
+class SpanMeanPool(PoolingMethod):
+    """Late chunking: the mean of each token range `[start, end)`, `[num_spans, hidden]`.
+
+    One fp32 running sum per span takes the rows of each chunk that fall in its range, so the
+    result does not depend on how chunked prefill cuts the prompt. Every position is read, so
+    the prefix cache treats it as MEAN (it computes every token, never starts past a hit).
+    """
+
+    pooling_type = PoolingType.MEAN
+
+    def __init__(
+        self, spans: Sequence[tuple[int, int]], *, async_scheduling: bool, stats: CloneStats
+    ) -> None:
+        super().__init__(async_scheduling=async_scheduling, stats=stats)
+        self._spans = tuple(spans)
+        self._sums: list[torch.Tensor | None] = [None] * len(self._spans)  # [hidden] fp32, owned
+        self._seen = 0  # prompt tokens in earlier chunks
+
+    def add_chunk(
+        self, hidden: torch.Tensor, token_ids: Sequence[int], is_last: bool
+    ) -> torch.Tensor | None:
+        """Add each span's rows of this chunk to its sum; the span means on the last chunk."""
+        start, self._seen = self._seen, self._seen + hidden.shape[0]
+        rows = hidden.float()  # [n, hidden]; a view when already float32
+        # row slices are views: no index tensor is copied to the device (no wait on it)
+        for index, (first, stop) in enumerate(self._spans):
+            low, high = max(first, start), min(stop, self._seen)
+            if low < high:
+                part = rows[low - start : high - start].sum(dim=0)  # [hidden], a fresh reduction
+                kept = self._sums[index]
+                self._sums[index] = part if kept is None else kept + part
+        if not is_last:
+            return None
+        sums = [kept for kept in self._sums if kept is not None]
+        if len(sums) != len(self._spans) or self._seen < max(stop for _, stop in self._spans):
+            raise PoolingStateError(f"a span ends past the prompt's {self._seen} tokens")
+        means = [s / (stop - first) for s, (first, stop) in zip(sums, self._spans, strict=True)]
+        self.close()
+        return torch.stack(means)  # [num_spans, hidden]
+
+    def close(self) -> None:
+        """Drop the running sums."""
+        self._sums = [None] * len(self._spans)
+        self._seen = 0
+
+
 class _ChunkList:
     """Parts kept across chunks and concatenated on the last one (ALL and untagged STEP)."""
 
@@ -281,8 +328,14 @@ def build_method(
     stats: CloneStats,
     step_tag_id: int | None = None,
     skip_tokens: int = 0,
+    token_spans: Sequence[tuple[int, int]] | None = None,
 ) -> PoolingMethod:
-    """A fresh per-request method of the given type (CLS and MEAN may pass over leading tokens)."""
+    """A fresh per-request method of the given type (CLS and MEAN may pass over leading tokens).
+
+    With `token_spans` (late chunking) the request pools one mean per span, whatever the type.
+    """
+    if token_spans is not None:
+        return SpanMeanPool(token_spans, async_scheduling=async_scheduling, stats=stats)
     if pooling_type is PoolingType.STEP:
         return StepPool(step_tag_id, async_scheduling=async_scheduling, stats=stats)
     if skip_tokens and pooling_type in _SKIPPING_METHODS:

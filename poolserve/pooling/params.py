@@ -51,6 +51,10 @@ class PoolingParams:
     # leading tokens of a sentence-transformers prompt that CLS and MEAN pooling pass over, as
     # its Pooling does with include_prompt: false
     prompt_tokens: int | None = None
+    # late chunking: for each prompt these parameters are submitted with, in order, its token
+    # ranges [start, end); each range is mean-pooled into one row of that prompt's output
+    # (`[num_spans, dim]`). The engine hands each prompt its own entry (validation.py).
+    token_spans: tuple[tuple[tuple[int, int], ...], ...] | None = None
 
     @property
     def is_token_level(self) -> bool:

@@ -12,7 +12,7 @@ from torch import nn
 
 from poolserve.kinds import HeadKind
 from poolserve.pooling.errors import UnsupportedTaskError
-from poolserve.pooling.heads import Head, run_fp32
+from poolserve.pooling.heads import NO_CALIBRATION, Head, LogitCalibration, run_fp32
 from poolserve.pooling.model_info import (
     PoolingModelInfo,
     ScoreActivation,
@@ -84,11 +84,22 @@ def scorer_plan(info: PoolingModelInfo) -> ScorerPlan:
 class CrossEncoderHead(Head):
     """The one-label classifier on the pooled pair `[hidden]` -> `[1]`, activated or raw."""
 
-    def __init__(self, score: nn.Module, activation: ScoreActivation | None) -> None:
+    def __init__(
+        self,
+        score: nn.Module,
+        activation: ScoreActivation | None,
+        calibration: LogitCalibration = NO_CALIBRATION,
+    ) -> None:
         self.score = score
+        self.activation = activation
         self.activate = None if activation is None else SCORE_ACTIVATIONS[activation]
+        self.calibration = calibration
 
     def __call__(self, pooled: torch.Tensor) -> torch.Tensor:
-        """`[hidden]` -> `[1]`."""
-        logits = run_fp32(self.score, pooled.float())  # [1]
+        """`[hidden]` -> `[1]`: the logit calibrated (logit_mean, logit_sigma), then activated."""
+        logits = self.calibration(run_fp32(self.score, pooled.float()))  # [1]
         return logits if self.activate is None else self.activate(logits)
+
+    def calibrated(self, calibration: LogitCalibration) -> Head:
+        """The same scorer, its logit calibrated before the activation (as vLLM's)."""
+        return CrossEncoderHead(self.score, self.activation, calibration)

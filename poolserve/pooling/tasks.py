@@ -10,10 +10,12 @@ from torch import nn
 from poolserve.kinds import HeadKind
 from poolserve.pooling.errors import PoolingConfigError
 from poolserve.pooling.heads import (
+    NO_CALIBRATION,
     ClassifierHead,
     EmbeddingHead,
     EmbedTokenClassifyHead,
     Head,
+    LogitCalibration,
     ProcessRewardHead,
     TokenEmbeddingHead,
     TokenRewardHead,
@@ -25,7 +27,7 @@ from poolserve.pooling.pooler import ChunkInput, RequestPooler, pool_step
 from poolserve.pooling.scorers import CrossEncoderHead
 from poolserve.pooling.sparse import sparse_head, sparse_method
 from poolserve.pooling.stats import CloneStats
-from poolserve.pooling.validation import validate_params
+from poolserve.pooling.validation import request_spans, validate_params
 
 __all__ = [
     "TASK_PLANS",
@@ -148,13 +150,32 @@ TASK_PLANS: dict[tuple[HeadKind, PoolingTask], TaskPlan] = {
 }
 
 
+# Tasks whose classifier logits --pooler-config's logit_mean/logit_sigma calibrate, as vLLM's
+# classifier and token-classifier heads do; a reward stays the classifier's raw score.
+CALIBRATED_TASKS = frozenset(
+    {
+        PoolingTask.CLASSIFY,
+        PoolingTask.SCORE,
+        PoolingTask.TOKEN_CLASSIFY,
+        PoolingTask.EMBED_TOKEN_CLASSIFY,
+    }
+)
+
+
 def build_pooler(
-    info: PoolingModelInfo, params: PoolingParams, *, async_scheduling: bool, stats: CloneStats
+    info: PoolingModelInfo,
+    params: PoolingParams,
+    *,
+    async_scheduling: bool,
+    stats: CloneStats,
+    calibration: LogitCalibration = NO_CALIBRATION,
 ) -> RequestPooler:
     """Validate `params` for this model and build the request's pooler (typed errors on misuse)."""
     validate_params(info, params)
     plan = TASK_PLANS[(info.head_kind, params.task)]
     head = plan.build_head(info, params)
+    if params.task in CALIBRATED_TASKS and calibration != NO_CALIBRATION:
+        head = head.calibrated(calibration)
     step_tag_id = params.step_tag_id if params.step_tag_id is not None else info.default_step_tag_id
     if plan.build_method is not None:
         method = plan.build_method(info, async_scheduling=async_scheduling, stats=stats)
@@ -167,5 +188,6 @@ def build_pooler(
         stats=stats,
         step_tag_id=step_tag_id,
         skip_tokens=params.prompt_tokens or 0,
+        token_spans=request_spans(params),  # late chunking: one mean per span
     )
     return RequestPooler(method, head, stats)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from poolserve.kinds import HeadKind
 from poolserve.pooling.errors import InvalidPoolingParamsError, UnsupportedTaskError
@@ -26,6 +27,7 @@ FIELD_TASKS: dict[str, frozenset[PoolingTask]] = {
     "step_tag_id": frozenset({PoolingTask.REWARD}),
     "returned_token_ids": frozenset({PoolingTask.REWARD}),
     "prompt_tokens": frozenset({PoolingTask.EMBED}),
+    "token_spans": frozenset({PoolingTask.EMBED}),
 }
 
 # Parameters that also need a particular head (steps exist only for process reward models).
@@ -88,8 +90,27 @@ def _check_prompt_tokens(info: PoolingModelInfo, params: PoolingParams) -> None:
         )
 
 
+def _check_token_spans(info: PoolingModelInfo, params: PoolingParams) -> None:
+    """Late chunking: every prompt has spans, each a non-empty range of token positions."""
+    spans = params.token_spans or ()
+    if params.prompt_tokens is not None:
+        raise InvalidPoolingParamsError("token_spans", "cannot be combined with prompt_tokens")
+    if not spans:
+        raise InvalidPoolingParamsError("token_spans", "must hold one prompt's spans or more")
+    for index, ranges in enumerate(spans):
+        if not ranges:
+            raise InvalidPoolingParamsError("token_spans", f"prompt {index} has no spans")
+        bad = next(((s, e) for s, e in ranges if not 0 <= s < e), None)
+        if bad is not None:
+            raise InvalidPoolingParamsError(
+                "token_spans",
+                f"[{bad[0]}, {bad[1]}) of prompt {index} is not a range 0 <= start < end",
+            )
+
+
 FIELD_CHECKS: dict[str, Callable[[PoolingModelInfo, PoolingParams], None]] = {
     "prompt_tokens": _check_prompt_tokens,
+    "token_spans": _check_token_spans,
     "dimensions": _check_dimensions,
     "step_tag_id": _check_step_tag_id,
     "returned_token_ids": _check_returned_token_ids,
@@ -118,3 +139,41 @@ def validate_params(info: PoolingModelInfo, params: PoolingParams) -> None:
         check = FIELD_CHECKS.get(name)
         if check is not None:
             check(info, params)
+
+
+def prompt_params(params: PoolingParams, lengths: Sequence[int]) -> list[PoolingParams]:
+    """Each prompt's parameters: with late chunking, its own spans, checked to lie within it.
+
+    One submission carries one set of parameters; `token_spans` holds an entry per prompt, and
+    each prompt's request gets the parameters holding only its entry.
+    """
+    spans = params.token_spans
+    if spans is None:
+        return [params] * len(lengths)
+    if len(spans) != len(lengths):
+        raise InvalidPoolingParamsError(
+            "token_spans", f"holds spans of {len(spans)} prompts for {len(lengths)} prompts"
+        )
+    for index, (ranges, length) in enumerate(zip(spans, lengths, strict=True)):
+        if len(ranges) > length:  # each span needs a token: a bound on the pooling work
+            raise InvalidPoolingParamsError(
+                "token_spans", f"prompt {index} has {len(ranges)} spans for {length} tokens"
+            )
+        past = next(((s, e) for s, e in ranges if e > length), None)
+        if past is not None:
+            raise InvalidPoolingParamsError(
+                "token_spans",
+                f"[{past[0]}, {past[1]}) lies past the {length} tokens of prompt {index}",
+            )
+    return [replace(params, token_spans=(ranges,)) for ranges in spans]
+
+
+def request_spans(params: PoolingParams) -> tuple[tuple[int, int], ...] | None:
+    """The token spans of the one prompt these parameters pool (None: no late chunking)."""
+    if params.token_spans is None:
+        return None
+    if len(params.token_spans) != 1:
+        raise InvalidPoolingParamsError(
+            "token_spans", f"one prompt's request holds {len(params.token_spans)} prompts' spans"
+        )
+    return params.token_spans[0]

@@ -15,10 +15,11 @@ import numpy as np
 import torch
 
 from poolserve.models.spec import LoadedModel
+from poolserve.pooling.heads import NO_CALIBRATION, LogitCalibration
 from poolserve.pooling.params import PoolingParams, PoolingType
 from poolserve.pooling.stats import CloneStats
 from poolserve.pooling.tasks import build_pooler, get_supported_tasks
-from poolserve.pooling.validation import validate_params
+from poolserve.pooling.validation import prompt_params, validate_params
 from poolserve.scheduler.admission import AdmissionControl
 from poolserve.scheduler.bridge import pooling_info_from
 from poolserve.scheduler.config import SchedulerConfig
@@ -58,6 +59,7 @@ class Engine:
         max_model_len: int | None = None,
         embed_pooling: PoolingType | None = None,
         observer: EngineObserver | None = None,
+        calibration: LogitCalibration = NO_CALIBRATION,
     ) -> None:
         self.loaded = loaded
         self.config = config
@@ -67,6 +69,8 @@ class Engine:
         self.observer = observer or NullObserver()
         self.pooling_info = pooling_info_from(loaded, embed_pooling)
         self.supported_tasks = get_supported_tasks(self.pooling_info)
+        # --pooler-config's logit_mean/logit_sigma: part of the model, as in vLLM's pooler
+        self.calibration = calibration
         self.clone_stats = CloneStats()
         self.runner = Runner(
             loaded,
@@ -164,6 +168,8 @@ class Engine:
             num_types = self.loaded.model.num_token_types
             types = checked_token_types(token_type_ids, token_ids, num_types)
             self.check_params(params)
+        # late chunking: each prompt its own token spans, within it (refused before admission)
+        own_params = prompt_params(params, [len(ids) for ids in token_ids])
         try:
             self.admission.reserve(len(token_ids), sum(len(ids) for ids in token_ids))
         except OverloadedError as exc:
@@ -171,8 +177,8 @@ class Engine:
             raise
         loop = asyncio.get_running_loop()
         futures = []
-        for ids, type_ids in zip(token_ids, types, strict=True):
-            request = self._new_request(ids, type_ids, params, priority, loop)
+        for ids, type_ids, own in zip(token_ids, types, own_params, strict=True):
+            request = self._new_request(ids, type_ids, own, priority, loop)
             self.queues.add(request)
             futures.append(request.future)
         self._wake.set()
@@ -216,6 +222,7 @@ class Engine:
             params,
             async_scheduling=self.config.async_scheduling,
             stats=self.clone_stats,
+            calibration=self.calibration,
         )
         request_id = next(self._ids)
         return PoolingRequest(

@@ -6,6 +6,7 @@ import asyncio
 import copy
 import gc
 import logging
+import math
 import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -26,6 +27,7 @@ from poolserve.service.compat import cohere, infinity, tei_embed, tei_predict, t
 from poolserve.service.compat.tei_common import TEIRoute
 from poolserve.service.edge.handlers import install_error_handlers, openapi_schema
 from poolserve.service.edge.middleware import OPEN_PATHS, EdgeMiddleware, InFlight
+from poolserve.service.frontend.chunked import slice_length
 from poolserve.service.frontend.jobs import (
     PoolerDefaults,
     Truncate,
@@ -131,6 +133,9 @@ def core_config(settings: ServerSettings, defaults: PoolerDefaults) -> CoreConfi
         hf_overrides=settings.hf_overrides_dict,
         max_model_len=settings.max_model_len,
         embed_pooling=defaults.embed_pooling,
+        # model-level, as in vLLM: the core applies them, whichever front end asks
+        logit_mean=defaults.calibration.mean,
+        logit_sigma=defaults.calibration.sigma,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         max_num_seqs=settings.max_num_seqs,
         max_num_queued_requests=settings.max_num_queued_requests,
@@ -206,7 +211,7 @@ def _model_handle(
     tokenizer.model_max_length = 1 << 30
     st = card.sentence_transformers
     st_length = st.max_seq_length if st is not None else None
-    limits = TextLimits.derive(settings, max_model_len)
+    limits = TextLimits.derive(settings, max_model_len, _chunked_input_tokens(card, defaults))
     names = settings.served_model_names or (_default_name(settings.model),)
     return ModelHandle(
         card=card,
@@ -224,6 +229,30 @@ def _model_handle(
         tokenizing=CharBudget(limits.max_tokenizing_chars),
         prompts=Prompts.of(st, settings.default_prompt_name),
     )
+
+
+def _chunked_input_tokens(card: ModelCard, defaults: PoolerDefaults) -> int | None:
+    """With chunked processing, the most tokens one embed input may have (max_embed_len);
+    refused at start when the engine could never queue an input that long."""
+    if not defaults.enable_chunked_processing:
+        return None
+    st = card.sentence_transformers
+    size = slice_length(card.max_model_len, st.max_seq_length if st is not None else None)
+    max_embed_len = defaults.max_embed_len or size
+    scheduler = card.scheduler
+    slices = math.ceil(max_embed_len / size)
+    for count, what, limit in (
+        (max_embed_len, "tokens", scheduler.max_num_queued_tokens),
+        (slices, "requests", scheduler.max_num_queued_requests),
+    ):
+        if count > limit:
+            raise ValueError(
+                f"--pooler-config: max_embed_len ({max_embed_len}) makes {count} queued "
+                f"{what} ({slices} slices of {size} tokens), more than --max-num-queued-{what} "
+                f"({limit}): an input that long could never be queued; raise "
+                f"--max-num-queued-{what} or lower max_embed_len"
+            )
+    return max_embed_len
 
 
 def _default_name(model: str | None) -> str:

@@ -147,7 +147,10 @@ class ServerSettings(BaseSettings):
     pooler_config: str | None = Field(
         None,
         description="JSON overrides of pooling defaults, e.g. "
-        '{"pooling_type": "MEAN", "normalize": false}.',
+        '{"pooling_type": "MEAN", "normalize": false}, and vLLM\'s model-level keys: '
+        '{"enable_chunked_processing": true, "max_embed_len": 32768} (embed inputs longer than '
+        'the model, pooled in slices), {"logit_mean": 2.65, "logit_sigma": 1.0} (classifier '
+        "logits calibrated before the activation; deprecated logit_bias, logit_scale).",
     )
     hf_overrides: str | None = Field(
         None,

@@ -48,12 +48,16 @@ class TextLimits:
     max_tokenizing_chars: int  # what all requests may be tokenizing at once (429 above)
 
     @classmethod
-    def derive(cls, settings: ServerSettings, max_model_len: int) -> TextLimits:
-        """The flags' values, defaults derived from max_model_len; inconsistent flags refused."""
+    def derive(
+        cls, settings: ServerSettings, max_model_len: int, max_input_tokens: int | None = None
+    ) -> TextLimits:
+        """The flags' values, defaults derived from the most tokens one input may have
+        (max_model_len, or chunked processing's max_embed_len when larger); inconsistent flags
+        refused."""
         # a derived default bends to a smaller explicit bound above it rather than contradict it
         above_request = settings.max_tokenizing_chars
         above_input = settings.max_request_chars or above_request
-        by_model = CHARS_PER_TOKEN_LIMIT * max_model_len
+        by_model = CHARS_PER_TOKEN_LIMIT * max(max_model_len, max_input_tokens or 0)
         per_input = settings.max_input_chars or min(by_model, above_input or by_model)
         by_input = max(per_input, MIN_REQUEST_CHARS)
         per_request = settings.max_request_chars or min(by_input, above_request or by_input)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from contextlib import aclosing
 from typing import Any
 
@@ -22,6 +22,7 @@ from poolserve.service.api.schemas import (
     InputBody,
     PoolingRequestBody,
 )
+from poolserve.service.api.span_items import SpanRows, span_rows
 from poolserve.service.errors import InvalidRequestError, error_line
 from poolserve.service.frontend.encoding import (
     Encoded,
@@ -112,11 +113,17 @@ BINARY_USAGE = ("prompt_tokens", "total_tokens")
 
 def _binary(
     fields: dict[str, object],
-    outputs: list[PoolingOutput],
+    arrays: Iterable[np.ndarray],
     body: EmbeddingRequest | PoolingRequestBody,
+    where: Iterable[dict[str, object]] = (),
 ) -> Encoded:
-    """vLLM's bytes formats: the raw outputs back to back; `bytes` adds a metadata header."""
-    parts, items = binary_parts((o.data for o in outputs), body.embed_dtype, body.endianness)
+    """vLLM's bytes formats: the raw outputs back to back; `bytes` adds a metadata header.
+
+    With late chunking the arrays are the span rows and `where` adds each one's origin.
+    """
+    parts, items = binary_parts(arrays, body.embed_dtype, body.endianness)
+    for item, origin in zip(items, where, strict=False):
+        item.update(origin)
     headers = {}
     if body.encoding_format == "bytes":
         usage = fields["usage"]
@@ -132,11 +139,28 @@ async def _reply(
     outputs: list[PoolingOutput],
     body: EmbeddingRequest | PoolingRequestBody,
     encode: Callable[[], bytes],
+    rows: SpanRows | None = None,
 ) -> Response:
     """The JSON document, or the binary body vLLM's bytes formats ask for (both output-sized)."""
-    if body.encoding_format in BINARY_FORMATS:
-        return await answer(request, outputs, lambda: _binary(fields, outputs, body), inline=True)
-    return await answer(request, outputs, encode, inline=True)
+    if body.encoding_format not in BINARY_FORMATS:
+        return await answer(request, outputs, encode, inline=True)
+
+    def binary() -> Encoded:
+        if rows is not None:  # late chunking: one part per span
+            return _binary(fields, rows.arrays, body, rows.where)
+        return _binary(fields, (o.data for o in outputs), body)
+
+    return await answer(request, outputs, binary, inline=True)
+
+
+def _embedding_head(index: int) -> dict[str, object]:
+    """An embedding item's first fields, as OpenAI orders them."""
+    return {"object": "embedding", "index": index}
+
+
+def _pooling_head(index: int) -> dict[str, object]:
+    """A pooling item's first fields, as vLLM orders them."""
+    return {"index": index, "object": "pooling"}
 
 
 @router.post("/v1/embeddings")
@@ -147,6 +171,7 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     requested = Requested(dimensions=body.dimensions, normalize=normalize)
     run = await submit(request, body.job(task, requested))
     outputs = await gather(run)
+    rows = span_rows(run.char_spans, outputs)  # late chunking: an item per span
     fields: dict[str, object] = {
         "id": _response_id("embd", request, body),
         "object": "list",
@@ -156,6 +181,8 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     }
 
     def encode() -> bytes:
+        if rows is not None:
+            return document(fields, "data", rows.items(_embedding_head, "embedding", body))
         if body.encoding_format == "float":  # one document, the floats straight from numpy
             data = [
                 {"object": "embedding", "index": i, "embedding": as_float32(o.data)}
@@ -175,7 +202,7 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
         )
         return document(fields, "data", items)
 
-    return await _reply(request, fields, outputs, body, encode)
+    return await _reply(request, fields, outputs, body, encode, rows)
 
 
 @router.post("/v1/pooling", responses=STREAMED)
@@ -190,6 +217,8 @@ async def pooling(body: PoolingRequestBody, request: Request) -> Response:
     if body.stream and body.encoding_format in BINARY_FORMATS:
         message = f"encoding_format {body.encoding_format} cannot be streamed"
         raise InvalidRequestError(message, "encoding_format")
+    if body.stream and body.late_chunking is not None:
+        raise InvalidRequestError("late_chunking answers cannot be streamed", "stream")
     returned = body.returned_token_ids
     requested = Requested(
         dimensions=body.dimensions,
@@ -203,6 +232,7 @@ async def pooling(body: PoolingRequestBody, request: Request) -> Response:
     if body.stream:
         return NDJSONResponse(_stream(request, body, run))
     outputs = await gather(run)
+    rows = span_rows(run.char_spans, outputs)  # late chunking: an item per span
     fields: dict[str, object] = {
         "id": response_id,
         "object": "list",
@@ -212,11 +242,14 @@ async def pooling(body: PoolingRequestBody, request: Request) -> Response:
     }
 
     def encode() -> bytes:
+        if rows is not None:
+            base64 = body.encoding_format == "base64"
+            return document(fields, "data", rows.items(_pooling_head, "data", body, shape=base64))
         return document(
             fields, "data", (_pooling_item(i, o.data, body) for i, o in enumerate(outputs))
         )
 
-    return await _reply(request, fields, outputs, body, encode)
+    return await _reply(request, fields, outputs, body, encode, rows)
 
 
 def _pooling_item(index: int, data: np.ndarray, body: PoolingRequestBody) -> bytes:

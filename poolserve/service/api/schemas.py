@@ -25,6 +25,7 @@ from poolserve.service.frontend.bodies import (
     TokenIds,
 )
 from poolserve.service.frontend.jobs import Chat, Requested, TextJob, Truncate
+from poolserve.service.frontend.spans import LateChunking
 
 # vLLM's wire vocabulary for binary outputs (its serial_utils)
 EncodingFormat = Literal["float", "base64", "bytes", "bytes_only"]
@@ -100,6 +101,7 @@ class InputBody(RequestBody):
         prompts = (
             (self.prompt_name, self.prompt) if isinstance(self, PromptFields) else (None, None)
         )
+        late = self.late_chunking if isinstance(self, LateChunkingFields) else None
         return TextJob(
             task,
             self.input,
@@ -110,7 +112,56 @@ class InputBody(RequestBody):
             Truncate(self.truncate_prompt_tokens, self.truncation_side),
             self.add_special_tokens,
             self.priority,
+            None if late is None else late.job(),
         )
+
+
+# ---- late chunking: an extension (no peer serves it as a released API) -------------------------
+CharSpan = tuple[StrictInt, StrictInt]
+
+
+class LateChunkingBody(BaseModel):
+    """`late_chunking`: exactly one of `spans` (per input, character ranges) and `chunk_size`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    spans: list[list[CharSpan]] | None = Field(
+        default=None,
+        description="One list per input of character ranges [start, end) of that input's text; "
+        "each becomes one embedding.",
+    )
+    chunk_size: Annotated[StrictInt, Field(gt=0)] | None = Field(
+        default=None,
+        description="Cut each input into consecutive windows of this many tokens of its own "
+        "(special tokens excluded); each window becomes one embedding.",
+    )
+
+    @model_validator(mode="after")
+    def _one_form(self) -> Self:
+        """Exactly one of spans and chunk_size."""
+        if (self.spans is None) == (self.chunk_size is None):
+            raise ValueError("late_chunking takes exactly one of spans and chunk_size")
+        return self
+
+    def job(self) -> LateChunking:
+        """The front end's late-chunking record."""
+        if self.spans is None:
+            return LateChunking(chunk_size=self.chunk_size)
+        return LateChunking(spans=tuple(tuple(ranges) for ranges in self.spans))
+
+
+class LateChunkingFields(BaseModel):
+    """`late_chunking`: one forward over each whole input, one embedding per span of it."""
+
+    # no `extra` of its own: a body mixing this in keeps its own unknown-field policy
+    model_config = ConfigDict(frozen=True)
+
+    late_chunking: LateChunkingBody | None = Field(
+        default=None,
+        description="Late chunking: each text runs through the model whole and each span (or "
+        "window of chunk_size tokens) is pooled from its contextual token states; one item per "
+        "span, with input_index and span.",
+    )
 
 
 # ---- sentence-transformers prompts: extensions (vLLM defines neither field) -------------------
@@ -140,7 +191,7 @@ def _is_conversation(value: object) -> bool:
     )
 
 
-class EmbeddingRequest(InputBody, PromptFields):
+class EmbeddingRequest(InputBody, PromptFields, LateChunkingFields):
     """OpenAI `POST /v1/embeddings` with vLLM's extra fields.
 
     As vLLM 0.33: `messages` may be one conversation or a batch of them, and `input` may carry
@@ -188,7 +239,7 @@ class EmbeddingRequest(InputBody, PromptFields):
     use_activation: bool | None = Field(default=None, description="For embed: normalize (vLLM).")
 
 
-class PoolingRequestBody(InputBody, PromptFields):
+class PoolingRequestBody(InputBody, PromptFields, LateChunkingFields):
     """vLLM-compatible `POST /v1/pooling`."""
 
     task: PoolingTask | None = None

@@ -31,9 +31,18 @@ from poolserve.service.errors import (
     ShutdownError,
 )
 from poolserve.service.frontend.chat import render_conversations
+from poolserve.service.frontend.chunked import (
+    Slicing,
+    check_lengths,
+    cut,
+    embed_limit,
+    slice_params,
+    tokenizing_model,
+)
 from poolserve.service.frontend.jobs import Job, Requested, ScoreJob, TextJob, merge
 from poolserve.service.frontend.pairs import PairTruncation, PromptMode, check_pairs, tokenize_job
 from poolserve.service.frontend.prompts import prepend, prompt_length
+from poolserve.service.frontend.spans import CharSpans, LatePlan, check_late, late_prompts
 from poolserve.service.frontend.texts import (
     RawInputs,
     check_batch_size,
@@ -120,9 +129,12 @@ class Submitted:
 
     engine: EngineClient
     model: ModelHandle
-    futures: tuple[asyncio.Future[PoolingOutput], ...]
+    futures: tuple[asyncio.Future[PoolingOutput], ...]  # one per engine prompt
     num_prompt_tokens: int
     caller: Caller = IN_PROCESS
+    # chunked processing: the slices (engine prompts) of each input; None: a prompt per input
+    slicing: Slicing | None = None
+    char_spans: CharSpans | None = None  # late chunking: each input's spans, in characters
 
     @property
     def trace(self) -> RequestTrace:
@@ -137,6 +149,7 @@ class Batch:
     params: PoolingParams
     token_ids: list[list[int]]
     token_type_ids: Sequence[Sequence[int] | None] | None = None  # None: no prompt has types
+    char_spans: CharSpans | None = None  # late chunking: each prompt's spans, in characters
 
 
 @dataclass(frozen=True)
@@ -179,7 +192,9 @@ async def submit(request: Request, job: Job) -> Submitted:
 async def submit_job(state: ServiceState, job: Job, caller: Caller = IN_PROCESS) -> Submitted:
     """Checks, then 429 before any work, then tokenization off the loop, then one submission."""
     engine, model = check_serving(state, job.model)
-    plan = PLANNERS[type(job)](job, engine, model, state)
+    limit = embed_limit(job, model, engine.max_model_len)  # vLLM's max_embed_len, chunking
+    tokenizing = model if limit is None else tokenizing_model(limit, model, job.truncate)
+    plan = PLANNERS[type(job)](job, engine, tokenizing, state)
     engine.check_params(plan.params)
     engine.precheck(plan.num_prompts)  # 429 before any tokenization work
     started = time.monotonic()
@@ -188,24 +203,61 @@ async def submit_job(state: ServiceState, job: Job, caller: Caller = IN_PROCESS)
     ended = time.monotonic()
     state.metrics.tokenization.observe(ended - started)
     caller.tokenized(started, ended, len(batch.token_ids), num_tokens)
-    futures = await engine.submit_many(
-        batch.token_ids, batch.params, job.priority, batch.token_type_ids
-    )
+    slicing = None
+    if limit is None:
+        futures = await engine.submit_many(
+            batch.token_ids, batch.params, job.priority, batch.token_type_ids
+        )
+    else:
+        check_lengths(limit, batch.token_ids)
+        futures, slicing = await _submit_sliced(engine, batch, limit.slice_len, job.priority)
     state.metrics.prompt_tokens.inc(num_tokens)
     caller.admitted(job.task, num_tokens)
-    return Submitted(engine, model, tuple(futures), num_tokens, caller)
+    return Submitted(engine, model, tuple(futures), num_tokens, caller, slicing, batch.char_spans)
+
+
+async def _submit_sliced(
+    engine: EngineClient, batch: Batch, size: int | None, priority: int
+) -> tuple[list[asyncio.Future[PoolingOutput]], Slicing | None]:
+    """Each input as slices of `size` tokens (None: whole), every slice an engine prompt; a
+    group of slices refused cancels the groups admitted before it."""
+    if size is None:
+        futures = await engine.submit_many(
+            batch.token_ids, batch.params, priority, batch.token_type_ids
+        )
+        return futures, None
+    normalize = batch.params.normalize is not False  # the embed head's default: normalised
+    prompts, types, slicing = cut(batch.token_ids, batch.token_type_ids, size, normalize)
+    slots: list[asyncio.Future[PoolingOutput] | None] = [None] * len(prompts)
+    admitted: list[asyncio.Future[PoolingOutput]] = []
+    try:
+        for params, indices in slice_params(slicing, batch.params):
+            group_types = None if types is None else [types[i] for i in indices]
+            group = [prompts[i] for i in indices]
+            got = await engine.submit_many(group, params, priority, group_types)
+            admitted.extend(got)
+            for index, future in zip(indices, got, strict=True):
+                slots[index] = future
+    except BaseException:
+        for future in admitted:
+            engine.cancel_future(future)
+        raise
+    return [future for future in slots if future is not None], slicing
 
 
 def _plan_texts(
     job: TextJob, engine: EngineClient, model: ModelHandle, state: ServiceState
 ) -> Plan:
-    """One prompt per input (a sentence-transformers prompt prepended), or per conversation."""
+    """One prompt per input (a sentence-transformers prompt prepended), or per conversation;
+    with late chunking each input's spans ride in the parameters (spans.py)."""
     on_reject = state.metrics.on_reject
     chats = job.chats
     limit = state.settings.max_client_batch_size
     if chats is not None:
         check_batch_size(len(chats), limit, "messages")
     raw = None if chats is not None else split_input(job.inputs, limit)
+    if job.late_chunking is not None:
+        check_late(job, raw, model, engine.max_model_len, limit)
     prompt = None
     if raw is not None:
         prompt = model.prompts.resolve(job.prompt_name, job.prompt, texts=raw.texts is not None)
@@ -213,9 +265,12 @@ def _plan_texts(
         check_prompt(prompt, len(raw), model)
         raw = RawInputs(prepend(prompt, raw.texts or ()), None)
     params = merge(job.task, job.requested, model.defaults)
-    truncation = truncation_for(job.truncate, model)
     # vLLM's defaults: special tokens added to input, not on top of a chat template's
     specials = job.add_special_tokens if job.add_special_tokens is not None else chats is None
+    if job.late_chunking is not None and raw is not None:
+        late = LatePlan(job.late_chunking, raw.texts or (), len(prompt or ""), specials)
+        return Plan(params, len(raw), lambda: _late_batch(late, params, engine, model, state))
+    truncation = truncation_for(job.truncate, model)
 
     async def run() -> Batch:
         inputs = raw
@@ -230,6 +285,19 @@ def _plan_texts(
         return Batch(pooled, await tokenize(inputs, model, truncation, on_reject, specials))
 
     return Plan(params, len(chats) if chats is not None else len(raw or ()), run)
+
+
+async def _late_batch(
+    plan: LatePlan,
+    params: PoolingParams,
+    engine: EngineClient,
+    model: ModelHandle,
+    state: ServiceState,
+) -> Batch:
+    """Each text whole, its spans as token ranges in the parameters (one entry per prompt)."""
+    limit, on_reject = state.settings.max_client_batch_size, state.metrics.on_reject
+    ids, spans, chars = await late_prompts(plan, model, engine.max_model_len, limit, on_reject)
+    return Batch(replace(params, token_spans=spans), ids, char_spans=chars)
 
 
 async def _prompt_params(
@@ -330,7 +398,7 @@ async def gather(run: Submitted) -> list[PoolingOutput]:
         # every future is done unless one failed; then the first failure in input order raises
         outputs = [_output(f) for f in run.futures if f.done()]
         run.trace.add_outputs(outputs)
-        return outputs
+        return outputs if run.slicing is None else run.slicing.join(outputs)
     finally:
         watcher.cancel()
         for future in run.futures:
@@ -346,8 +414,11 @@ def _output(future: asyncio.Future[PoolingOutput]) -> PoolingOutput:
 
 
 async def as_completed(run: Submitted) -> AsyncGenerator[tuple[int, PoolingOutput], None]:
-    """(index, output) as each input finishes; closing the iterator cancels the rest."""
+    """(index, output) as each input finishes (sliced: its last slice); closing the iterator
+    cancels the rest."""
     index_of = {f: i for i, f in enumerate(run.futures)}
+    slicing = run.slicing
+    slices_left = slicing.counts() if slicing is not None else []
     pending: set[asyncio.Future[PoolingOutput]] = set(run.futures)
     try:
         while pending:
@@ -355,7 +426,14 @@ async def as_completed(run: Submitted) -> AsyncGenerator[tuple[int, PoolingOutpu
             for future in sorted(done, key=index_of.__getitem__):
                 output = _output(future)
                 run.trace.add_outputs((output,))
-                yield index_of[future], output
+                if slicing is None:
+                    yield index_of[future], output
+                    continue
+                item = slicing.input_of(index_of[future])
+                slices_left[item] -= 1
+                if not slices_left[item]:
+                    slices = run.futures[slicing.prompts_of(item)]
+                    yield item, slicing.pool([f.result() for f in slices])
     finally:
         _cancel_unfinished(run)
 
