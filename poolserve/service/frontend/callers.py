@@ -1,0 +1,81 @@
+"""Who a job runs for: an HTTP request (its span, access log line and connection) or a caller
+in this process (the Python API). The pipeline accounts a job's work through its caller and
+stops waiting when the caller leaves."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Protocol
+
+from fastapi import Request
+
+from poolserve.pooling.params import PoolingTask
+from poolserve.service.observability.logs import PROMPT_TOKENS_KEY
+from poolserve.service.observability.tracing import NO_TRACE, RequestTrace, SpanRecord, trace_of
+
+logger = logging.getLogger(__name__)
+
+
+class Caller(Protocol):
+    """Who a job runs for: how its work is accounted beyond the metrics, and when it leaves."""
+
+    @property
+    def trace(self) -> RequestTrace:
+        """The caller's trace (the no-op one when nobody traces it)."""
+
+    def tokenized(self, started: float, ended: float, num_inputs: int, num_tokens: int) -> None:
+        """The job's tokenization ran from `started` to `ended` (time.monotonic())."""
+
+    def admitted(self, task: PoolingTask, num_tokens: int) -> None:
+        """The engine took the job's prompts."""
+
+    async def left(self) -> None:
+        """Returns when the caller has gone (never, for one that waits for its answer)."""
+
+
+class InProcess:
+    """A caller in this process (the Python API): nothing to log or trace, never leaves."""
+
+    trace: RequestTrace = NO_TRACE
+
+    def tokenized(self, started: float, ended: float, num_inputs: int, num_tokens: int) -> None:
+        """Nothing beyond the metrics."""
+
+    def admitted(self, task: PoolingTask, num_tokens: int) -> None:
+        """Nothing beyond the metrics."""
+
+    async def left(self) -> None:
+        """It waits for its answer: cancelling the wait is how it leaves."""
+        await asyncio.get_running_loop().create_future()
+
+
+IN_PROCESS = InProcess()
+
+
+class HTTPCaller:
+    """An HTTP request: its span, its access log line, and the connection that may close."""
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self.trace = trace_of(request)
+
+    def tokenized(self, started: float, ended: float, num_inputs: int, num_tokens: int) -> None:
+        """The tokenize span."""
+        attributes = {"poolserve.inputs": num_inputs, "poolserve.prompt_tokens": num_tokens}
+        self.trace.record(SpanRecord("tokenize", started, ended, attributes))
+
+    def admitted(self, task: PoolingTask, num_tokens: int) -> None:
+        """Prompt tokens in the access log and on the request span."""
+        scope_state = self.request.scope.setdefault("state", {})
+        # a request may submit more than one job (TEI's /predict of texts and pairs): they add up
+        total = scope_state.get(PROMPT_TOKENS_KEY, 0) + num_tokens
+        scope_state[PROMPT_TOKENS_KEY] = total
+        self.trace.set({"poolserve.prompt_tokens": total, "poolserve.task": task.value})
+
+    async def left(self) -> None:
+        """Returns when the client closes the connection (the body has been read already)."""
+        while True:
+            message = await self.request.receive()
+            if message["type"] == "http.disconnect":
+                return
