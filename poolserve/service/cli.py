@@ -42,15 +42,16 @@ def add_serve_command(commands: argparse._SubParsersAction[argparse.ArgumentPars
     serve = commands.add_parser(
         "serve",
         help="Start the HTTP server.",
-        usage="poolserve serve [MODEL] [options]",
+        usage="poolserve serve [MODEL ...] [options]",
         description="Start the HTTP server. Every flag can also be set as POOLSERVE_<FLAG> "
         "(upper case, dashes as underscores); flags win over the environment.",
     )
     serve.add_argument(
         "model_tag",
-        nargs="?",
+        nargs="*",
         metavar="MODEL",
-        help="The model to serve, as --model takes it (as `vllm serve MODEL` does).",
+        help="The model to serve, as --model takes it (as `vllm serve MODEL` does); several "
+        "are served together, each under its own name (--models).",
     )
     add_settings_flags(serve)
 
@@ -119,14 +120,18 @@ def parse_settings(argv: Sequence[str] | None = None) -> ServerSettings:
 
 def settings_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ServerSettings:
     """The settings the parsed flags give, over the environment (exits 2 on bad values)."""
-    positional = getattr(args, "model_tag", None)
-    if positional is not None and args.model is not None and positional != args.model:
+    positional = getattr(args, "model_tag", None) or []
+    if positional and args.model is not None and positional[0] != args.model:
         parser.error(
-            f"the model is given twice, as {positional!r} and as --model {args.model!r}: "
+            f"the model is given twice, as {positional[0]!r} and as --model {args.model!r}: "
             "give one of them"
         )
-    if positional is not None:
-        args.model = positional
+    if positional:
+        args.model = positional[0]
+    if len(positional) > 1:
+        if args.models is not None:
+            parser.error("models are given as arguments and as --models: give one of them")
+        args.models = positional[1:]
     given = {
         name: getattr(args, name)
         for name in ServerSettings.model_fields

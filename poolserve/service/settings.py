@@ -23,6 +23,23 @@ class ServerSettings(BaseSettings):
     model: str | None = Field(
         None, description="Local directory or Hub id; none = the embedded all-MiniLM-L6-v2."
     )
+    models: Annotated[list[str] | None, NoDecode] = Field(
+        None,
+        description="More models served beside --model, each under its own name, with the "
+        "server's flags (`poolserve serve A B` serves A and B); --models-config sets each "
+        "model's own.",
+    )
+    models_config: str | None = Field(
+        None,
+        description="YAML file of the models to serve, each with its own settings over the "
+        "flags' (served names, dtype, max_model_len, pooler config, token budget share, "
+        "priority; docs/deploy.md, 'Several models').",
+    )
+    default_model: str | None = Field(
+        None,
+        description="The model (a served name) of routes without a `model` field (TEI's); "
+        "default: the first model.",
+    )
     served_model_name: Annotated[list[str] | None, NoDecode] = Field(
         None,
         description="Names clients may use in `model`; responses report the first (default: "
@@ -225,7 +242,12 @@ class ServerSettings(BaseSettings):
     )
 
     @field_validator(
-        "served_model_name", "allowed_origins", "allowed_methods", "allowed_headers", mode="before"
+        "served_model_name",
+        "models",
+        "allowed_origins",
+        "allowed_methods",
+        "allowed_headers",
+        mode="before",
     )
     @classmethod
     def _name_list(cls, value: object, info: ValidationInfo) -> object:

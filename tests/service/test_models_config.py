@@ -1,0 +1,107 @@
+"""Several models: the models named by the flags or the models file, each with its settings,
+and every mistake in them refused at start with a message naming the model and the key."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from poolserve.service.cli import parse_settings
+from poolserve.service.models_config import ModelsConfigError, served_models
+from poolserve.service.settings import ServerSettings
+
+
+def _file(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "models.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_models_as_arguments_share_the_flags(tmp_path: Path) -> None:
+    embedder, reranker = tmp_path / "embedder", tmp_path / "reranker"
+    embedder.mkdir(), reranker.mkdir()
+    settings = parse_settings(["serve", str(embedder), str(reranker), "--dtype", "float32"])
+    assert (settings.model, settings.models) == (str(embedder), [str(reranker)])
+    served = served_models(settings)
+    assert [m.name for m in served.models] == ["embedder", "reranker"]  # folder names, no paths
+    assert all(m.settings.dtype == "float32" for m in served.models)
+    assert served.default.name == "embedder"
+
+
+def test_the_file_gives_each_model_its_own_settings(tmp_path: Path) -> None:
+    path = _file(
+        tmp_path,
+        """
+default_model: ranker
+models:
+  - model: org/embedder
+    served_model_name: [embedder, emb]
+    pooler_config: {normalize: false}
+    max_model_len: 128
+  - model: org/reranker
+    served_model_name: ranker
+    token_budget_share: 0.25
+    priority: -1
+    gpu_memory_fraction: 0.4
+""",
+    )
+    settings = ServerSettings(models_config=path, max_num_batched_tokens=4096, dtype="bfloat16")
+    served = served_models(settings)
+    first, second = served.models
+    assert first.served_names == ("embedder", "emb") and first.name == "embedder"
+    assert json.loads(first.settings.pooler_config or "") == {"normalize": False}
+    assert first.settings.max_model_len == 128 and second.settings.max_model_len is None
+    assert first.settings.dtype == second.settings.dtype == "bfloat16"  # the flags' default
+    assert second.settings.max_num_batched_tokens == 1024
+    assert (second.priority, second.gpu_memory_fraction) == (-1, 0.4)
+    assert served.default is second
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("models:\n  - model: a\n    colour: red\n", "'colour' is not a setting"),
+        ("models:\n  - model: a\n    port: 9000\n", "'port' is a server-wide setting"),
+        ("models:\n  - model: a\n    dtype: float8\n", "models[0] (a): dtype"),
+        ("models:\n  - model: a\n    max_model_len: -3\n", "max_model_len"),
+        ("models:\n  - model: a\n    token_budget_share: 1.5\n", "token_budget_share"),
+        ("models: []\n", "models"),
+        ("modles:\n  - model: a\n", "modles"),
+        ("models: [unclosed\n", "not YAML"),
+        (
+            "models:\n  - model: a\n    served_model_name: x\n  - model: b\n"
+            "    served_model_name: [y, x]\n",
+            "two models are served as 'x'",
+        ),
+        ("models:\n  - model: a\n  - model: a\n", "two models are served as 'a'"),
+        (
+            "models:\n  - model: a\n    gpu_memory_fraction: 0.7\n  - model: b\n"
+            "    gpu_memory_fraction: 0.5\n",
+            "add up to 1.2",
+        ),
+        ("default_model: c\nmodels:\n  - model: a\n  - model: b\n", "'c' is none of"),
+    ],
+)
+def test_mistakes_are_refused_naming_what_is_wrong(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ModelsConfigError) as exc:
+        served_models(ServerSettings(models_config=_file(tmp_path, text)))
+    assert message in str(exc.value)
+
+
+def test_arguments_and_a_file_together_are_refused(tmp_path: Path) -> None:
+    path = _file(tmp_path, "models:\n  - model: a\n")
+    with pytest.raises(ModelsConfigError, match="not both"):
+        served_models(ServerSettings(model="x", models=["y"], models_config=path))
+
+
+def test_an_unreadable_file_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ModelsConfigError, match="cannot read"):
+        served_models(ServerSettings(models_config=str(tmp_path / "missing.yaml")))
+
+
+def test_models_twice_on_the_command_line_is_a_usage_error() -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse_settings(["serve", "a", "b", "--models", "c"])
+    assert exc.value.code == 2
