@@ -1,22 +1,22 @@
-"""Where the engine core runs: its own process (served with front-end processes), or a thread.
+"""Where the engine core runs: a thread here, or its own process (`poolserve/core/process.py`).
 
-Both load the model, build the engine and serve it with `EngineCore` on a Unix socket; front
-ends reach either through `EngineClient`, so the single-process mode (tests, small CPU
-installs) runs the same code paths, the socket included.
+Both load every model, build one engine per model and serve each with its own `EngineCore` on
+its own Unix socket (model i on `socket_path(directory, i)`); front ends reach either through
+`EngineClient`, so the single-process mode (tests, small CPU installs) runs the same code
+paths, the sockets included. With two or more models the engines take turns on the device
+(`poolserve/scheduler/turns.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import math
 import os
 import shutil
-import signal
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -33,6 +33,7 @@ from poolserve.pooling.params import PoolingType
 from poolserve.scheduler.config import SchedulerConfig
 from poolserve.scheduler.engine import Engine
 from poolserve.scheduler.observer import EngineObserver
+from poolserve.scheduler.turns import DeviceTurns, Seat
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +48,7 @@ DTYPES: dict[str, torch.dtype | None] = {
 }
 # Heads whose logits --pooler-config's logit_mean/logit_sigma calibrate.
 CLASSIFIER_HEADS = frozenset({HeadKind.SEQUENCE_CLASSIFIER, HeadKind.TOKEN_CLASSIFIER})
-SOCKET_NAME = "engine-core.sock"
-# A core whose engine died (a device error) tells its front ends, then exits after this long.
-DEAD_EXIT_DELAY_S = 1.0
+GIB = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -77,6 +76,23 @@ class CoreConfig:
     async_scheduling: bool = True
     enable_prefix_caching: bool = True
     record_timelines: bool = False
+    # several models on one device: among engines waiting for it the lower priority steps first
+    priority: int = 0
+    # CUDA: the most of the device's memory this model may hold (weights + KV pool); None: no cap
+    gpu_memory_fraction: float | None = None
+
+
+class ModelStartError(ValueError):
+    """One model of the core could not be loaded or built; the message names it."""
+
+    def __init__(self, model: str | None, cause: Exception) -> None:
+        super().__init__(f"model {model!r}: {cause}")
+        self.model = model
+
+
+def socket_path(directory: str, index: int) -> str:
+    """Where model `index` (in the served models' order) of the engine core listens."""
+    return os.path.join(directory, f"engine-core-{index}.sock")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -88,9 +104,72 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def build_engine(config: CoreConfig, observer: EngineObserver | None = None) -> Engine:
-    """Load the model and build its engine (blocking; not started)."""
+def build_engines(
+    configs: Sequence[CoreConfig], observers: Sequence[EngineObserver | None] | None = None
+) -> tuple[Engine, ...]:
+    """Load every model, one after another, and build its engine (blocking; none started).
+
+    Two or more engines share one `DeviceTurns`; one alone runs without (no overhead). A model
+    that fails raises `ModelStartError` naming it; the engines built before it never started.
+    """
+    if not configs:
+        raise ValueError("the engine core needs at least one model")
+    turns = DeviceTurns() if len(configs) > 1 else None
+    engines = []
+    for config, observer in zip(configs, observers or [None] * len(configs), strict=True):
+        seat = None if turns is None else turns.seat(config.priority)
+        try:
+            engines.append(build_engine(config, observer, seat))
+        except Exception as exc:
+            raise ModelStartError(config.model, exc) from exc
+    return tuple(engines)
+
+
+def build_engine(
+    config: CoreConfig, observer: EngineObserver | None = None, turns_seat: Seat | None = None
+) -> Engine:
+    """Load the model and build its engine (blocking; not started); its memory share checked."""
     device = resolve_device(config.device)
+    fraction = config.gpu_memory_fraction
+    measured = fraction is not None and device.type == "cuda"
+    before = torch.cuda.memory_allocated(device) if measured else 0
+    engine = _load_and_build(config, device, observer, turns_seat)
+    if fraction is None:
+        return engine
+    if not measured:
+        logger.info(
+            "model %r: gpu_memory_fraction %s ignored on %s", config.model, fraction, device
+        )
+        return engine
+    try:
+        # weights and KV pool: what this model's load and engine allocated on the device
+        used = torch.cuda.memory_allocated(device) - before
+        check_memory_fraction(used, fraction, torch.cuda.get_device_properties(device).total_memory)
+    except ValueError:
+        del engine  # its memory goes now, not with the traceback
+        raise
+    return engine
+
+
+def check_memory_fraction(used_bytes: int, fraction: float, total_bytes: int) -> None:
+    """Refuse a model holding more than its fraction of the device's memory, with the numbers."""
+    cap = fraction * total_bytes
+    if used_bytes > cap:
+        raise ValueError(
+            f"holds {used_bytes / GIB:.2f} GiB of device memory after loading (weights and KV "
+            f"pool), more than its gpu_memory_fraction {fraction} of the device's "
+            f"{total_bytes / GIB:.2f} GiB ({cap / GIB:.2f} GiB); raise the fraction, or lower "
+            "max_model_len, max_num_batched_tokens or num_kv_blocks"
+        )
+
+
+def _load_and_build(
+    config: CoreConfig,
+    device: torch.device,
+    observer: EngineObserver | None,
+    turns_seat: Seat | None,
+) -> Engine:
+    """Load the model on `device` and build its engine."""
     try:
         # before the load: a dtype the device cannot run fails at once, not after a download
         dtype = resolve_dtype(DTYPES[config.dtype], device)
@@ -122,6 +201,7 @@ def build_engine(config: CoreConfig, observer: EngineObserver | None = None) -> 
         embed_pooling=config.embed_pooling,
         observer=observer,
         calibration=calibration,
+        turns_seat=turns_seat,
     )
 
 
@@ -161,28 +241,37 @@ def scheduler_config(
 
 
 class LocalCore:
-    """The engine core on the running event loop, on a Unix socket in a private directory.
+    """The engine core on the running event loop, one socket per model in a private directory.
 
-    The single-process mode: the front end's loop also runs the engine's loop task and the
-    core's side of the socket, so a burst of requests reaches the engine as one step, as it
+    The single-process mode: the front end's loop also runs the engines' loop tasks and the
+    core's side of the sockets, so a burst of requests reaches an engine as one step, as it
     does across processes, without a second Python thread contending for the GIL.
     """
 
-    def __init__(self, config: CoreConfig, observer: EngineObserver | None = None) -> None:
-        self.config = config
-        self.observer = observer
+    def __init__(
+        self,
+        configs: Sequence[CoreConfig],
+        observers: Sequence[EngineObserver] | None = None,
+    ) -> None:
+        self.configs = tuple(configs)
+        self.observers = observers
         self._directory = tempfile.mkdtemp(prefix="poolserve-core-")
-        self.path = os.path.join(self._directory, SOCKET_NAME)
-        self.core: EngineCore | None = None
+        self.paths = tuple(socket_path(self._directory, i) for i in range(len(self.configs)))
+        self.cores: tuple[EngineCore, ...] = ()
         self.loop: asyncio.AbstractEventLoop | None = None
-        self._server: asyncio.Server | None = None
-        self._beats: asyncio.Future[None] | None = None
+        self._servers: list[asyncio.Server] = []
+        self._beats: list[asyncio.Future[None]] = []
+
+    @property
+    def engines(self) -> tuple[Engine, ...]:
+        """The engines served, model i's at i (for in-process inspection)."""
+        return tuple(core.engine for core in self.cores)
 
     @property
     def engine(self) -> Engine:
-        """The engine served (for in-process inspection)."""
-        assert self.core is not None, "start() first"
-        return self.core.engine
+        """The first model's engine."""
+        assert self.cores, "start() first"
+        return self.cores[0].engine
 
     def call(self, function: Callable[[], T]) -> T:
         """Run `function` on the core's loop from another thread (inspection, tests)."""
@@ -194,107 +283,77 @@ class LocalCore:
         return asyncio.run_coroutine_threadsafe(run(), self.loop).result()
 
     async def start(self) -> None:
-        """Load and build off the loop, start the engine, listen."""
+        """Load and build every engine off the loop, start them, listen on every socket."""
         try:
-            engine = await asyncio.to_thread(build_engine, self.config, self.observer)
+            engines = await asyncio.to_thread(build_engines, self.configs, self.observers)
         except BaseException:
             shutil.rmtree(self._directory, ignore_errors=True)
             raise
-        engine.start()
-        self.core = EngineCore(engine)
         self.loop = asyncio.get_running_loop()
-        self._server = await self.loop.create_unix_server(self.core.connection, self.path)
-        self._beats = asyncio.ensure_future(self.core.beat())
+        for engine in engines:
+            engine.start()
+        self.cores = tuple(EngineCore(engine) for engine in engines)
+        for core, path in zip(self.cores, self.paths, strict=True):
+            self._servers.append(await self.loop.create_unix_server(core.connection, path))
+            self._beats.append(asyncio.ensure_future(core.beat()))
 
     async def stop(self) -> None:
         """Stop listening; work still queued has nobody waiting for it: cancel it, stop."""
-        if self._beats is not None:
-            self._beats.cancel()
-        if self._server is not None:
-            self._server.close()
-        if self.core is not None:
-            await self.core.engine.drain(0.0)
+        for beats in self._beats:
+            beats.cancel()
+        for server in self._servers:
+            server.close()
+        await asyncio.gather(*(core.engine.drain(0.0) for core in self.cores))
         shutil.rmtree(self._directory, ignore_errors=True)
 
 
 class CoreThread:
     """A `LocalCore` on its own loop in a thread: a core for a caller without a loop."""
 
-    def __init__(self, config: CoreConfig, observer: EngineObserver | None = None) -> None:
-        self.local = LocalCore(config, observer)
-        self.path = self.local.path
+    def __init__(
+        self,
+        configs: Sequence[CoreConfig],
+        observers: Sequence[EngineObserver] | None = None,
+    ) -> None:
+        self.local = LocalCore(configs, observers)
+        self.paths = self.local.paths
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="poolserve-core")
 
     @property
+    def engines(self) -> tuple[Engine, ...]:
+        """The engines served, model i's at i."""
+        return self.local.engines
+
+    @property
     def engine(self) -> Engine:
-        """The engine served."""
+        """The first model's engine."""
         return self.local.engine
 
     @property
-    def core(self) -> EngineCore | None:
-        """The core serving it."""
-        return self.local.core
+    def cores(self) -> tuple[EngineCore, ...]:
+        """The cores serving them."""
+        return self.local.cores
 
     def call(self, function: Callable[[], T]) -> T:
         """Run `function` on the core's loop and return its result."""
         return self.local.call(function)
 
     def start(self) -> None:
-        """Load, build, listen (blocking); raises what the start raised."""
+        """Load, build, listen (blocking); raises what the start raised, the thread ended."""
         self._thread.start()
-        asyncio.run_coroutine_threadsafe(self.local.start(), self._loop).result()
+        try:
+            asyncio.run_coroutine_threadsafe(self.local.start(), self._loop).result()
+        except BaseException:
+            self._end_thread()
+            raise
 
     def stop(self) -> None:
         """Stop the core, then the thread (blocking)."""
         asyncio.run_coroutine_threadsafe(self.local.stop(), self._loop).result()
+        self._end_thread()
+
+    def _end_thread(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
-
-
-async def serve_core_process(
-    config: CoreConfig, path: str, observer: EngineObserver | None = None
-) -> int:
-    """The engine core process: serve on `path` until SIGTERM (0) or the engine dies (1).
-
-    The supervisor sends SIGTERM once every front end has drained: nobody waits for what is
-    left, so the engine stops at once.
-    """
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    engine = await asyncio.to_thread(build_engine, config, observer)
-    engine.start()
-    core = EngineCore(engine)
-    gc.collect()
-    gc.freeze()  # the model and the engine live as long as the process: never walk them again
-    server = await loop.create_unix_server(core.connection, path)
-    served = asyncio.ensure_future(core.beat())
-    stopped = asyncio.ensure_future(stop.wait())
-    died = asyncio.ensure_future(_engine_death(engine))
-    await asyncio.wait((served, stopped, died), return_when=asyncio.FIRST_COMPLETED)
-    code = 0
-    if died.done():
-        logger.error("engine core: %s; exiting", engine.dead_reason)
-        await asyncio.sleep(DEAD_EXIT_DELAY_S)  # beats carry the reason to every front end
-        code = 1
-    elif served.done():
-        logger.error("engine core: serving stopped", exc_info=served.exception())
-        code = 1
-    else:
-        clean = await engine.drain(0.0)
-        logger.info("engine core: stopped (%s)", "idle" if clean else "work left was cancelled")
-    for task in (served, stopped, died):
-        task.cancel()
-    server.close()
-    await engine.stop()
-    return code
-
-
-async def _engine_death(engine: Engine) -> None:
-    while engine.dead_reason is None and engine.is_alive:
-        await asyncio.sleep(0.1)
-    if engine.dead_reason is None:
-        engine.dead_reason = "the engine loop stopped"

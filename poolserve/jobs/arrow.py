@@ -46,7 +46,7 @@ def output_schema(id_type: pa.DataType, dim: int, embed_dtype: str) -> pa.Schema
 
 def embedding_array(vectors: np.ndarray, embed_dtype: str) -> pa.FixedSizeListArray:
     """`[rows, dim]` float32 vectors as a fixed-size list array of the stored type."""
-    rows, dim = vectors.shape
+    dim = vectors.shape[1]
     value_type = EMBED_DTYPES[embed_dtype]
     raw = to_dtype_bytes(vectors, embed_dtype, "little")
     values = np.frombuffer(raw, dtype=value_type.to_pandas_dtype())

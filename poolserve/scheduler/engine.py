@@ -43,6 +43,7 @@ from poolserve.scheduler.request import (
 )
 from poolserve.scheduler.runner import PreparedStep, Runner, StepResult
 from poolserve.scheduler.stats import EngineSnapshot
+from poolserve.scheduler.turns import Seat
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class Engine:
         embed_pooling: PoolingType | None = None,
         observer: EngineObserver | None = None,
         calibration: LogitCalibration = NO_CALIBRATION,
+        turns_seat: Seat | None = None,
     ) -> None:
         self.loaded = loaded
         self.config = config
@@ -89,6 +91,8 @@ class Engine:
         self._steps = itertools.count()
         self._wake = asyncio.Event()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="poolserve-model")
+        # with other engines on the device (one core, several models): each forward takes a turn
+        self.turns_seat = turns_seat
         self._loop_task: asyncio.Task[None] | None = None
         self.draining = False
         self.dead_reason: str | None = None
@@ -254,7 +258,7 @@ class Engine:
             prepared = self._plan_and_prepare()
             if prepared is not None:
                 inflight.append(
-                    (prepared, loop.run_in_executor(self._worker, self.runner.execute, prepared))
+                    (prepared, loop.run_in_executor(self._worker, self._execute, prepared))
                 )
             if not inflight:
                 self._wake.clear()
@@ -262,6 +266,13 @@ class Engine:
             elif len(inflight) >= depth or prepared is None:
                 step, pending = inflight.popleft()
                 await self._finish_step(step, pending)
+
+    def _execute(self, step: PreparedStep) -> StepResult:
+        """Run a step (model worker thread), in this engine's turn when it shares the device."""
+        if self.turns_seat is None:
+            return self.runner.execute(step)
+        with self.turns_seat.turn():
+            return self.runner.execute(step)
 
     def _plan_and_prepare(self) -> PreparedStep | None:
         """Plan the next step and fill its host buffers; None when there is nothing to run."""

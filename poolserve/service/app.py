@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import gc
 import logging
 import math
@@ -11,14 +12,13 @@ import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
-from pathlib import Path
 
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
 from poolserve.core.card import ModelCard
 from poolserve.core.client import EngineClient
-from poolserve.core.host import CoreConfig, LocalCore
+from poolserve.core.host import CoreConfig, LocalCore, socket_path
 from poolserve.pooling.params import PoolingParams
 from poolserve.scheduler.admission import CharBudget
 from poolserve.service import dispatch
@@ -38,10 +38,11 @@ from poolserve.service.frontend.pair_template import probe_pair_template
 from poolserve.service.frontend.prompts import Prompts
 from poolserve.service.frontend.texts import encode_texts, truncation_for
 from poolserve.service.frontend.truncation import special_tokens
-from poolserve.service.observability.metrics import ServiceMetrics
+from poolserve.service.models_config import ServedModel, ServedModels, served_models
+from poolserve.service.observability.metrics import ModelMetrics, ServiceMetrics
 from poolserve.service.observability.tracing import build_tracing
-from poolserve.service.settings import DEFAULT_MODEL_ID, ServerSettings
-from poolserve.service.state import ModelHandle, ServiceState, TextLimits
+from poolserve.service.settings import ServerSettings
+from poolserve.service.state import ModelHandle, Served, ServiceState, TextLimits
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +56,9 @@ def create_app(
 ) -> FastAPI:
     """A server app; /ready turns 200 after warm-up.
 
-    With `core_address` the app is one front end of an engine core process listening there;
-    without, its lifespan runs the engine core on its own loop (loading the model).
+    With `core_address` (a directory) the app is one front end of an engine core process whose
+    models listen there (`socket_path(core_address, i)` for model i); without, its lifespan runs
+    the engine core on its own loop (loading every model).
     `owns_process`: the app is all this process serves (its objects may be frozen after start).
     """
     state = ServiceState(
@@ -75,8 +77,8 @@ def create_app(
             yield
         finally:
             state.draining = True
-            if state.engine is not None:
-                await state.engine.close()
+            for served in state.models:
+                await served.engine.close()
             if state.core is not None:
                 # the HTTP side had the drain; work still queued now has nobody waiting for it
                 await state.core.stop()
@@ -149,45 +151,100 @@ def core_config(settings: ServerSettings, defaults: PoolerDefaults) -> CoreConfi
     )
 
 
+def core_configs(served: ServedModels) -> tuple[CoreConfig, ...]:
+    """One core config per model, in order: its settings', and how it shares the device."""
+    configs = []
+    for model in served.models:
+        try:
+            defaults = parse_pooler_config(model.settings.pooler_config)
+        except ValueError as exc:
+            raise ValueError(f"model {model.name!r}: {exc}") from exc
+        config = core_config(model.settings, defaults)
+        configs.append(
+            dataclasses.replace(
+                config, priority=model.priority, gpu_memory_fraction=model.gpu_memory_fraction
+            )
+        )
+    return tuple(configs)
+
+
 async def _start(state: ServiceState) -> None:
-    """Reach the engine core (starting it here in single-process mode), warm up, report ready."""
-    settings = state.settings
-    defaults = parse_pooler_config(settings.pooler_config)
-    if state.core_address is None:
-        state.core = LocalCore(core_config(settings, defaults), observer=state.metrics)
-        await state.core.start()
-    path = state.core.path if state.core is not None else state.core_address
-    assert path is not None
-    engine = EngineClient(path, timeout_s=settings.engine_core_timeout, observer=state.metrics)
-    if state.core is None:
-        # the supervisor's word that the engine core process exited: fail fast, whatever the
-        # socket has noticed yet
-        loop = asyncio.get_running_loop()
-        loop.add_signal_handler(CORE_LOST_SIGNAL, engine.lose, "the engine core process exited")
-    state.engine = engine
-    card = await engine.connect()
-    handle = _model_handle(card, settings, defaults)
-    state.model = handle
-    state.device, state.dtype = card.device, str(card.spec.dtype).removeprefix("torch.")
-    state.supported_tasks = tuple(sorted(engine.supported_tasks, key=lambda t: t.value))
-    state.metrics.bind_engine(engine.latest_snapshot, state.accepting)
-    await _warm_up(state)
+    """Reach the engine core (starting it here in single-process mode), one engine client per
+    model; every model connected and warmed up before the server reports ready. A model that
+    fails fails the start, named, and what started is stopped."""
+    served = served_models(state.settings)
+    observers = [state.metrics.model(m.name) for m in served.models]
+    engines = await _engine_clients(state, core_configs(served), observers)
+    try:
+        models = []
+        for entry, engine in zip(served.models, engines, strict=True):
+            try:
+                card = await engine.connect()
+                models.append(Served(_model_handle(card, entry), engine))
+            except ValueError as exc:
+                raise ValueError(f"model {entry.name!r}: {exc}") from exc
+        default = models[served.models.index(served.default)]
+        state.serve(tuple(models), default)
+        state.metrics.bind_engines(
+            {m.name: m.engine.latest_snapshot for m in models}, state.accepting
+        )
+        for one in models:
+            await _warm_up(one)
+    except BaseException:
+        for engine in engines:
+            await engine.close()
+        if state.core is not None:
+            await state.core.stop()
+        raise
     if state.owns_process:
         # what start-up made lives as long as the process: out of the collector's way, so
         # its full collections stop walking it on every request (measured: ~75 us a request)
         gc.collect()
         gc.freeze()
     state.ready = True
-    config = card.scheduler
+    for one in models:
+        _log_ready(state, one, default)
+
+
+async def _engine_clients(
+    state: ServiceState, configs: tuple[CoreConfig, ...], observers: list[ModelMetrics]
+) -> list[EngineClient]:
+    """One client per model, to the core started here or to the core process's sockets."""
+    if state.core_address is None:
+        state.core = LocalCore(configs, observers)
+        await state.core.start()
+        paths = state.core.paths
+    else:
+        paths = tuple(socket_path(state.core_address, i) for i in range(len(configs)))
+    timeout_s = state.settings.engine_core_timeout
+    engines = [
+        EngineClient(path, timeout_s=timeout_s, observer=observer)
+        for path, observer in zip(paths, observers, strict=True)
+    ]
+    if state.core is None:
+        # the supervisor's word that the engine core process exited: fail fast, whatever the
+        # sockets have noticed yet
+        def lose() -> None:
+            for engine in engines:
+                engine.lose("the engine core process exited")
+
+        asyncio.get_running_loop().add_signal_handler(CORE_LOST_SIGNAL, lose)
+    return engines
+
+
+def _log_ready(state: ServiceState, served: Served, default: Served) -> None:
+    """One line per model: what it is, where it runs, its budgets."""
+    handle, config = served.handle, served.handle.card.scheduler
     logger.info(
-        "ready: model=%s served_as=%s tasks=%s device=%s dtype=%s max_model_len=%d "
+        "ready: model=%s served_as=%s%s tasks=%s device=%s dtype=%s max_model_len=%d "
         "max_num_batched_tokens=%d max_num_seqs=%d max_num_queued_tokens=%d num_kv_blocks=%d "
         "async_scheduling=%s prefix_caching=%s engine_core=%s",
-        card.path,
+        handle.card.path,
         ",".join(handle.served_names),
-        ",".join(t.value for t in state.supported_tasks),
-        state.device,
-        state.dtype,
+        " (default)" if served is default and len(state.models) > 1 else "",
+        ",".join(t.value for t in handle.supported_tasks),
+        handle.device,
+        handle.dtype,
         handle.max_model_len,
         config.max_num_batched_tokens,
         config.max_num_seqs,
@@ -199,10 +256,10 @@ async def _start(state: ServiceState) -> None:
     )
 
 
-def _model_handle(
-    card: ModelCard, settings: ServerSettings, defaults: PoolerDefaults
-) -> ModelHandle:
-    """The served name, the effective max_model_len, the tokenizer and the text limits."""
+def _model_handle(card: ModelCard, served: ServedModel) -> ModelHandle:
+    """The served names, the effective max_model_len, the tokenizer and the text limits."""
+    settings = served.settings
+    defaults = parse_pooler_config(settings.pooler_config)
     limit = card.spec.max_model_len
     max_model_len = min(settings.max_model_len or limit, limit)
     side: TruncationSide = "left" if card.tokenizer.truncation_side == "left" else "right"
@@ -212,9 +269,10 @@ def _model_handle(
     st = card.sentence_transformers
     st_length = st.max_seq_length if st is not None else None
     limits = TextLimits.derive(settings, max_model_len, _chunked_input_tokens(card, defaults))
-    names = settings.served_model_names or (_default_name(settings.model),)
+    names = served.served_names
     return ModelHandle(
         card=card,
+        settings=settings,
         served_name=names[0],
         aliases=names[1:],
         auto_truncate=settings.auto_truncate,
@@ -255,19 +313,15 @@ def _chunked_input_tokens(card: ModelCard, defaults: PoolerDefaults) -> int | No
     return max_embed_len
 
 
-def _default_name(model: str | None) -> str:
-    """The name a model is served as without --served-model-name: never a filesystem path."""
-    if model is None:
-        return DEFAULT_MODEL_ID
-    local = Path(model).expanduser()
-    return local.resolve().name if local.is_dir() else model
-
-
-async def _warm_up(state: ServiceState) -> None:
-    """Run one request of the default task so the first user request pays no first-run costs."""
-    assert state.model is not None and state.engine is not None
-    model = state.model
-    # the request path's own tokenization, so its first use is warm too
-    (ids,) = encode_texts(model, [WARMUP_TEXT], truncation_for(Truncate(), model))
-    (output,) = await state.engine.submit_many([ids], PoolingParams(task=state.default_task))
-    await output
+async def _warm_up(served: Served) -> None:
+    """Run one request of the model's default task, so the first user request pays no
+    first-run costs; a model that fails it fails the start, named."""
+    model = served.handle
+    try:
+        # the request path's own tokenization, so its first use is warm too
+        (ids,) = encode_texts(model, [WARMUP_TEXT], truncation_for(Truncate(), model))
+        params = PoolingParams(task=model.default_task)
+        (output,) = await served.engine.submit_many([ids], params)
+        await output
+    except Exception as exc:
+        raise RuntimeError(f"model {model.served_name!r}: the warm-up failed: {exc}") from exc

@@ -3,7 +3,8 @@
 `POST /` is TEI's main route (huggingface_hub's InferenceClient calls it): the body decides where
 it can (`query` + `texts`: rerank; `inputs.source_sentence`: similarity), else the model's first
 task among sparse embed (an MLM head is SPLADE), embed and classify (predict), as TEI picks by
-model type; its errors answer in TEI's shape.
+model type (the default model's: TEI's routes name no model); its errors answer in TEI's
+shape.
 `POST /rerank` takes vLLM's, TEI's (`texts`) and Infinity's (`raw_scores`) bodies, and
 `POST /tokenize` vLLM's (`prompt`) and TEI's (`inputs`). Only the app factory imports this
 module; native routes and compat translators never import each other.
@@ -94,12 +95,11 @@ async def main_task(payload: Payload, request: Request) -> Response:
     if isinstance(payload.get("inputs"), dict):
         body = validated(tei_embed.SimilarityRequest, payload)
         return await tei_embed.similarity(body, request)
-    state = service_state(request)
-    check_serving(state, None)
+    _, served = check_serving(service_state(request), None)  # TEI's routes: the default model
     for task, model, handler in MAIN_TASKS:
-        if task in state.supported_tasks:
+        if task in served.card.supported_tasks:
             return await handler(validated(model, payload), request)
-    supported = ", ".join(t.value for t in state.supported_tasks)
+    supported = ", ".join(t.value for t in served.supported_tasks)
     raise InvalidRequestError(
         f"POST / serves embed, classify or embed_sparse models; this model serves {supported}",
         None,

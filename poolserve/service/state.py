@@ -1,4 +1,4 @@
-"""What the routes share: settings, the engine, tokenizers and metrics of one server."""
+"""What the routes share: settings, the models (each its engine and tokenizer) and metrics."""
 
 from __future__ import annotations
 
@@ -83,9 +83,10 @@ class SpecialTokens:
 
 @dataclass(frozen=True)
 class ModelHandle:
-    """The served model as the service sees it."""
+    """A served model as the service sees it."""
 
     card: ModelCard  # what the engine core told this front end about the model
+    settings: ServerSettings  # the model's own: the server's, its models-file keys over them
     served_name: str
     max_model_len: int
     tokenizer: PreTrainedTokenizerBase  # never truncates: the service cuts tokens itself
@@ -112,6 +113,39 @@ class ModelHandle:
         """Every name a request's `model` may use; the first is the one responses report."""
         return (self.served_name, *self.aliases)
 
+    @property
+    def supported_tasks(self) -> tuple[PoolingTask, ...]:
+        """The tasks the model serves, in name order."""
+        return tuple(sorted(self.card.supported_tasks, key=lambda t: t.value))
+
+    @property
+    def default_task(self) -> PoolingTask:
+        """The task of a /v1/pooling request that names none."""
+        return next(t for t in DEFAULT_TASK_ORDER if t in self.card.supported_tasks)
+
+    @property
+    def device(self) -> str:
+        """Where the model runs: cpu, cuda."""
+        return self.card.device
+
+    @property
+    def dtype(self) -> str:
+        """The weights' dtype as the flag names it: float32, bfloat16, float16."""
+        return str(self.card.spec.dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class Served:
+    """One served model: what the routes know of it, and its engine in the engine core."""
+
+    handle: ModelHandle
+    engine: EngineClient
+
+    @property
+    def name(self) -> str:
+        """The name responses report."""
+        return self.handle.served_name
+
 
 @dataclass(eq=False)
 class ServiceState:
@@ -119,24 +153,41 @@ class ServiceState:
 
     settings: ServerSettings
     metrics: ServiceMetrics
-    model: ModelHandle | None = None
-    engine: EngineClient | None = None  # the engine core, wherever it runs
     core: LocalCore | None = None  # the engine core when it runs in this process
-    core_address: str | None = None  # the engine core process's socket (None: a core here)
+    core_address: str | None = None  # the engine core process's directory (None: a core here)
     owns_process: bool = False  # a server process of its own (not an app among others, tests)
     ready: bool = False
     draining: bool = False
     leaving: bool = False  # SIGTERM arrived: /ready is 503, work is served until draining
     active_requests: int = 0
-    device: str = "cpu"
-    dtype: str = "float32"
-    supported_tasks: tuple[PoolingTask, ...] = field(default_factory=tuple)
     tracing: Tracing = NO_TRACING
+    models: tuple[Served, ...] = ()  # every model, in the order the settings name them
+    served: dict[str, Served] = field(default_factory=dict)  # every served name and alias
+    default: Served | None = None  # what a request that names no model gets
+
+    def serve(self, models: tuple[Served, ...], default: Served) -> None:
+        """The models to route to, and the one requests without a `model` get."""
+        self.models, self.default = models, default
+        self.served = {name: m for m in models for name in m.handle.served_names}
+
+    def find(self, name: str | None) -> Served | None:
+        """The model a request's `model` names (the default when it names none); None if none."""
+        return self.default if name is None else self.served.get(name)
 
     @property
-    def default_task(self) -> PoolingTask:
-        """The task of a /v1/pooling request that names none."""
-        return next(t for t in DEFAULT_TASK_ORDER if t in self.supported_tasks)
+    def model(self) -> ModelHandle | None:
+        """The default model (routes without a `model` field use it)."""
+        return None if self.default is None else self.default.handle
+
+    @property
+    def engine(self) -> EngineClient | None:
+        """The default model's engine."""
+        return None if self.default is None else self.default.engine
+
+    @property
+    def supported_tasks(self) -> tuple[PoolingTask, ...]:
+        """The default model's tasks."""
+        return () if self.default is None else self.default.handle.supported_tasks
 
     def accepting(self) -> bool:
         """True when the server reports ready: inference requests may start and will go on to."""
@@ -144,6 +195,6 @@ class ServiceState:
             self.ready
             and not self.draining
             and not self.leaving
-            and self.engine is not None
-            and self.engine.dead_reason is None
+            and bool(self.models)
+            and all(m.engine.dead_reason is None for m in self.models)
         )

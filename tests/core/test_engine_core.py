@@ -53,7 +53,7 @@ def _config(model: Path, **overrides: object) -> CoreConfig:
 
 @pytest.fixture
 def core(tiny_model_dir: Callable[[str], Path]) -> Iterator[CoreThread]:
-    thread = CoreThread(_config(tiny_model_dir("llama")))
+    thread = CoreThread([_config(tiny_model_dir("llama"))])
     thread.start()
     try:
         yield thread
@@ -62,7 +62,7 @@ def core(tiny_model_dir: Callable[[str], Path]) -> Iterator[CoreThread]:
 
 
 def _client(core: CoreThread, timeout_s: float = 10.0) -> EngineClient:
-    return EngineClient(core.path, timeout_s=timeout_s)
+    return EngineClient(core.paths[0], timeout_s=timeout_s)
 
 
 class _Held:
@@ -207,7 +207,7 @@ def test_a_caller_that_leaves_before_admission_frees_the_cores_work(core: CoreTh
                     await task
                 assert not client.busy
                 deadline = time.monotonic() + 5
-                while core.call(lambda: len(core.core.pending)):  # type: ignore[union-attr]
+                while core.call(lambda: len(core.cores[0].pending)):
                     assert time.monotonic() < deadline, "the core kept work nobody waits for"
                     await asyncio.sleep(0.01)
         finally:
@@ -263,7 +263,7 @@ def test_a_closed_core_connection_fails_what_waits(core: CoreThread) -> None:
         try:
             with _Held(core):
                 (future,) = await client.submit_many([[5, 6, 7]], EMBED)
-                core.call(lambda: [stream.close() for stream in list(core.core.front_ends)])  # type: ignore[union-attr]
+                core.call(lambda: [stream.close() for stream in list(core.cores[0].front_ends)])
                 with pytest.raises(EngineDeadError, match="connection closed"):
                     await asyncio.wait_for(future, 5)
                 with pytest.raises(EngineDeadError):
@@ -276,7 +276,7 @@ def test_a_closed_core_connection_fails_what_waits(core: CoreThread) -> None:
 
 def test_a_front_end_that_leaves_frees_its_work(core: CoreThread) -> None:
     engine = core.engine
-    front_ends = core.core.front_ends  # type: ignore[union-attr]
+    front_ends = core.cores[0].front_ends
 
     async def run() -> None:
         client = _client(core)
@@ -289,7 +289,7 @@ def test_a_front_end_that_leaves_frees_its_work(core: CoreThread) -> None:
             outcomes = await asyncio.gather(*futures, return_exceptions=True)
             assert all(isinstance(o, EngineDeadError) for o in outcomes)
             deadline = time.monotonic() + 5
-            while core.call(lambda: (len(front_ends), len(core.core.pending))) != (0, 0):  # type: ignore[union-attr]
+            while core.call(lambda: (len(front_ends), len(core.cores[0].pending))) != (0, 0):
                 assert time.monotonic() < deadline, "the core kept the front end's work"
                 await asyncio.sleep(0.01)
         await client.close()

@@ -174,7 +174,7 @@ def exported_gauges() -> set[str]:
     metrics = ServiceMetrics()
     zeros: dict[str, Any] = {f.name: 0 for f in dataclasses.fields(EngineSnapshot)}
     zeros["rejected"] = {}
-    metrics.bind_engine(lambda: EngineSnapshot(**zeros), lambda: True)
+    metrics.bind_engines({"model": lambda: EngineSnapshot(**zeros)}, lambda: True)
     text = metrics.render().decode()
     assert exposition_families(text)
     return {

@@ -38,7 +38,12 @@ TOOL_TIMEOUT_S = 120.0
 METRIC_NAME = re.compile(r"\bpoolserve_[A-Za-z0-9_]+")
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 # Grafana's own variables, replaced by plain PromQL so that promtool and Prometheus can parse.
-GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__interval": "1m", "$instance": ".*"}
+GRAFANA_VARIABLES = {
+    "$__rate_interval": "1m",
+    "$__interval": "1m",
+    "$instance": ".*",
+    "$model": ".*",
+}
 
 T = TypeVar("T")
 

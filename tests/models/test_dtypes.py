@@ -126,10 +126,10 @@ def test_startup_names_the_dtype_flag(monkeypatch: pytest.MonkeyPatch, tmp_path:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
     message = _start_error(ServerSettings(model=model, device="cuda", dtype="bfloat16"))
-    assert message.startswith("--dtype bfloat16: dtype bfloat16 cannot run on cuda: the GPU has")
+    assert message.startswith(f"model {model!r}: --dtype bfloat16: dtype bfloat16 cannot run")
     monkeypatch.setattr(F, "scaled_dot_product_attention", _half_kernel_missing)
     message = _start_error(ServerSettings(model=model, device="cpu", dtype="float16"))
-    assert message.startswith("--dtype float16: dtype float16 cannot run on cpu")
+    assert message.startswith(f"model {model!r}: --dtype float16: dtype float16 cannot run on cpu")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")

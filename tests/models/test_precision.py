@@ -317,10 +317,12 @@ def test_startup_names_the_quantization_flag(tmp_path: Path) -> None:
     from poolserve.service.state import ServiceState
 
     # refused before the load: the model is never looked for
-    settings = ServerSettings(model=str(tmp_path / "never-read"), device="cpu", quantization="fp8")
+    model = str(tmp_path / "never-read")
+    settings = ServerSettings(model=model, device="cpu", quantization="fp8")
     with pytest.raises(ValueError) as caught:
         asyncio.run(_start(ServiceState(settings=settings, metrics=ServiceMetrics())))
-    assert str(caught.value).startswith("--quantization fp8: quantization fp8 cannot run on cpu")
+    message = str(caught.value)
+    assert message.startswith(f"model {model!r}: --quantization fp8: quantization fp8 cannot run")
 
 
 def test_quantization_flag_and_variable(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -130,13 +130,13 @@ def test_token_classifier_per_token(encoders: Callable[[str], Path]) -> None:
 def test_the_engine_core_applies_them_for_every_front_end(cross_encoder: Path) -> None:
     """Front ends in other processes send prompts to the core; the core's heads calibrate."""
     settings = ServerSettings(model=str(cross_encoder), pooler_config=json.dumps(CALIBRATED))
-    core = CoreThread(core_config(settings, parse_pooler_config(settings.pooler_config)))
+    core = CoreThread([core_config(settings, parse_pooler_config(settings.pooler_config))])
     core.start()
     tokenizer = AutoTokenizer.from_pretrained(str(cross_encoder))
     encoded = [tokenizer(QUERY, document) for document in DOCUMENTS]
 
     async def one_front_end() -> list[float]:
-        client = EngineClient(core.path, timeout_s=10.0)
+        client = EngineClient(core.paths[0], timeout_s=10.0)
         await client.connect()
         try:
             futures = await client.submit_many(

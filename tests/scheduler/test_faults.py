@@ -263,7 +263,7 @@ def test_the_open_pooler_gauge_is_exported_and_zero_after_failures(
     async def scenario() -> tuple[bytes, bytes]:
         engine = Engine(llama, _fault_config(async_scheduling=True), CPU)
         metrics = ServiceMetrics()
-        metrics.bind_engine(engine.snapshot, lambda: True)
+        metrics.bind_engines({"llama": engine.snapshot}, lambda: True)
         StepFaults(engine, nth_step_holding(0, 1))
         engine.submit_many([LONG, *SHORTS[:2]], EMBED)  # queued, not run yet: poolers are open
         busy = metrics.render()
@@ -276,5 +276,5 @@ def test_the_open_pooler_gauge_is_exported_and_zero_after_failures(
 
     busy, idle = asyncio.run(scenario())
     assert b"# HELP poolserve_open_poolers " in idle
-    assert b"poolserve_open_poolers 3.0" in busy
-    assert b"poolserve_open_poolers 0.0" in idle
+    assert b'poolserve_open_poolers{model_name="llama"} 3.0' in busy
+    assert b'poolserve_open_poolers{model_name="llama"} 0.0' in idle

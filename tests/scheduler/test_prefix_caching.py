@@ -295,10 +295,11 @@ def test_a_failed_step_caches_nothing_it_wrote(
 def test_prefix_cache_counters_are_exported(llama: LoadedModel) -> None:
     _, engine = _run(llama, [[FIRST], [[*PREFIX, 4]]], {})
     metrics = ServiceMetrics()
-    metrics.bind_engine(engine.snapshot, lambda: True)
+    metrics.bind_engines({"llama": engine.snapshot}, lambda: True)
     text = metrics.render().decode()
     hit = engine.blocks.num_hit_tokens
-    assert f"poolserve_prefix_cache_hit_tokens_total {float(hit)}" in text and hit == 40
-    assert "poolserve_prefix_cache_miss_tokens_total 50.0" in text
-    assert "poolserve_prefix_cache_evictions_total 0.0" in text
-    assert f"poolserve_kv_blocks_cached {float(engine.blocks.num_cached)}" in text
+    model = '{model_name="llama"}'
+    assert f"poolserve_prefix_cache_hit_tokens_total{model} {float(hit)}" in text and hit == 40
+    assert f"poolserve_prefix_cache_miss_tokens_total{model} 50.0" in text
+    assert f"poolserve_prefix_cache_evictions_total{model} 0.0" in text
+    assert f"poolserve_kv_blocks_cached{model} {float(engine.blocks.num_cached)}" in text

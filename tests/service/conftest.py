@@ -25,20 +25,25 @@ LIVE_NAMES = ("minilm", "embed-v4.0", "embed-v5.0-fast")
 
 
 @contextmanager
-def queue_taken(client: TestClient, requests: int, tokens: int) -> Iterator[None]:
-    """Hold admission room in the engine core (as other requests would) until the block ends.
+def queue_taken(
+    client: TestClient, requests: int, tokens: int, model: str | None = None
+) -> Iterator[None]:
+    """Hold admission room in the engine core (as other requests would) until the block ends,
+    in the engine of the model served as `model` (None: the default model).
 
     The room is taken on the core's loop and the block starts once the front end's copy of the
     counters shows it (the core's next message carries them).
     """
     state = client.app.state.poolserve  # type: ignore[attr-defined]
-    core, front = state.core, state.engine
-    core.call(lambda: core.engine.admission.reserve(requests, tokens))
+    served = state.find(model)
+    core, front = state.core, served.engine
+    engine = core.engines[state.models.index(served)]
+    core.call(lambda: engine.admission.reserve(requests, tokens))
     try:
         _until(lambda: front.admission.queued_requests >= requests)
         yield
     finally:
-        core.call(lambda: core.engine.admission.release(requests, tokens))
+        core.call(lambda: engine.admission.release(requests, tokens))
         _until(lambda: front.admission.queued_requests < requests)
 
 

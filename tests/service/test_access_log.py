@@ -28,6 +28,7 @@ KEYS = {
     "route",
     "status",
     "duration_ms",
+    "model",
     "prompt_tokens",
     "request_id",
     "client",
@@ -72,9 +73,10 @@ def test_an_inference_request_is_logged_with_its_fields(
     assert fields["client"] == "testclient"  # the ASGI client address TestClient reports
     assert fields["trace_id"] is None  # tracing is off
     assert fields["duration_ms"] > 0
+    assert fields["model"] == "minilm"  # the served name the request was routed to
     message = record.getMessage()
     assert message.startswith("POST /v1/embeddings 200 ")
-    assert f"prompt_tokens={want_tokens} request_id=req-42" in message
+    assert f"model=minilm prompt_tokens={want_tokens} request_id=req-42" in message
 
 
 def test_refusals_unmatched_paths_and_probes(
@@ -88,6 +90,8 @@ def test_refusals_unmatched_paths_and_probes(
     refused, unmatched, probe = _access(caplog)
     assert _fields(refused)["status"] == 400
     assert _fields(refused)["prompt_tokens"] is None  # nothing was tokenized
+    assert _fields(refused)["model"] == "minilm"  # refused after routing
+    assert _fields(unmatched)["model"] is None and "model=- " in unmatched.getMessage()
     assert _fields(refused)["request_id"] == bad.headers["x-request-id"]  # a generated one
     assert _fields(unmatched)["route"] == "unmatched"
     assert _fields(unmatched)["path"] == "/no/such%0Apath"

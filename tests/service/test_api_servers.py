@@ -127,7 +127,7 @@ def test_one_metrics_endpoint_counts_every_process(
     url = two_front_ends[0]
     key = (
         "poolserve_requests_total",
-        (("endpoint", "/tokenize"), ("status", "200"), ("task", "none")),
+        (("endpoint", "/tokenize"), ("model_name", "minilm"), ("status", "200"), ("task", "none")),
     )
     before = _samples(url).get(key, 0.0)
     for i in range(20):
@@ -137,9 +137,10 @@ def test_one_metrics_endpoint_counts_every_process(
     assert {s.get(key, 0.0) - before for s in scrapes} == {20.0}
     for samples in scrapes:
         # the core's step histogram and the engine's gauges, asked of the core at scrape time
-        assert samples[("poolserve_step_duration_seconds_count", ())] > 0
-        assert samples[("poolserve_running_requests", ())] == 0
-        assert samples[("poolserve_ready", ())] == 1
+        model = (("model_name", "minilm"),)
+        assert samples[("poolserve_step_duration_seconds_count", model)] > 0
+        assert samples[("poolserve_running_requests", model)] == 0
+        assert samples[("poolserve_ready", model)] == 1
 
 
 def test_sigterm_drains_every_front_end_then_the_core() -> None:

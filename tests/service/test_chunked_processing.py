@@ -263,6 +263,9 @@ class _Leaves:
     def __init__(self, engine: AsyncPoolingEngine) -> None:
         self.engine = engine
 
+    def routed(self, model_name: str) -> None:
+        """Nothing to account."""
+
     def tokenized(self, started: float, ended: float, num_inputs: int, num_tokens: int) -> None:
         """Nothing to account."""
 

@@ -73,8 +73,11 @@ def _samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 def _gauges(url: str) -> dict[str, float]:
-    samples = _samples(url)
-    return {name: samples[(name, ())] for name in GAUGES if (name, ()) in samples}
+    gauges: dict[str, float] = {}
+    for (name, _), value in _samples(url).items():  # summed over the models (one here)
+        if name in GAUGES:
+            gauges[name] = gauges.get(name, 0.0) + value
+    return gauges
 
 
 def _statuses(url: str) -> dict[str, float]:

@@ -300,7 +300,7 @@ def test_no_server_header(server: int) -> None:
 
 
 def test_served_name_of_a_local_directory_is_its_folder_name(tmp_path: Path) -> None:
-    from poolserve.service.app import _default_name
+    from poolserve.service.models_config import default_name as _default_name
 
     model_dir = tmp_path / "my-embedder"
     model_dir.mkdir()

@@ -122,7 +122,7 @@ def test_unknown_model_is_404(client: Any) -> None:
 
 def _tokenizations(client: Any) -> float:
     for line in client.get("/metrics").text.splitlines():
-        if line.startswith("poolserve_tokenization_duration_seconds_count "):
+        if line.startswith('poolserve_tokenization_duration_seconds_count{model_name="llama"} '):
             return float(line.split()[1])
     raise AssertionError("tokenization histogram not exported")
 
@@ -138,7 +138,8 @@ def test_admission_full_is_429_before_tokenization(make_client: Callable[..., An
             assert int(response.headers["retry-after"]) >= 1
             assert _tokenizations(client) == tokenized_before  # refused before any tokenization
             metrics = client.get("/metrics").text
-            assert 'poolserve_rejected_requests_total{reason="queue_full"} 1.0' in metrics
+            want = 'poolserve_rejected_requests_total{model_name="llama",reason="queue_full"} 1.0'
+            assert want in metrics
 
 
 def test_draining_is_503(make_client: Callable[..., Any]) -> None:

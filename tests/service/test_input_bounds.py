@@ -172,9 +172,11 @@ def _error(response: Any, status: int, param: str, code: str | None = None) -> d
 
 def test_the_tokenizer_never_sees_more_than_the_limit(bert: Any) -> None:
     state = bert.app.state.poolserve
-    original = state.model
-    recorder = RecordingTokenizer(original.tokenizer)
-    state.model = dataclasses.replace(original, tokenizer=recorder)
+    original = state.default
+    recorder = RecordingTokenizer(original.handle.tokenizer)
+    handle = dataclasses.replace(original.handle, tokenizer=recorder)
+    recording = dataclasses.replace(original, handle=handle)
+    state.serve((recording,), recording)
     try:
         huge = "word " * (2 * MIB)
         body = {"input": huge, "truncate_prompt_tokens": 8}
@@ -189,7 +191,7 @@ def test_the_tokenizer_never_sees_more_than_the_limit(bert: Any) -> None:
         _error(bert.post("/tokenize", json={"prompt": "x" * 2001}), 400, "prompt")
         assert len(recorder.lengths) == seen  # refused before any tokenization
     finally:
-        state.model = original
+        state.serve((original,), original)
     assert max(recorder.lengths) <= 2000
 
 

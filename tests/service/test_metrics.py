@@ -18,6 +18,8 @@ def _samples(client: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], float
 
 
 def _value(samples: dict[Any, float], name: str, **labels: str) -> float:
+    """A sample of the model's (every series carries its served name, as vLLM's do)."""
+    labels = {"model_name": "llama", **labels}
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
@@ -67,5 +69,7 @@ def test_labels_never_take_client_values(make_client: Callable[..., Any]) -> Non
     with make_client("llama") as client:
         client.post("/v1/nonexistent-route-xyz", json={})
         client.post("/v1/pooling", json={"input": "a", "task": "client-made-up"})
+        client.post("/v1/embeddings", json={"input": "a", "model": "client-made-model"})
         text = client.get("/metrics").text
     assert "nonexistent-route-xyz" not in text and "client-made-up" not in text
+    assert "client-made-model" not in text  # an unknown name is no model: model_name=""

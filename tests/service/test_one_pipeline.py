@@ -189,6 +189,7 @@ def test_every_inference_route_is_accounted_alike(
         if not case.body.get("stream"):
             assert "encode" in names, (where, names)
         assert trace.attributes == {
+            "poolserve.model": "minilm",
             "poolserve.prompt_tokens": num_tokens,
             "poolserve.task": case.task,
         }, where
@@ -196,14 +197,21 @@ def test_every_inference_route_is_accounted_alike(
         (record,) = logged
         fields = getattr(record, FIELDS_ATTR)
         assert fields["prompt_tokens"] == num_tokens, where
+        assert fields["model"] == "minilm", where
         assert fields["request_id"] == request_id == response.headers["x-request-id"], where
 
         # the metrics: prompt tokens, one tokenization per job, the task label
         grew = _growth(before, after)
-        assert grew("poolserve_prompt_tokens_total") == num_tokens, where
-        tokenizations = grew("poolserve_tokenization_duration_seconds_count")
+        model = (("model_name", "minilm"),)
+        assert grew("poolserve_prompt_tokens_total", model) == num_tokens, where
+        tokenizations = grew("poolserve_tokenization_duration_seconds_count", model)
         assert tokenizations == len(served.submitted), where
-        route = (("endpoint", case.path), ("status", "200"), ("task", case.task))
+        route = (
+            ("endpoint", case.path),
+            ("model_name", "minilm"),
+            ("status", "200"),
+            ("task", case.task),
+        )
         assert grew("poolserve_requests_total", route) == 1, (where, route)
 
 

@@ -53,10 +53,15 @@ def _connect(port: int, small_buffer: bool = False) -> socket.socket:
 
 
 def _metric(port: int, name: str) -> float:
-    for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} not exported")
+    """The metric's value, summed over its models (one here)."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    values = [
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith((name + " ", name + "{"))
+    ]
+    assert values, f"{name} not exported"
+    return sum(values)
 
 
 def _wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 30) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import time
 from importlib.metadata import version
@@ -17,12 +16,13 @@ from starlette.responses import PlainTextResponse, Response
 from poolserve.pooling.params import PoolingTask, PoolingType
 from poolserve.service.api.schemas import DetokenizeRequest, TokenizeRequest
 from poolserve.service.errors import InvalidRequestError, error_response
+from poolserve.service.frontend.callers import HTTPCaller
 from poolserve.service.frontend.chat import render_messages
 from poolserve.service.frontend.encoding import dumps
 from poolserve.service.frontend.pipeline import check_serving, service_state
 from poolserve.service.frontend.routing import StrictJSONRoute
 from poolserve.service.frontend.texts import tokenize_prompt
-from poolserve.service.settings import DEFAULT_MODEL_ID, ServerSettings
+from poolserve.service.settings import DEFAULT_MODEL_ID
 from poolserve.service.state import ModelHandle, ServiceState
 
 router = APIRouter(route_class=StrictJSONRoute)
@@ -42,12 +42,12 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     special tokens default to true for a prompt and false on top of a chat template, as in vLLM.
     """
     state = service_state(request)
-    _, model = check_serving(state, body.model)
-    on_reject = state.metrics.on_reject
+    model = _routed(request, state, body.model)
+    on_reject = state.metrics.model(model.served_name).on_reject
     chat = body.chat()
     text = body.prompt
     if chat is not None:
-        trusted = state.settings.trust_request_chat_template
+        trusted = model.settings.trust_request_chat_template
         text = await render_messages(chat, model, trusted, on_reject)
     assert text is not None  # the schema asks for exactly one of prompt and messages
     specials = body.add_special_tokens if body.add_special_tokens is not None else chat is None
@@ -68,7 +68,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
     """Text of token ids."""
-    _, model = check_serving(service_state(request), body.model)
+    model = _routed(request, service_state(request), body.model)
     vocab_size = model.card.spec.vocab_size
     bad = [t for t in body.tokens if t >= vocab_size]
     if bad:
@@ -79,23 +79,30 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
     return _json({"prompt": text})
 
 
+def _routed(request: Request, state: ServiceState, name: str | None) -> ModelHandle:
+    """The model a body names (the default when it names none), noted for the access log."""
+    _, model = check_serving(state, name)
+    HTTPCaller(request).routed(model.served_name)
+    return model
+
+
 @router.get("/v1/models")
 async def models(request: Request) -> Response:
-    """The served model, OpenAI-style: one card per --served-model-name, as vLLM lists them."""
+    """Every served model, OpenAI-style: one card per served name, as vLLM lists them."""
     state = service_state(request)
-    _, model = check_serving(state, None)
+    check_serving(state, None)
     created = int(time.time())
-    root = _source(state.settings, model)
     cards = [
         {
             "id": name,
             "object": "model",
             "created": created,
             "owned_by": "poolserve",
-            "root": root,
-            "max_model_len": model.max_model_len,
+            "root": _source(served.handle),
+            "max_model_len": served.handle.max_model_len,
         }
-        for name in model.served_names
+        for served in state.models
+        for name in served.handle.served_names
     ]
     return _json({"object": "list", "data": cards})
 
@@ -106,21 +113,22 @@ async def server_version() -> Response:
     return _json({"version": version("poolserve")})
 
 
-@router.get("/info")
-async def info(request: Request) -> Response:
-    """Model, tasks, dtype, device, limits and version."""
+@router.get("/info", responses={404: {"description": "No model is served as `model`."}})
+async def info(request: Request, model: str | None = None) -> Response:
+    """The model's name, tasks, dtype, device, limits and version: the one `?model=` names, else
+    the default model (TEI's /info: the model its routes serve)."""
     state = service_state(request)
-    _, model = check_serving(state, None)
-    s = state.settings
+    _, handle = check_serving(state, model)
+    s = handle.settings
     return _json(
         {
-            "model": model.served_name,
-            "model_source": _source(s, model),
-            "architecture": model.card.spec.architecture,
-            "tasks": [t.value for t in state.supported_tasks],
-            "dtype": state.dtype,
-            "device": state.device,
-            "max_model_len": model.max_model_len,
+            "model": handle.served_name,
+            "model_source": _source(handle),
+            "architecture": handle.card.spec.architecture,
+            "tasks": [t.value for t in handle.supported_tasks],
+            "dtype": handle.dtype,
+            "device": handle.device,
+            "max_model_len": handle.max_model_len,
             "max_num_batched_tokens": s.max_num_batched_tokens,
             "max_num_seqs": s.max_num_seqs,
             "max_num_queued_requests": s.max_num_queued_requests,
@@ -129,8 +137,8 @@ async def info(request: Request) -> Response:
             "payload_limit": s.payload_limit,
             "async_scheduling": s.async_scheduling,
             "version": version("poolserve"),
-            **sentence_transformers_info(model),
-            **tei_info(state, model),
+            **sentence_transformers_info(handle),
+            **tei_info(handle),
         }
     )
 
@@ -149,15 +157,15 @@ def sentence_transformers_info(model: ModelHandle) -> dict[str, object]:
     }
 
 
-def tei_info(state: ServiceState, model: ModelHandle) -> dict[str, object]:
+def tei_info(model: ModelHandle) -> dict[str, object]:
     """TEI's /info fields (its `Info` record, TEI 1.9.3) that these servers have in common."""
-    s = state.settings
+    s = model.settings
     return {
-        "model_id": _source(s, model),
+        "model_id": _source(model),
         "model_sha": s.revision,  # TEI reports its --revision here
-        "model_dtype": state.dtype,
+        "model_dtype": model.dtype,
         "served_model_name": model.served_name,
-        "model_type": _tei_model_type(state, model),
+        "model_type": _tei_model_type(model),
         "max_concurrent_requests": s.max_num_queued_requests,
         # sentence-transformers' max_seq_length caps every prompt, as TEI reads it
         "max_input_length": model.st_max_seq_length or model.max_model_len,
@@ -176,10 +184,10 @@ def tei_info(state: ServiceState, model: ModelHandle) -> dict[str, object]:
 TEI_POOLING = {PoolingType.CLS: "cls", PoolingType.MEAN: "mean", PoolingType.LAST: "last_token"}
 
 
-def _tei_model_type(state: ServiceState, model: ModelHandle) -> dict[str, object]:
+def _tei_model_type(model: ModelHandle) -> dict[str, object]:
     """TEI's model_type: a classifier (one label: a reranker) with its labels, or an embedder."""
     labels = model.card.spec.labels
-    tasks = state.supported_tasks
+    tasks = model.card.supported_tasks
     if PoolingTask.CLASSIFY in tasks and labels:
         kind = "reranker" if len(labels) == 1 else "classifier"
         return {
@@ -191,7 +199,7 @@ def _tei_model_type(state: ServiceState, model: ModelHandle) -> dict[str, object
     if PoolingTask.EMBED_SPARSE in tasks:  # an MLM head: POST / answers sparse, TEI's splade
         return {"embedding": {"pooling": "splade"}}
     # --pooler-config's pooling, else the sentence-transformers mode, else the model kind's
-    pooling = state.engine.pooling_info.embed_pooling_type if state.engine else PoolingType.CLS
+    pooling = model.card.pooling_info.embed_pooling_type
     return {"embedding": {"pooling": TEI_POOLING.get(pooling, pooling.value)}}
 
 
@@ -201,20 +209,20 @@ def _tokenization_workers() -> int:
     return min(32, (os.cpu_count() or 1) + 4)
 
 
-def _source(settings: ServerSettings, model: ModelHandle) -> str:
+def _source(model: ModelHandle) -> str:
     """Where the weights came from, without the server's directories: a Hub id or a folder name."""
-    if settings.model is None:
+    source = model.settings.model
+    if source is None:
         return DEFAULT_MODEL_ID
-    if Path(settings.model).expanduser().is_dir():
+    if Path(source).expanduser().is_dir():
         return model.card.path.name
-    return settings.model
+    return source
 
 
 @router.get("/health", responses=UNAVAILABLE)
 async def health(request: Request) -> Response:
-    """Liveness: 200 while the process and the engine core live."""
-    engine = service_state(request).engine
-    if engine is not None and not engine.is_alive:
+    """Liveness: 200 while the process and every model's engine in the engine core live."""
+    if not all(served.engine.is_alive for served in service_state(request).models):
         return error_response(
             503, "the engine core has stopped", "service_unavailable", None, "engine_dead"
         )
@@ -223,21 +231,23 @@ async def health(request: Request) -> Response:
 
 @router.get("/ready", responses=UNAVAILABLE)
 async def ready(request: Request) -> Response:
-    """Readiness: 503 until warmed up, while draining, after an unrecoverable engine error."""
+    """Readiness: 503 until every model is warmed up, while draining, after an unrecoverable
+    engine error."""
     state = service_state(request)
     if state.accepting():
         return _json({"status": "ready"})
     reason = "draining" if state.draining or state.leaving else "not_ready"
-    if state.engine is not None and state.engine.dead_reason is not None:
+    if any(served.engine.dead_reason is not None for served in state.models):
         reason = "engine_dead"
     return error_response(503, f"not ready: {reason}", "service_unavailable", None, reason)
 
 
 @router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(request: Request) -> Response:
-    """Prometheus text exposition; the engine's gauges asked of the engine core now."""
+    """Prometheus text exposition; every model's engine gauges asked of the engine core now."""
     state = service_state(request)
-    if state.engine is not None and state.engine.dead_reason is None and state.ready:
-        with contextlib.suppress(Exception):  # a core that does not answer: its families go
-            await state.engine.snapshot()
+    if state.ready:
+        live = [s.engine for s in state.models if s.engine.dead_reason is None]
+        # an engine that does not answer: its model's samples go, the others' stay
+        await asyncio.gather(*(engine.snapshot() for engine in live), return_exceptions=True)
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

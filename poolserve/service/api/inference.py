@@ -39,6 +39,7 @@ from poolserve.service.frontend.jobs import Requested
 from poolserve.service.frontend.pipeline import (
     Submitted,
     as_completed,
+    check_serving,
     gather,
     service_state,
     submit,
@@ -209,8 +210,8 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
 @router.post("/pooling", responses=STREAMED)
 async def pooling(body: PoolingRequestBody, request: Request) -> Response:
     """vLLM-compatible pooling for every task, optionally streamed as NDJSON."""
-    state = service_state(request)
-    task = body.task or state.default_task
+    # the task a request names, else the named model's main one
+    task = body.task or check_serving(service_state(request), body.model)[1].default_task
     if task is PoolingTask.EMBED_SPARSE and body.encoding_format != "float":
         message = f"encoding_format {body.encoding_format} does not apply to task 'embed_sparse'"
         raise InvalidRequestError(message, "encoding_format")
@@ -272,7 +273,7 @@ async def _stream(
     Each piece is encoded in a worker thread just before it is sent, so at most one piece of
     one output exists as JSON at a time. An error mid-stream ends it with an error line.
     """
-    metrics = service_state(request).metrics
+    metrics = service_state(request).metrics.model(run.model.served_name)
     at_line_end = True
     try:
         async with aclosing(as_completed(run)) as outputs:

@@ -89,8 +89,8 @@ def _prompt_tokens(job: ScoreJob, scored: Scored, request: Request) -> int:
     """vLLM's count: each pair's prompt; a compared pair counts both texts and one pad token."""
     if len(scored.outputs) == len(job.pairs):  # one prompt per pair
         return scored.num_prompt_tokens
-    model = service_state(request).model
-    pad = int(model is not None and model.tokenizer.pad_token_id is not None)
+    model = service_state(request).served[scored.model_name].handle  # the model that scored
+    pad = int(model.tokenizer.pad_token_id is not None)
     queries, documents = scored.outputs[: len(job.queries)], scored.outputs[len(job.queries) :]
     return sum(
         queries[q].num_prompt_tokens + pad + documents[d].num_prompt_tokens for q, d in job.pairs

@@ -166,10 +166,11 @@ def _check_lengths(outputs: Sequence[PoolingOutput], limit: int | None, field: s
 async def embed(body: CohereEmbedRequest, request: Request) -> Response:
     """Cohere v2 embed: one embed job through the engine, answered by type."""
     state = service_state(request)
-    # a name the server does not serve is a 404 (Cohere and vLLM refuse it too): another model's
-    # vectors would silently mix spaces; --served-model-name adds the name a client sends
+    # the model named (the default when none is); a name the server does not serve is a 404
+    # (Cohere and vLLM refuse it too): another model's vectors would silently mix spaces;
+    # --served-model-name adds the name a client sends
     _, model = check_serving(state, body.model)
-    field, texts = _texts(body, state.settings.max_client_batch_size)
+    field, texts = _texts(body, model.settings.max_client_batch_size)
     kinds = list(dict.fromkeys(body.embedding_types or ["float"]))  # in order, once each
     truncate, limit = _truncate(body, model)
     job = TextJob(

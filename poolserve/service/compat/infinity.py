@@ -7,6 +7,7 @@ and its pydantic models (`fastapi_schemas/pymodels.py`: the OpenAI-like embeddin
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Annotated, Literal
@@ -17,6 +18,7 @@ from starlette.responses import Response
 
 from poolserve.pooling.params import PoolingTask
 from poolserve.scheduler.request import PoolingOutput
+from poolserve.scheduler.stats import EngineSnapshot
 from poolserve.service.errors import InvalidRequestError
 from poolserve.service.frontend.bodies import RequestBody
 from poolserve.service.frontend.encoding import answer, document, dumps, encode_item
@@ -25,7 +27,7 @@ from poolserve.service.frontend.pipeline import check_serving, gather, service_s
 from poolserve.service.frontend.routing import StrictJSONRoute
 from poolserve.service.frontend.scoring import score
 from poolserve.service.frontend.texts import check_batch_size
-from poolserve.service.state import ModelHandle
+from poolserve.service.state import ModelHandle, ServiceState
 
 router = APIRouter(route_class=StrictJSONRoute)
 # What Infinity's clients send when no model is named; with one model Infinity takes any name.
@@ -69,15 +71,14 @@ async def embeddings(body: InfinityEmbeddingRequest, request: Request) -> Respon
         raise InvalidRequestError(
             f"modality {body.modality!r} is not served: this server embeds text", "modality"
         )
-    state = service_state(request)
-    # one model served: Infinity answers any `model` with it, so the name is not checked
-    engine, model = check_serving(state, None)
+    name = _routed_name(service_state(request), body.model)
+    engine, model = check_serving(service_state(request), name)
     texts = [body.input] if isinstance(body.input, str) else body.input
     if not texts:
         raise InvalidRequestError("input must not be empty", "input")
-    check_batch_size(len(texts), state.settings.max_client_batch_size, "input")
+    check_batch_size(len(texts), model.settings.max_client_batch_size, "input")
     width = _cut(body.dimensions, model.defaults.dimensions or engine.pooling_info.embedding_size)
-    outputs, num_tokens = await _embed(request, texts, model)
+    outputs, num_tokens = await _embed(request, texts, model, name)
     usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
     fields = {
         "object": "list",
@@ -112,8 +113,15 @@ def _cut(dimensions: int, size: int) -> int | None:
     return dimensions
 
 
+def _routed_name(state: ServiceState, name: str) -> str | None:
+    """The `model` a job names, by Infinity's rule: its clients' placeholder is the default
+    model, and with one model served any name is that model; with several, an unknown name is a
+    404 (Infinity itself answers 400)."""
+    return None if name == UNNAMED_MODEL or len(state.models) == 1 else name
+
+
 async def _embed(
-    request: Request, texts: list[str], model: ModelHandle
+    request: Request, texts: list[str], model: ModelHandle, name: str | None
 ) -> tuple[list[PoolingOutput], int]:
     """Each text's embedding and the prompt tokens, Infinity's way: no sentence-transformers
     prompt (it tokenizes texts as they are), and "" embedded as the special tokens alone.
@@ -130,8 +138,8 @@ async def _embed(
             "input",
         )
     jobs = (
-        (full, TextJob(PoolingTask.EMBED, [texts[i] for i in full], prompt="")),
-        (empty, TextJob(PoolingTask.EMBED, [specials] * len(empty))),
+        (full, TextJob(PoolingTask.EMBED, [texts[i] for i in full], model=name, prompt="")),
+        (empty, TextJob(PoolingTask.EMBED, [specials] * len(empty), model=name)),
     )
     outputs: dict[int, PoolingOutput] = {}
     num_tokens = 0
@@ -145,35 +153,45 @@ async def _embed(
 
 @router.get("/models")
 async def models(request: Request) -> Response:
-    """The served model as Infinity's `OpenAIModelInfo`: its `ModelInfo` fields only."""
+    """Every served model as Infinity's `OpenAIModelInfo`: its `ModelInfo` fields only."""
     state = service_state(request)
-    engine, model = check_serving(state, None)
-    snapshot = await engine.snapshot()
-    limit = state.settings.max_num_queued_requests
-    card = {
+    check_serving(state, None)
+    snapshots = await asyncio.gather(*(served.engine.snapshot() for served in state.models))
+    pairs = zip(state.models, snapshots, strict=True)
+    cards = [_card(served.handle, snapshot) for served, snapshot in pairs]
+    body = dumps({"data": cards, "object": "list"})
+    return Response(body, media_type="application/json")
+
+
+def _card(model: ModelHandle, snapshot: EngineSnapshot) -> dict[str, object]:
+    """One model's `ModelInfo`, its queue as its engine reports it."""
+    limit = model.settings.max_num_queued_requests
+    tasks = model.card.supported_tasks
+    return {
         "id": model.served_name,
         "stats": {
             "queue_fraction": snapshot.num_waiting / limit if limit else 0.0,
             "queue_absolute": snapshot.num_waiting,
             "results_pending": snapshot.num_running,
-            "batch_size": state.settings.max_num_seqs,
+            "batch_size": model.settings.max_num_seqs,
         },
         "object": "model",
         # Infinity's client parses owned_by as an enum whose only member is "infinity"
         "owned_by": "infinity",
         "created": int(time.time()),
         "backend": "torch",
-        "capabilities": sorted(CAPABILITIES[t] for t in state.supported_tasks if t in CAPABILITIES),
+        "capabilities": sorted(CAPABILITIES[t] for t in tasks if t in CAPABILITIES),
     }
-    body = dumps({"data": [card], "object": "list"})
-    return Response(body, media_type="application/json")
 
 
 async def rerank(body: InfinityRerankRequest, request: Request) -> Response:
     """Infinity's `ReRankResult`: best first (ties in input order), `top_n` of them."""
-    # one model served: any `model` names it, as with Infinity
     job = ScoreJob.one_query(
-        body.query, body.documents, "documents", use_activation=not body.raw_scores
+        body.query,
+        body.documents,
+        "documents",
+        model=_routed_name(service_state(request), body.model),
+        use_activation=not body.raw_scores,
     )
     scored = await score(request, job)
     scores = scored.scores

@@ -19,8 +19,9 @@ from poolserve.service.errors import ERROR_FAMILY_KEY, TEI_FAMILY, InvalidReques
 from poolserve.service.frontend.bodies import RequestBody
 from poolserve.service.frontend.encoding import JSON, Encoded, answer, dumps
 from poolserve.service.frontend.jobs import Job, Truncate
-from poolserve.service.frontend.pipeline import gather, service_state, submit
+from poolserve.service.frontend.pipeline import check_serving, gather, service_state, submit
 from poolserve.service.frontend.routing import StrictJSONRoute
+from poolserve.service.state import ModelHandle
 
 # TEI's enum takes its variant names and their lower-case aliases
 Direction = Literal["left", "right", "Left", "Right"]
@@ -71,14 +72,20 @@ def truncation(truncate: bool | None, direction: Direction) -> Truncate:
     return Truncate(-1, side, True)
 
 
+def default_model(request: Request) -> ModelHandle:
+    """The model TEI's routes serve: they name none, so the server's default model (503 unless
+    ready)."""
+    return check_serving(service_state(request), None)[1]
+
+
 def prompt_for(request: Request, asked: str | None) -> tuple[str | None, str | None]:
     """A text job's (prompt_name, prompt) by TEI's rule: the request's prompt_name, else the
-    server's --default-prompt-name, else none at all.
+    server's --default-prompt-name (the default model's), else none at all.
 
     TEI reads no default from the model's `default_prompt_name`: the empty literal prompt keeps
     the pipeline from applying it.
     """
-    name = asked if asked is not None else service_state(request).settings.default_prompt_name
+    name = asked if asked is not None else default_model(request).settings.default_prompt_name
     return (name, None) if name is not None else (None, "")
 
 
@@ -127,9 +134,10 @@ def timing_headers(request: Request, started: float, ran: Ran) -> dict[str, str]
     """TEI's response headers: times in whole milliseconds, per-input times averaged."""
     count = max(len(ran.outputs), 1)
     total = _ms(time.monotonic() - started)
+    model = service_state(request).model  # TEI's routes serve the default model
     return {
         # TEI writes "gpu+optimized" whatever it runs on; this says the device
-        "x-compute-type": service_state(request).device,
+        "x-compute-type": model.device if model is not None else "cpu",
         "x-compute-time": total,
         "x-compute-characters": str(ran.characters),
         "x-compute-tokens": str(sum(o.num_prompt_tokens for o in ran.outputs)),

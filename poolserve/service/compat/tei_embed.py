@@ -19,6 +19,7 @@ from poolserve.service.compat.tei_common import (
     TEIBody,
     TEIRoute,
     characters,
+    default_model,
     empty,
     prompt_for,
     reply,
@@ -29,7 +30,6 @@ from poolserve.service.errors import InvalidRequestError
 from poolserve.service.frontend.bodies import TokenIds
 from poolserve.service.frontend.encoding import sparse_parts
 from poolserve.service.frontend.jobs import Requested, TextJob
-from poolserve.service.frontend.pipeline import check_serving, service_state
 from poolserve.service.frontend.texts import check_batch_size
 
 router = APIRouter(route_class=TEIRoute)
@@ -98,7 +98,7 @@ async def _decoded(request: Request, items: list[Item]) -> list[Item]:
     prompt and that text as one string (`core/src/tokenization.rs`)."""
     if all(isinstance(item, str) for item in items):
         return items
-    backend = check_serving(service_state(request), None)[1].tokenizer.backend_tokenizer
+    backend = default_model(request).tokenizer.backend_tokenizer
 
     def decode_all() -> list[Item]:
         return [
@@ -119,7 +119,7 @@ async def _run(
     """The inputs through the pipeline: texts as one job, token-id lists as another (the front
     end takes one kind per job), each output back in its input's place."""
     sent = _items(inputs)
-    check_batch_size(len(sent), service_state(request).settings.max_client_batch_size, "inputs")
+    check_batch_size(len(sent), default_model(request).settings.max_client_batch_size, "inputs")
     name, prompt = prompt_for(request, options.prompt_name)
     items = sent if name is None else await _decoded(request, sent)
     texts = [i for i, item in enumerate(items) if isinstance(item, str)]

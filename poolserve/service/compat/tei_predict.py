@@ -18,6 +18,7 @@ from poolserve.service.compat.tei_common import (
     TEIRoute,
     best_first,
     characters,
+    default_model,
     empty,
     prompt_for,
     reply,
@@ -26,7 +27,6 @@ from poolserve.service.compat.tei_common import (
 )
 from poolserve.service.errors import InvalidRequestError
 from poolserve.service.frontend.jobs import Requested, ScoreJob, TextJob
-from poolserve.service.frontend.pipeline import check_serving, service_state
 from poolserve.service.frontend.texts import check_batch_size
 
 router = APIRouter(route_class=TEIRoute)
@@ -74,9 +74,9 @@ async def predict(body: PredictRequest, request: Request) -> Response:
     """
     started = time.monotonic()
     sequences = parse_inputs(body.inputs)
-    state = service_state(request)
-    labels = check_serving(state, None)[1].card.spec.labels
-    check_batch_size(len(sequences.items), state.settings.max_client_batch_size, "inputs")
+    model = default_model(request)
+    labels = model.card.spec.labels
+    check_batch_size(len(sequences.items), model.settings.max_client_batch_size, "inputs")
     if any(not "".join(item) for item in sequences.items):  # TEI's empty text or pair
         raise empty("inputs")
     cut = truncation(body.truncate, body.truncation_direction)

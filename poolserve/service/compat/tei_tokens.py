@@ -44,9 +44,9 @@ def _json(document: object) -> Response:
     return Response(dumps(document), media_type="application/json")
 
 
-def _batch(request: Request, items: list[str] | list[list[int]], field: str) -> None:
+def _batch(model: ModelHandle, items: list[str] | list[list[int]], field: str) -> None:
     """400 (TEI's `Empty`) for an empty batch or item; 422 above --max-client-batch-size."""
-    limit = service_state(request).settings.max_client_batch_size
+    limit = model.settings.max_client_batch_size
     if not items or any(len(item) == 0 for item in items):
         raise empty(field)
     check_batch_size(len(items), limit, field)
@@ -56,9 +56,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     """Each text's tokens: `[[{"id", "text", "special", "start", "stop"}]]`, byte offsets."""
     mark(request)
     state = service_state(request)
-    _, model = check_serving(state, None)
+    _, model = check_serving(state, None)  # TEI's routes: the default model
     texts = [body.inputs] if isinstance(body.inputs, str) else list(body.inputs)
-    _batch(request, texts, "inputs")
+    _batch(model, texts, "inputs")
     # TEI's prompt rule: the request's prompt_name, else the server's --default-prompt-name
     texts = list(model.prompts.apply(texts, *prompt_for(request, body.prompt_name)))
     for index, text in enumerate(texts):
@@ -69,8 +69,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
                 "inputs",
             )
     num_chars = sum(len(t) for t in texts)
+    on_reject = state.metrics.model(model.served_name).on_reject
     tokens = await run_budgeted(
-        model, num_chars, state.metrics.on_reject, _tokens, model, texts, body.add_special_tokens
+        model, num_chars, on_reject, _tokens, model, texts, body.add_special_tokens
     )
     return _json(tokens)
 
@@ -128,7 +129,7 @@ async def decode(body: DecodeRequest, request: Request) -> Response:
     """The text of each id list: `["text", ...]`."""
     _, model = check_serving(service_state(request), None)
     batch = _id_lists(body.ids)
-    _batch(request, batch, "ids")
+    _batch(model, batch, "ids")
     vocab_size = model.card.spec.vocab_size
     for ids in batch:
         bad = [t for t in ids if t >= vocab_size]

@@ -30,9 +30,11 @@ from poolserve.service.errors import (
 from poolserve.service.observability.logs import (
     ACCESS_LOGGER,
     CLIENT_CLOSED,
+    MODEL_KEY,
     access_record,
     log_access,
 )
+from poolserve.service.observability.metrics import UNROUTED
 from poolserve.service.observability.tracing import NO_TRACE, TRACE_KEY, RequestTrace
 from poolserve.service.state import ServiceState
 
@@ -311,7 +313,9 @@ class EdgeMiddleware:
         end = time.monotonic()
         route: Any = scope.get("route")
         endpoint = getattr(route, "path", None) or "unmatched"
-        task = str(scope.get("state", {}).get("task", "none"))
+        noted = scope.get("state", {})
+        task = str(noted.get("task", "none"))
+        model = noted.get(MODEL_KEY)  # the served name the pipeline routed it to
         status = exchange.outcome()
         trace.finish(getattr(route, "path", None), status, end)
         if self.state.settings.access_log:  # its 499 line says the client closed the connection
@@ -327,7 +331,9 @@ class EdgeMiddleware:
                 scope["method"],
                 clip(scope["path"]),
             )
-        self.counted.add(endpoint, task, status, end - start)
+        self.counted.add(
+            model if isinstance(model, str) else UNROUTED, endpoint, task, status, end - start
+        )
 
 
 def _first_values(raw: Iterable[tuple[bytes, bytes]]) -> tuple[dict[str, str], str | None]:
@@ -360,19 +366,20 @@ class Counted:
     def __init__(self, state: ServiceState) -> None:
         self.state = state
         self.metrics = state.metrics
-        self.children: dict[tuple[str, str, int], tuple[Any, Any]] = {}
+        self.children: dict[tuple[str, str, str, int], tuple[Any, Any]] = {}
 
-    def add(self, endpoint: str, task: str, status: int, seconds: float) -> None:
+    def add(self, model: str, endpoint: str, task: str, status: int, seconds: float) -> None:
         """Count one request and observe its duration."""
         metrics = self.state.metrics
         if metrics is not self.metrics:  # replaced (tests do): start over
             self.metrics, self.children = metrics, {}
-        key = (endpoint, task, status)
+        key = (model, endpoint, task, status)
         children = self.children.get(key)
         if children is None:
-            requests = metrics.requests.labels(endpoint, task, str(status))
-            duration = metrics.request_duration.labels(endpoint)
-            # bounded: routes x tasks x statuses is small, unmatched paths share one endpoint
+            requests = metrics.requests.labels(model, endpoint, task, str(status))
+            duration = metrics.request_duration.labels(model, endpoint)
+            # bounded: models x routes x tasks x statuses is small (a model is a served one),
+            # unmatched paths share one endpoint
             children = self.children[key] = (requests, duration)
         children[0].inc()
         children[1].observe(seconds)

@@ -25,10 +25,11 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from poolserve.core.host import SOCKET_NAME, serve_core_process
-from poolserve.service.app import CORE_LOST_SIGNAL, core_config
+from poolserve.core.process import serve_core_process
+from poolserve.scheduler.observer import EngineObserver
+from poolserve.service.app import CORE_LOST_SIGNAL, core_configs
 from poolserve.service.edge.memory import fix_mmap_threshold
-from poolserve.service.frontend.jobs import parse_pooler_config
+from poolserve.service.models_config import ServedModels, served_models
 from poolserve.service.observability.logs import configure_logging
 from poolserve.service.observability.metrics import MULTIPROCESS_DIR, ServiceMetrics
 from poolserve.service.settings import ServerSettings
@@ -56,7 +57,9 @@ def run_processes(settings: ServerSettings) -> int:
     settings_file.write_text(settings.model_dump_json())
     # each child's prometheus-client reads it when first imported
     env = {**os.environ, MULTIPROCESS_DIR: str(metrics_dir), SUPERVISOR_PID: str(os.getpid())}
-    address = str(workdir / SOCKET_NAME)
+    # model i's engine core listens on socket_path(address, i)
+    address = str(workdir / "cores")
+    os.mkdir(address)
     listener = _bind(settings)
     supervisor = _Supervisor(settings)
     try:
@@ -218,17 +221,25 @@ def _child_of_supervisor(parent: int, grace_s: float) -> None:
 
 
 def _core_main(settings: ServerSettings, address: str) -> None:
-    """The engine-core process: load, serve, exit with the core's code."""
+    """The engine-core process: load every model, serve each on its socket in `address`, exit
+    with the core's code."""
     configure_logging(settings.log_level, settings.log_format)
     fix_mmap_threshold()
-    config = core_config(settings, parse_pooler_config(settings.pooler_config))
-    code = asyncio.run(serve_core_process(config, address, observer=ServiceMetrics()))
+    served = served_models(settings)
+    code = asyncio.run(serve_core_process(core_configs(served), address, _observers(served)))
     logging.shutdown()
     os._exit(code)
 
 
+def _observers(served: ServedModels) -> list[EngineObserver]:
+    """Each model's engine observer: its model-labelled children of this process's metrics."""
+    metrics = ServiceMetrics()
+    return [metrics.model(m.name) for m in served.models]
+
+
 def _front_end_main(settings: ServerSettings, address: str, listener: socket.socket) -> None:
-    """A front-end process: the app on the shared socket, served until drained."""
+    """A front-end process: the app on the shared socket, served until drained; it reaches each
+    model's engine in the core's socket directory `address` (model i: `socket_path(address, i)`)."""
     configure_logging(settings.log_level, settings.log_format)
     fix_mmap_threshold()
     from poolserve.service.edge.server import run_server  # after the malloc setting
@@ -239,7 +250,8 @@ def _front_end_main(settings: ServerSettings, address: str, listener: socket.soc
 
 
 def main(argv: list[str]) -> None:
-    """A child's entry: `core SETTINGS ADDRESS` or `api SETTINGS ADDRESS FD`."""
+    """A child's entry: `core SETTINGS ADDRESS` or `api SETTINGS ADDRESS FD` (ADDRESS: the
+    directory of the engine core's sockets)."""
     role, settings_file, address, *fd = argv
     settings = ServerSettings.model_validate_json(Path(settings_file).read_text())
     _child_of_supervisor(int(os.environ[SUPERVISOR_PID]), settings.shutdown_timeout + EXIT_GRACE_S)

@@ -78,7 +78,7 @@ class DrainingServer(uvicorn.Server):
             now = time.monotonic()
             if not self.state.draining and now >= self.refuse_at:
                 self._start_refusing()
-            engine_busy = self.state.engine is not None and self.state.engine.busy
+            engine_busy = any(served.engine.busy for served in self.state.models)
             idle = self.state.active_requests == 0 and not engine_busy
             if self.state.draining and (idle or now >= self.drain_deadline):
                 self.should_exit = True

@@ -11,7 +11,7 @@ from typing import Protocol
 from fastapi import Request
 
 from poolserve.pooling.params import PoolingTask
-from poolserve.service.observability.logs import PROMPT_TOKENS_KEY
+from poolserve.service.observability.logs import MODEL_KEY, PROMPT_TOKENS_KEY
 from poolserve.service.observability.tracing import NO_TRACE, RequestTrace, SpanRecord, trace_of
 
 logger = logging.getLogger(__name__)
@@ -23,6 +23,9 @@ class Caller(Protocol):
     @property
     def trace(self) -> RequestTrace:
         """The caller's trace (the no-op one when nobody traces it)."""
+
+    def routed(self, model_name: str) -> None:
+        """The job goes to the model served as `model_name`."""
 
     def tokenized(self, started: float, ended: float, num_inputs: int, num_tokens: int) -> None:
         """The job's tokenization ran from `started` to `ended` (time.monotonic())."""
@@ -39,6 +42,9 @@ class InProcess:
 
     trace: RequestTrace = NO_TRACE
 
+    def routed(self, model_name: str) -> None:
+        """Nothing beyond the metrics."""
+
     def tokenized(self, started: float, ended: float, num_inputs: int, num_tokens: int) -> None:
         """Nothing beyond the metrics."""
 
@@ -53,12 +59,23 @@ class InProcess:
 IN_PROCESS = InProcess()
 
 
+def routed_model(request: Request) -> str:
+    """The served name of the model the request was routed to ("" before it was)."""
+    name = request.scope.get("state", {}).get(MODEL_KEY)
+    return name if isinstance(name, str) else ""
+
+
 class HTTPCaller:
     """An HTTP request: its span, its access log line, and the connection that may close."""
 
     def __init__(self, request: Request) -> None:
         self.request = request
         self.trace = trace_of(request)
+
+    def routed(self, model_name: str) -> None:
+        """The model in the access log, the request metrics and on the request span."""
+        self.request.scope.setdefault("state", {})[MODEL_KEY] = model_name
+        self.trace.set({"poolserve.model": model_name})
 
     def tokenized(self, started: float, ended: float, num_inputs: int, num_tokens: int) -> None:
         """The tokenize span."""

@@ -23,6 +23,7 @@ from fastapi import Request
 from starlette.responses import Response
 
 from poolserve.scheduler.request import PoolingOutput
+from poolserve.service.frontend.callers import routed_model
 from poolserve.service.frontend.pipeline import service_state
 from poolserve.service.observability.tracing import NO_TRACE, SpanRecord, trace_of
 
@@ -182,7 +183,7 @@ async def answer(
     if trace is not NO_TRACE:  # no span to build when tracing is off
         attributes = {"poolserve.output_bytes": len(reply.body)}
         trace.record(SpanRecord("encode", started, time.monotonic(), attributes))
-    service_state(request).metrics.output_bytes.inc(len(reply.body))
+    service_state(request).metrics.add_output_bytes(routed_model(request), len(reply.body))
     headers = {**timing_headers(outputs), **reply.headers}
     return Response(reply.body, media_type=reply.media_type, headers=headers)
 

@@ -39,6 +39,7 @@ from poolserve.service.frontend.chunked import (
 from poolserve.service.frontend.jobs import Job
 from poolserve.service.frontend.plans import PLANNERS, Batch
 from poolserve.service.frontend.spans import CharSpans
+from poolserve.service.observability.metrics import UNROUTED
 from poolserve.service.observability.tracing import RequestTrace
 from poolserve.service.state import ModelHandle, ServiceState
 
@@ -71,19 +72,23 @@ def service_state(request: Request) -> ServiceState:
 
 
 def check_serving(state: ServiceState, model_name: str | None) -> tuple[EngineClient, ModelHandle]:
-    """503 unless ready and not draining; 404 for another model's name."""
+    """The named model's engine and handle (the default model's when none is named): 503 unless
+    ready and not draining; 404 for a name no model is served as, listing the served names."""
+    served = state.find(model_name)
+    label = UNROUTED if served is None else served.name
     if state.draining:
-        state.metrics.on_reject("draining")
+        state.metrics.on_reject("draining", label)
         raise DrainingError()
-    if not state.ready or state.engine is None or state.model is None:
-        state.metrics.on_reject("not_ready")
+    if not state.ready or state.default is None:
+        state.metrics.on_reject("not_ready", label)
         raise NotReadyError("the server is not ready yet")
-    if model_name is not None and model_name not in state.model.served_names:
-        names = " or ".join(repr(name) for name in state.model.served_names)
+    if served is None:
+        names = [repr(name) for name in state.served]
+        listed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
         raise ModelNotFoundError(
-            f"model {model_name!r} does not exist; this server serves {names}", "model"
+            f"model {model_name!r} does not exist; this server serves {listed}", "model"
         )
-    return state.engine, state.model
+    return served.engine, served.handle
 
 
 async def submit(request: Request, job: Job) -> Submitted:
@@ -95,6 +100,8 @@ async def submit(request: Request, job: Job) -> Submitted:
 async def submit_job(state: ServiceState, job: Job, caller: Caller = IN_PROCESS) -> Submitted:
     """Checks, then 429 before any work, then tokenization off the loop, then one submission."""
     engine, model = check_serving(state, job.model)
+    caller.routed(model.served_name)
+    metrics = state.metrics.model(model.served_name)
     limit = embed_limit(job, model, engine.max_model_len)  # vLLM's max_embed_len, chunking
     tokenizing = model if limit is None else tokenizing_model(limit, model, job.truncate)
     plan = PLANNERS[type(job)](job, engine, tokenizing, state)
@@ -104,7 +111,7 @@ async def submit_job(state: ServiceState, job: Job, caller: Caller = IN_PROCESS)
     batch = await plan.tokenize()
     num_tokens = sum(len(ids) for ids in batch.token_ids)
     ended = time.monotonic()
-    state.metrics.tokenization.observe(ended - started)
+    metrics.tokenization.observe(ended - started)
     caller.tokenized(started, ended, len(batch.token_ids), num_tokens)
     slicing = None
     if limit is None:
@@ -114,7 +121,7 @@ async def submit_job(state: ServiceState, job: Job, caller: Caller = IN_PROCESS)
     else:
         check_lengths(limit, batch.token_ids)
         futures, slicing = await _submit_sliced(engine, batch, limit.slice_len, job.priority)
-    state.metrics.prompt_tokens.inc(num_tokens)
+    metrics.prompt_tokens.inc(num_tokens)
     caller.admitted(job.task, num_tokens)
     return Submitted(engine, model, tuple(futures), num_tokens, caller, slicing, batch.char_spans)
 

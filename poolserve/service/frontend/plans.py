@@ -56,9 +56,9 @@ class Plan:
 def plan_texts(job: TextJob, engine: EngineClient, model: ModelHandle, state: ServiceState) -> Plan:
     """One prompt per input (a sentence-transformers prompt prepended), or per conversation;
     with late chunking each input's spans ride in the parameters (spans.py)."""
-    on_reject = state.metrics.on_reject
+    on_reject = state.metrics.model(model.served_name).on_reject
     chats = job.chats
-    limit = state.settings.max_client_batch_size
+    limit = model.settings.max_client_batch_size
     if chats is not None:
         check_batch_size(len(chats), limit, "messages")
     raw = None if chats is not None else split_input(job.inputs, limit)
@@ -81,7 +81,7 @@ def plan_texts(job: TextJob, engine: EngineClient, model: ModelHandle, state: Se
     async def run() -> Batch:
         inputs = raw
         if chats is not None:  # vLLM's chat forms: their template adds the special tokens
-            trusted = state.settings.trust_request_chat_template
+            trusted = model.settings.trust_request_chat_template
             texts = await render_conversations(chats, model, trusted, on_reject)
             inputs = RawInputs(tuple(texts), None)
         assert inputs is not None
@@ -101,7 +101,8 @@ async def _late_batch(
     state: ServiceState,
 ) -> Batch:
     """Each text whole, its spans as token ranges in the parameters (one entry per prompt)."""
-    limit, on_reject = state.settings.max_client_batch_size, state.metrics.on_reject
+    limit = model.settings.max_client_batch_size
+    on_reject = state.metrics.model(model.served_name).on_reject
     ids, spans, chars = await late_prompts(plan, model, engine.max_model_len, limit, on_reject)
     return Batch(replace(params, token_spans=spans), ids, char_spans=chars)
 
@@ -133,7 +134,7 @@ def plan_pairs(
     job: ScoreJob, engine: EngineClient, model: ModelHandle, state: ServiceState
 ) -> Plan:
     """One prompt per pair (laid out as the model was trained), or one per text to compare."""
-    check_pairs(job, state.settings.max_client_batch_size)
+    check_pairs(job, model.settings.max_client_batch_size)
     task, joint = job.task, True
     if task is PoolingTask.SCORE:
         scorer = scorer_plan(engine.pooling_info)
@@ -155,7 +156,8 @@ def plan_pairs(
     typed_model = model.card.num_token_types > 0
 
     async def run() -> Batch:
-        prompts = await tokenize_job(job, model, mode, cuts, state.metrics.on_reject)
+        on_reject = state.metrics.model(model.served_name).on_reject
+        prompts = await tokenize_job(job, model, mode, cuts, on_reject)
         types = [p.token_type_ids for p in prompts]
         typed = typed_model and any(t is not None for t in types)
         return Batch(params, [p.token_ids for p in prompts], types if typed else None)

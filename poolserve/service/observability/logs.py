@@ -22,6 +22,8 @@ CLIENT_CLOSED_TEXT = "client closed the connection before its answer"
 CLIENT_CLOSED = 499  # nginx's status for a client that left before its answer
 # Where a route notes its request's admitted prompt tokens in the ASGI scope's state.
 PROMPT_TOKENS_KEY = "prompt_tokens"
+# Where the pipeline notes the served name of the model a request was routed to.
+MODEL_KEY = "model"
 # Attribute of a LogRecord that carries structured fields (set through `extra`).
 FIELDS_ATTR = "poolserve_fields"
 
@@ -35,6 +37,7 @@ class AccessRecord:
     route: str  # the route's template, or "unmatched"
     status: int
     duration_ms: float
+    model: str | None  # the served name of the model it was routed to; None: no model
     prompt_tokens: int | None  # None: the request tokenized nothing
     request_id: str
     client: str | None
@@ -44,7 +47,8 @@ class AccessRecord:
         """The text line: what the JSON form carries as separate keys."""
         text = (
             f"{self.method} {self.path} {self.status} {self.duration_ms:.1f}ms "
-            f"route={self.route} prompt_tokens={_or_dash(self.prompt_tokens)} "
+            f"route={self.route} model={_or_dash(self.model)} "
+            f"prompt_tokens={_or_dash(self.prompt_tokens)} "
             f"request_id={self.request_id} client={_or_dash(self.client)}"
         )
         if self.trace_id is not None:
@@ -62,18 +66,22 @@ def access_record(
     request_id: str,
     trace_id: str | None,
 ) -> AccessRecord:
-    """What the access log says about one request; prompt tokens as the route noted them."""
+    """What the access log says about one request; its model and prompt tokens as the
+    pipeline noted them."""
     client = scope.get("client")
     # the path as sent: decoded, a %0A could break the line
     raw = scope.get("raw_path")
     path = raw.decode("latin-1") if isinstance(raw, bytes) else str(scope.get("path", ""))
-    prompt_tokens = scope.get("state", {}).get(PROMPT_TOKENS_KEY)
+    noted = scope.get("state", {})
+    prompt_tokens = noted.get(PROMPT_TOKENS_KEY)
+    model = noted.get(MODEL_KEY)
     return AccessRecord(
         method=str(scope.get("method", "")),
         path=clip(path),
         route=route,
         status=status,
         duration_ms=round(duration_s * 1000, 3),
+        model=model if isinstance(model, str) else None,
         prompt_tokens=prompt_tokens if isinstance(prompt_tokens, int) else None,
         request_id=request_id,
         client=str(client[0]) if client else None,
