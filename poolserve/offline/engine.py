@@ -25,7 +25,7 @@ from poolserve.service.api.schemas import LateChunkingBody
 from poolserve.service.app import create_app
 from poolserve.service.errors import InvalidRequestError
 from poolserve.service.frontend.jobs import Requested, ScoreJob, TextJob, Truncate, TruncationSide
-from poolserve.service.frontend.pipeline import gather, submit_job
+from poolserve.service.frontend.pipeline import check_serving, gather, submit_job
 from poolserve.service.frontend.scoring import best_first, scores_of
 from poolserve.service.frontend.spans import LateChunking
 from poolserve.service.settings import ServerSettings
@@ -107,11 +107,14 @@ class AsyncPoolingEngine:
 
     @property
     def model(self) -> ModelHandle:
-        """The served model: its name, tokenizer, limits and card."""
-        model = self.state.model
-        if model is None:
+        """The default model: its name, tokenizer, limits and card."""
+        return self.handle(None)
+
+    def handle(self, name: str | None) -> ModelHandle:
+        """The model served as `name` (None: the default model); unknown names are refused."""
+        if self.state.default is None:
             raise RuntimeError("the engine is not started: use `async with` or await start()")
-        return model
+        return check_serving(self.state, name)[1]
 
     @property
     def supported_tasks(self) -> tuple[PoolingTask, ...]:
@@ -135,10 +138,12 @@ class AsyncPoolingEngine:
         add_special_tokens: bool | None = None,
         priority: int = 0,
         late_chunking: Mapping[str, Any] | None = None,
+        model: str | None = None,
     ) -> list[Pooled]:
         """Every input pooled for `task` (any of the model's tasks, token-level included).
 
-        Inputs are texts or token-id lists; the options mean what `/v1/pooling`'s fields mean.
+        Inputs are texts or token-id lists; the options mean what `/v1/pooling`'s fields mean;
+        `model` names one of the models served (the default model when None).
         `late_chunking` (task embed, texts) is the wire's object, `{"spans": [[(start, end),
         ...] per input]}` or `{"chunk_size": n}`: each input runs whole and its `Pooled.data`
         is `[num_spans, dim]`, one embedding per span in order.
@@ -166,11 +171,12 @@ class AsyncPoolingEngine:
                 add_special_tokens=add_special_tokens,
                 priority=priority,
                 late_chunking=chunking,
+                model=model,
             )
             outputs = await gather(await submit_job(self.state, job))
             return [Pooled(o.data, o.num_prompt_tokens) for o in outputs]
 
-        return await self._pieces(_with_spans(_as_inputs(inputs), late), piece)
+        return await self._pieces(_with_spans(_as_inputs(inputs), late), piece, model)
 
     async def embed(
         self, inputs: Inputs, *, late_chunking: Mapping[str, Any] | None = None, **options: Any
@@ -192,7 +198,7 @@ class AsyncPoolingEngine:
     async def classify(self, inputs: Inputs, **options: Any) -> list[Classification]:
         """Class probabilities and the best label of each input (`use_activation=False`: logits)."""
         pooled = await self.encode(inputs, PoolingTask.CLASSIFY, **options)
-        model = self.model
+        model = self.handle(options.get("model"))
         return [Classification(p.data, model.label_of(p.data), p.prompt_tokens) for p in pooled]
 
     async def score(
@@ -204,8 +210,10 @@ class AsyncPoolingEngine:
         truncate_prompt_tokens: int | None = None,
         truncation_side: TruncationSide | None = None,
         priority: int = 0,
+        model: str | None = None,
     ) -> list[float]:
-        """vLLM's /score: one query against each document, or query i against document i."""
+        """vLLM's /score: one query against each document, or query i against document i
+        (`model`: one of the models served, the default when None)."""
         firsts, seconds = _texts(queries, "queries"), _texts(documents, "documents")
         if len(firsts) > 1 and len(firsts) != len(seconds):
             raise ValueError(
@@ -226,10 +234,11 @@ class AsyncPoolingEngine:
                 truncate=truncate,
                 use_activation=use_activation,
                 priority=priority,
+                model=model,
             )
             return list((await scores_of(job, await submit_job(self.state, job))).scores)
 
-        return await self._pieces(list(range(len(seconds))), piece)
+        return await self._pieces(list(range(len(seconds))), piece, model)
 
     async def rerank(
         self, query: str, documents: Sequence[str], *, top_n: int = 0, **options: Any
@@ -254,13 +263,17 @@ class AsyncPoolingEngine:
         return Reply(response.status_code, dict(response.headers), response.content)
 
     async def _pieces(
-        self, items: list[Any], run: Callable[[list[Any]], Awaitable[list[T]]]
+        self,
+        items: list[Any],
+        run: Callable[[list[Any]], Awaitable[list[T]]],
+        name: str | None,
     ) -> list[T]:
-        """`run` over pieces of `items`, concurrently within the engine's slots, in order."""
+        """`run` over pieces of `items`, concurrently within the engine's slots, in order
+        (pieces sized by the limits of the model served as `name`)."""
         slots = self._slots
         if slots is None:
             raise RuntimeError("the engine is not started: use `async with` or await start()")
-        model = self.model
+        model = self.handle(name)
         # a piece fits the engine's queue alone (half of it: other pieces keep it busy)
         most = max(1, min(PIECE_INPUTS, model.card.scheduler.max_num_queued_requests // 2))
 

@@ -163,3 +163,29 @@ def test_a_cancelled_call_frees_its_work(minilm_dir: Path) -> None:
             return after
 
     assert asyncio.run(run()) == (0, 0)
+
+
+def test_several_models_are_called_by_name(tmp_path: Path, minilm_dir: Path) -> None:
+    from sentence_transformers import CrossEncoder
+
+    from poolserve.service.errors import ModelNotFoundError
+    from tests.tiny_rerankers import save_cross_encoder
+
+    reranker = save_cross_encoder("bert_cls", tmp_path / "reranker")
+    models = tmp_path / "models.yaml"
+    models.write_text(
+        f"models:\n  - model: {minilm_dir}\n    served_model_name: embedder\n"
+        f"  - model: {reranker}\n    served_model_name: reranker\n    max_model_len: 64\n"
+    )
+    query, documents = "capital of france", ["paris is in france", "a cat sat"]
+    with PoolingEngine(models_config=str(models)) as engine:
+        vectors = engine.embed_array(TEXTS[:3])  # the default model: the first
+        scores = engine.score(query, documents, model="reranker")
+        ranked = engine.rerank(query, documents, model="reranker")
+        with pytest.raises(ModelNotFoundError):
+            engine.embed(["a"], model="no-such-model")
+    reference = SentenceTransformer(str(minilm_dir), device="cpu")
+    np.testing.assert_allclose(vectors, reference.encode(TEXTS[:3]), atol=1e-5)
+    want = CrossEncoder(str(reranker), device="cpu").predict([(query, d) for d in documents])
+    np.testing.assert_allclose(scores, want, atol=1e-5)
+    assert [r.index for r in ranked] == list(np.argsort(-want, kind="stable"))
