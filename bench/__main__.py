@@ -55,8 +55,11 @@ SEPARATE: dict[str, Callable[[Sequence[str]], None]] = {
     "soak": lambda argv: _with_list("soak", argv),
     "fleet": lambda argv: _with_list("fleet", argv),
     "fleet-ray": lambda argv: _with_list("fleet_ray", argv),
+    "ray-embed": lambda argv: _with_list("ray_embed", argv),
     "precision": lambda argv: _with_list("precision", argv),
     "frontend": lambda argv: _with_list("frontend", argv),
+    "models": lambda argv: _with_list("models", argv),
+    "embed-job": lambda argv: _with_list("embed_job", argv),
 }
 
 

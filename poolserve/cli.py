@@ -12,6 +12,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from poolserve.jobs.corpus.command import add_embed_command
+from poolserve.jobs.run_batch import add_run_batch
 from poolserve.service.cli import add_serve_command, package_version, serve, settings_from_args
 
 if TYPE_CHECKING:  # argparse's class takes a type argument only for type checkers
@@ -26,7 +28,7 @@ def _add_serve(commands: Commands) -> None:
 
 
 # command -> what adds its subparser; jobs import their heavy modules only when they run
-COMMANDS: tuple[Callable[[Commands], None], ...] = (_add_serve,)
+COMMANDS: tuple[Callable[[Commands], None], ...] = (_add_serve, add_run_batch, add_embed_command)
 
 
 def build_parser() -> argparse.ArgumentParser:
