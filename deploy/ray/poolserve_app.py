@@ -1,4 +1,4 @@
-"""poolserve as a Ray Serve application: each replica owns one engine behind poolserve's own app.
+"""poolserve as a Ray Serve application: each replica owns its engines behind poolserve's own app.
 
 Every replica builds the FastAPI app of `poolserve serve` (`poolserve.service.app.create_app`)
 and Serve routes HTTP to it unchanged, so every route, error shape and metric is the same as on
@@ -8,6 +8,7 @@ replica counts as started, and on shutdown Serve first waits for the requests in
 
     serve run --app-dir deploy/ray poolserve_app:build num_replicas=2
     serve run --app-dir deploy/ray poolserve_app:build min_replicas=1 max_replicas=4
+    serve run --app-dir deploy/ray poolserve_app:build models_config=deploy/models.yaml
 
 Arguments (`key=value` after the import path; all optional):
     num_replicas          fixed replica count (default 1), or
@@ -17,7 +18,11 @@ Arguments (`key=value` after the import path; all optional):
                           batches them; Serve's own default of 5 would starve it)
     gpus_per_replica      default 1 when the cluster has GPUs, else 0 (then the device is cpu)
     cpus_per_replica      default 1
-    server                poolserve flags as one string, e.g. "--model Qwen/Qwen3-Embedding-0.6B"
+    server                poolserve flags as one string, e.g. "--model Qwen/Qwen3-Embedding-0.6B",
+                          or several models: "MODEL_A MODEL_B" (each replica serves them all)
+    models_config         a models file (YAML, `poolserve serve --models-config`'s) read here,
+                          where `serve run` runs, and handed to every replica: replicas on other
+                          nodes need no copy of it (the models it names they still need)
 Every flag can also come as a POOLSERVE_* variable in the replicas' environment.
 """
 
@@ -25,6 +30,8 @@ from __future__ import annotations
 
 import logging
 import shlex
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -34,6 +41,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from poolserve.service.app import create_app
 from poolserve.service.cli import parse_settings
+from poolserve.service.models_config import served_models
 from poolserve.service.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -67,9 +75,13 @@ class ReplicaHeader:
 
 @serve.ingress()
 class PoolserveReplica:
-    """One engine on one device; HTTP goes to poolserve's own app."""
+    """One engine per model on one device; HTTP goes to poolserve's own app."""
 
-    def __init__(self, server_args: list[str]) -> None:
+    def __init__(self, server_args: list[str], models_text: str | None = None) -> None:
+        if models_text is not None:  # the models file `build` read, written where we run
+            path = Path(tempfile.mkdtemp(prefix="poolserve-models-")) / "models.yaml"
+            path.write_text(models_text)
+            server_args = [*server_args, "--models-config", str(path)]
         self.settings = _settings(server_args)
         self.state: Any = None
 
@@ -82,13 +94,16 @@ class PoolserveReplica:
         return app
 
     async def check_health(self) -> None:
-        """Healthy while the engine loop lives and the model is ready (Serve replaces it else)."""
+        """Healthy while every model is ready and its engine lives (Serve replaces it else)."""
         state = self.state
-        engine = None if state is None else state.engine
-        if engine is None or not state.ready:
-            raise RuntimeError("the model is not ready")
-        if engine.dead_reason is not None or not engine.is_alive:
-            raise RuntimeError(f"the engine stopped: {engine.dead_reason}")
+        if state is None or not state.ready or not state.models:
+            raise RuntimeError("the models are not ready")
+        for served in state.models:
+            engine = served.engine
+            if engine.dead_reason is not None or not engine.is_alive:
+                raise RuntimeError(
+                    f"model {served.name!r}: the engine stopped: {engine.dead_reason}"
+                )
 
 
 def _settings(server_args: list[str]) -> ServerSettings:
@@ -102,7 +117,12 @@ def build(args: dict[str, str]) -> Application:
     server_args = shlex.split(args.get("server", ""))
     if "--device" not in server_args:
         server_args += ["--device", "cuda" if gpus > 0 else "cpu"]
-    probe = _settings(server_args)
+    models_file = args.get("models_config")
+    if models_file is not None and "--models-config" in server_args:
+        raise ValueError("give the models file as models_config= or in server=, not both")
+    probe = _settings([*server_args, *(["--models-config", models_file] if models_file else [])])
+    served_models(probe)  # a models clash (names, keys, fractions) fails here, before any replica
+    models_text = None if models_file is None else Path(models_file).read_text()
     options: dict[str, Any] = {
         "ray_actor_options": {"num_gpus": gpus, "num_cpus": float(args.get("cpus_per_replica", 1))},
         "max_ongoing_requests": int(args.get("max_ongoing_requests", DEFAULT_MAX_ONGOING)),
@@ -122,7 +142,7 @@ def build(args: dict[str, str]) -> Application:
         }
     else:
         options["num_replicas"] = int(args.get("num_replicas", 1))
-    return serve.deployment(**options)(PoolserveReplica).bind(server_args)
+    return serve.deployment(**options)(PoolserveReplica).bind(server_args, models_text)
 
 
 def _cluster_has_gpus() -> bool:

@@ -127,9 +127,10 @@ def default_name(model: str | None) -> str:
 def served_models(settings: ServerSettings) -> ServedModels:
     """The models the settings name, each with its settings; refused clearly if they clash."""
     if settings.models_config is not None:
-        if settings.models:
+        if settings.models or settings.model is not None:
             raise ModelsConfigError(
-                "give the models either as arguments (or --models) or in --models-config, not both"
+                "give the models either as arguments (--model, --models) or in "
+                "--models-config, not both"
             )
         parsed = _read(settings.models_config)
         entries, default = parsed.models, parsed.default_model or settings.default_model

@@ -27,7 +27,7 @@ from tests.deploy.tools import (
 pytestmark = pytest.mark.slow
 
 KUBE_DIR = DEPLOY_DIR / "kubernetes"
-KUSTOMIZATIONS = ("base", "gpu", "cpu")
+KUSTOMIZATIONS = ("base", "gpu", "cpu", "several-models")
 OVERLAYS = ("gpu", "cpu")
 DEVICE_OF_OVERLAY = {"gpu": "cuda", "cpu": "cpu"}
 GPU_RESOURCE = "nvidia.com/gpu"

@@ -13,6 +13,7 @@ import yaml
 
 from poolserve.scheduler.stats import EngineSnapshot
 from poolserve.service.api import admin as routes_admin
+from poolserve.service.models_config import served_models
 from poolserve.service.observability.metrics import ServiceMetrics
 from poolserve.service.settings import ServerSettings
 from tests.deploy.kube import (
@@ -244,3 +245,21 @@ def test_download_job_fills_the_deployments_cache() -> None:
     }
     assert claims == {only(render("gpu"), "PersistentVolumeClaim")["metadata"]["name"]}
     assert "from poolserve.models.resolve import resolve_model_path" in download["command"][-1]
+
+
+def test_several_models_overlay_mounts_the_models_file_the_settings_name(
+    tmp_path: Path,
+) -> None:
+    objects = render("several-models")
+    settings = effective_settings(objects)
+    assert settings.models_config is not None and settings.model is None
+    mounts = {m["name"]: m["mountPath"] for m in container(objects)["volumeMounts"]}
+    volumes = only(objects, "Deployment")["spec"]["template"]["spec"]["volumes"]
+    (volume,) = [v for v in volumes if "configMap" in v and v["name"] in mounts]
+    folder = Path(mounts[volume["name"]])
+    assert Path(settings.models_config).parent == folder
+    (config,) = [o for o in objects if o["metadata"]["name"] == volume["configMap"]["name"]]
+    copy = tmp_path / Path(settings.models_config).name
+    copy.write_text(config["data"][copy.name])
+    served = served_models(settings.model_copy(update={"models_config": str(copy)}))
+    assert len(served.models) == 2

@@ -94,6 +94,8 @@ def test_arguments_and_a_file_together_are_refused(tmp_path: Path) -> None:
     path = _file(tmp_path, "models:\n  - model: a\n")
     with pytest.raises(ModelsConfigError, match="not both"):
         served_models(ServerSettings(model="x", models=["y"], models_config=path))
+    with pytest.raises(ModelsConfigError, match="not both"):  # --model alone, too
+        served_models(ServerSettings(model="x", models_config=path))
 
 
 def test_an_unreadable_file_is_refused(tmp_path: Path) -> None:
