@@ -94,17 +94,13 @@ def assert_close(got: object, want: torch.Tensor | np.ndarray) -> None:
     assert float(np.abs(arr - ref).max()) <= 1e-4 * scale
 
 
-@pytest.fixture(scope="session")
-def live_minilm() -> Iterator[httpx.Client]:
-    """A real `poolserve serve` process (uvicorn) on the bundled MiniLM, and a client for it.
-
-    The conformance modules replay each upstream's examples through it as well as through the
-    in-process app: the same answers over a real socket, HTTP parser and server.
-    """
+@contextmanager
+def live_server(*args: str) -> Iterator[httpx.Client]:
+    """A real `poolserve serve ARGS` process and a client for it; SIGTERM at the end."""
     from tests.service.test_server_process import free_port, start_server
 
     port = free_port()
-    process = start_server(port, "--served-model-name", *LIVE_NAMES)
+    process = start_server(port, *args)
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
             yield client
@@ -114,6 +110,17 @@ def live_minilm() -> Iterator[httpx.Client]:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             process.kill()
+
+
+@pytest.fixture(scope="session")
+def live_minilm() -> Iterator[httpx.Client]:
+    """A real `poolserve serve` process (uvicorn) on the bundled MiniLM, and a client for it.
+
+    The conformance modules replay each upstream's examples through it as well as through the
+    in-process app: the same answers over a real socket, HTTP parser and server.
+    """
+    with live_server("--served-model-name", *LIVE_NAMES) as client:
+        yield client
 
 
 @contextmanager

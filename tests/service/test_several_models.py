@@ -10,8 +10,6 @@ admission (429), metrics and the access log are per model. In process (TestClien
 from __future__ import annotations
 
 import logging
-import signal
-import subprocess
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,8 +25,7 @@ from starlette.testclient import TestClient
 from poolserve.service.app import create_app
 from poolserve.service.observability.logs import ACCESS_LOGGER, FIELDS_ATTR
 from poolserve.service.settings import ServerSettings
-from tests.service.conftest import queue_taken
-from tests.service.test_server_process import free_port, start_server
+from tests.service.conftest import live_server, queue_taken
 from tests.tiny_models import MINILM_DIR
 from tests.tiny_rerankers import save_cross_encoder
 
@@ -382,17 +379,8 @@ def test_a_model_that_fails_fails_the_start_naming_it(
 @pytest.fixture(scope="module")
 def live(reranker_dir: Path) -> Iterator[httpx.Client]:
     """`poolserve serve MINILM RERANKER --api-server-count 1`: served as their folder names."""
-    port = free_port()
-    process = start_server(port, str(MINILM_DIR), str(reranker_dir), "--api-server-count", "1")
-    try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
-            yield http
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+    with live_server(str(MINILM_DIR), str(reranker_dir), "--api-server-count", "1") as http:
+        yield http
 
 
 def test_a_server_process_serves_both(
