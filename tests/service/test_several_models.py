@@ -370,7 +370,7 @@ def test_a_model_that_fails_fails_the_start_naming_it(
         f"models:\n  - model: {MINILM_DIR}\n  - {entry.format(reranker=reranker_dir)}\n"
     )
     with (
-        pytest.raises(Exception, match=message),
+        pytest.raises(ValueError, match=message),
         TestClient(create_app(ServerSettings(models_config=str(path)))),
     ):
         pass
