@@ -14,6 +14,7 @@ from poolserve.models.attention import build_attention_metadata
 from poolserve.models.kv_cache import PagedKVCache
 from poolserve.models.spec import LoadedModel
 from poolserve.pooling.pooler import ChunkInput, RequestPooler, pool_chunks
+from poolserve.scheduler.cpu_threads import StepThreads, matmul_flops_per_token
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,12 @@ class Runner:
             else None
         )
         self.copy_stream = torch.cuda.Stream(device) if self.is_cuda else None
+        # CPU forwards: as many threads as the step has work for (scheduler/cpu_threads.py)
+        self.step_threads = (
+            None
+            if self.is_cuda
+            else StepThreads(matmul_flops_per_token(loaded.model), torch.get_num_threads())
+        )
 
     def prepare(self, step_index: int, chunks: Sequence[ChunkWork]) -> PreparedStep:
         """Fill the host slot of this step with token ids, positions and types (loop thread)."""
@@ -129,6 +136,8 @@ class Runner:
         started_at = time.monotonic()
         start = time.perf_counter()
         try:
+            if self.step_threads is not None:
+                self.step_threads.apply(step.num_tokens)
             with torch.inference_mode():
                 hidden = self._forward(step)  # [num_tokens, hidden]
                 pooled = pool_chunks(hidden, _chunk_inputs(step), [c.pooler for c in step.chunks])
