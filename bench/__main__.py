@@ -60,6 +60,7 @@ SEPARATE: dict[str, Callable[[Sequence[str]], None]] = {
     "frontend": lambda argv: _with_list("frontend", argv),
     "models": lambda argv: _with_list("models", argv),
     "embed-job": lambda argv: _with_list("embed_job", argv),
+    "step-threads": lambda argv: _with_list("step_threads", argv),
 }
 
 

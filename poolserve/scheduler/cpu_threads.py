@@ -2,22 +2,24 @@
 
 A thread that runs out of work sleeps (the server sets OpenMP's passive wait policy so that idle
 pool threads leave the cores to the front ends), and every parallel operator then wakes it again:
-tens of microseconds per operator, more than a small operator's whole work. Measured on 2 cores,
-a 2-layer hidden-64 BERT step of 16 tokens ran in 1.3 ms on one thread against 2.5 ms on two; the
-real all-MiniLM-L6-v2 (about 21 MFLOP a token) already gained from two threads at one 16-token
-text. So a step gets one thread per `FLOPS_PER_THREAD` of its estimated work, at least one and at
-most the process's torch thread count (OMP_NUM_THREADS or torch's default), the way torch's own
-grain size keeps small element-wise operators on one thread. Only CPU devices: a GPU's forward
-does not run on these threads.
+tens of microseconds per operator, more than a small operator's whole work. Measured on 2 cores
+(`python -m bench step-threads`, docs/benchmarks.md): a step of the front-end bench's tiny BERT
+ran faster on one thread at every size up to 64 prompts (1.06 against 2.31 ms for one prompt),
+and the real all-MiniLM-L6-v2 (21 MFLOP a token) ran one 16-token prompt in 10.6 ms on one
+thread against 14.5 ms on two, broke even at 4 prompts and gained 1.5x from two threads at 16.
+So a step gets one thread per `FLOPS_PER_THREAD` of its estimated work, at least one and at most
+the process's torch thread count (OMP_NUM_THREADS or torch's default), the way torch's own grain
+size keeps small element-wise operators on one thread. Only CPU devices: a GPU's forward does
+not run on these threads.
 """
 
 from __future__ import annotations
 
 import torch
 
-# About 4 ms of one core's float32 matmul work on the machines measured: a sleeping thread's wake
-# per operator is amortised well before this, and a step below it runs on one thread.
-FLOPS_PER_THREAD = 128e6
+# About 15 ms of one core's float32 matmul work on the machine measured: MiniLM's break-even at
+# 4 prompts of 16 tokens is 1.4 GFLOP for two threads; below one share a step runs on one thread.
+FLOPS_PER_THREAD = 512e6
 
 
 def matmul_flops_per_token(model: torch.nn.Module) -> int:

@@ -29,17 +29,17 @@ LAYER = re.compile(r"(^|\.)layers?\.\d+\.")  # BERT's encoder.layer.0., Llama's 
     ("num_tokens", "expected"),
     [
         (1, 1),
-        (127, 1),  # 127 MFLOP: below one thread's share of 128
+        (127, 1),  # below one thread's share
         (255, 1),
-        (256, 2),  # 256 MFLOP: two shares
+        (256, 2),  # two shares
         (383, 2),
         (384, 3),
         (10_000, 4),  # never above the process's count
     ],
 )
 def test_a_step_gets_one_thread_per_share_of_its_work(num_tokens: int, expected: int) -> None:
-    threads = StepThreads(flops_per_token=1_000_000, max_threads=4)
-    assert cpu_threads.FLOPS_PER_THREAD == 128e6
+    # one thread's share of work is 128 tokens
+    threads = StepThreads(flops_per_token=int(cpu_threads.FLOPS_PER_THREAD // 128), max_threads=4)
     assert threads.threads_for(num_tokens) == expected
 
 
