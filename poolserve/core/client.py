@@ -2,8 +2,9 @@
 
 Checks that need only the model card (parameters, prompt lengths and ids, token types) and
 the early 429 (against the core's admission counters, mirrored from every message it sends)
-run here without a round trip; `submit_many` waits for the core's one admission decision,
-which counts every front end's work. The core's silence for `timeout_s`, or its connection
+run here without a round trip; `submit_many` sends the prompts and returns their futures at
+once: the core's admission, which counts every front end's work, decides, and what it refuses
+fails those futures with its error. The core's silence for `timeout_s`, or its connection
 closing, marks it dead: waiting requests fail with `EngineDeadError` (503) at once.
 """
 
@@ -22,14 +23,12 @@ import numpy as np
 from poolserve.core import protocol
 from poolserve.core.card import ModelCard
 from poolserve.core.protocol import (
-    Accepted,
     Beat,
     Cancel,
     Card,
     Hello,
     Load,
     Query,
-    Refused,
     Results,
     Snapshot,
     Submit,
@@ -49,8 +48,6 @@ logger = logging.getLogger(__name__)
 # which waiting caller a reply answers: the card answers connect(), the others name theirs
 REPLY_KEYS: dict[type, Callable[[Any], int]] = {
     Card: lambda message: -1,
-    Accepted: lambda message: message.batch,
-    Refused: lambda message: message.batch,
     Snapshot: lambda message: message.token,
 }
 # How often a front end tries to reach an engine core that is not listening yet.
@@ -78,14 +75,12 @@ class EngineClient:
         self._ids = itertools.count()
         self._pending: dict[int, asyncio.Future[PoolingOutput]] = {}
         self._id_of: dict[asyncio.Future[PoolingOutput], int] = {}
-        self._replies: dict[int, asyncio.Future[object]] = {}  # acks, snapshots, the card
+        self._replies: dict[int, asyncio.Future[object]] = {}  # snapshots, the card
         self._tasks: list[asyncio.Task[None]] = []
         self._last_heard = time.monotonic()
         self.last_snapshot: EngineSnapshot | None = None
         self._handlers: dict[type, Callable[[Any, list[memoryview]], None]] = {
             Card: self._on_reply,
-            Accepted: self._on_reply,
-            Refused: self._on_reply,
             Snapshot: self._on_reply,
             Results: self._on_results,
             Beat: lambda message, frames: None,
@@ -183,6 +178,15 @@ class EngineClient:
             self.observer.on_reject(exc.reason.value)
             raise
 
+    def _reserve(self, num_requests: int, num_tokens: int) -> None:
+        """Count a submission in the mirrored counters (the core's next message replaces them)."""
+        assert self._admission is not None, "connect() first"
+        try:
+            self._admission.reserve(num_requests, num_tokens)
+        except OverloadedError as exc:
+            self.observer.on_reject(exc.reason.value)
+            raise
+
     def check_params(self, params: PoolingParams) -> None:
         """Refuse parameters this model cannot serve, before any work is done for them."""
         validate_params(self.card.pooling_info, params)
@@ -194,7 +198,13 @@ class EngineClient:
         priority: int = 0,
         token_type_ids: Sequence[Sequence[int] | None] | None = None,
     ) -> list[asyncio.Future[PoolingOutput]]:
-        """Admit all prompts or none (the core decides); each gets a future."""
+        """Admit all prompts or none; each gets a future, at once.
+
+        The core does not acknowledge a submission (a reply per request would cost both sides a
+        message and this caller a loop turn): what it refuses fails each future with the engine's
+        error. This front end first reserves the prompts in its copy of the core's counters, so
+        that its own burst between two messages from the core meets the 429 here, before any work.
+        """
         self.precheck(len(prompts))
         card = self.card
         ids = [checked_prompt(p, card.max_model_len, card.spec.vocab_size) for p in prompts]
@@ -202,6 +212,7 @@ class EngineClient:
         self.check_params(params)
         if not ids:
             return []
+        self._reserve(len(ids), sum(len(prompt) for prompt in ids))
         lengths, typed, frames = protocol.flat_prompts(ids, types)
         loop = asyncio.get_running_loop()
         request_ids = [next(self._ids) for _ in ids]
@@ -209,21 +220,7 @@ class EngineClient:
         for request_id, future in zip(request_ids, futures, strict=True):
             self._pending[request_id] = future
             self._id_of[future] = request_id
-        batch = next(self._ids)
-        reply = self._expect(batch)
-        self._send(Submit(batch, request_ids, lengths, params, priority, typed), frames)
-        try:
-            answer = await reply
-        except BaseException:
-            # the caller left (or the core was lost) before the core answered: whatever it
-            # admits meanwhile is cancelled there, and nothing stays pending here
-            for future in futures:
-                self.cancel_future(future)
-            raise
-        if isinstance(answer, Refused):
-            for future in futures:
-                self._forget(future)
-            raise protocol.rebuild_error(answer.error)
+        self._send(Submit(request_ids, lengths, params, priority, typed), frames)
         return futures
 
     def cancel_future(self, future: asyncio.Future[PoolingOutput]) -> None:

@@ -48,9 +48,11 @@ class Hello(msgspec.Struct, tag="hello", array_like=True):
 
 
 class Submit(msgspec.Struct, tag="submit", array_like=True):
-    """Prompts admitted all or none; frames: flat int64 token ids, then flat type ids if typed."""
+    """Prompts admitted all or none; frames: flat int64 token ids, then flat type ids if typed.
 
-    batch: int
+    Not acknowledged: a refused Submit comes back as a failure of each of its ids in Results.
+    """
+
     ids: list[int]  # the front end's request ids, one per prompt
     lengths: list[int]
     params: PoolingParams
@@ -78,21 +80,6 @@ class Card(msgspec.Struct, tag="card", array_like=True):
     load: Load
 
 
-class Accepted(msgspec.Struct, tag="accepted", array_like=True):
-    """A Submit was admitted; its outputs follow in Results."""
-
-    batch: int
-    load: Load
-
-
-class Refused(msgspec.Struct, tag="refused", array_like=True):
-    """A Submit was refused as a whole (overload, bad prompt, draining, dead engine)."""
-
-    batch: int
-    error: WireError
-    load: Load
-
-
 class OutputHead(msgspec.Struct, array_like=True):
     """One finished request; its data is the next buffer frame."""
 
@@ -106,7 +93,8 @@ class OutputHead(msgspec.Struct, array_like=True):
 
 
 class Results(msgspec.Struct, tag="results", array_like=True):
-    """Outputs and failures delivered since the last Results; frames: each output's data."""
+    """Outputs and failures since the last Results (a refused Submit: each of its ids fails with
+    the engine's error); frames: each output's data."""
 
     outputs: list[OutputHead]
     failures: list[tuple[int, WireError]]
@@ -129,7 +117,7 @@ class Beat(msgspec.Struct, tag="beat", array_like=True):
 
 
 ToCore = Hello | Submit | Cancel | Query
-ToFrontEnd = Card | Accepted | Refused | Results | Snapshot | Beat
+ToFrontEnd = Card | Results | Snapshot | Beat
 
 _encoder = msgspec.msgpack.Encoder()
 _to_core = msgspec.msgpack.Decoder(ToCore)

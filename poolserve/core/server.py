@@ -1,7 +1,8 @@
 """`EngineCore`: one engine served to any number of front ends on a Unix socket.
 
 The core's event loop only moves messages: a Submit becomes one `Engine.submit_many` (the
-engine's own admission decides, counted across every front end), each output is queued for
+engine's own admission decides, counted across every front end; a refusal is not a reply of
+its own, each prompt of the Submit fails with the engine's error), each output is queued for
 its front end as its future resolves, and everything one step delivered to a front end leaves
 as one Results message. The engine's mechanisms (async scheduling, clone-before-copy, task
 gating, priority, prefix caching) are untouched: the core is a transport around `Engine`.
@@ -22,7 +23,6 @@ import numpy as np
 from poolserve.core import protocol
 from poolserve.core.card import ModelCard
 from poolserve.core.protocol import (
-    Accepted,
     Beat,
     Cancel,
     Card,
@@ -30,7 +30,6 @@ from poolserve.core.protocol import (
     Load,
     OutputHead,
     Query,
-    Refused,
     Results,
     Snapshot,
     Submit,
@@ -128,13 +127,13 @@ class EngineCore:
                 cast("list[Sequence[int] | None] | None", types),
                 checked=True,  # the front end checked them against the model card
             )
-        except Exception as exc:  # the engine's refusal, for the front end to raise as its own
-            self._send(who, Refused(message.batch, protocol.wire_error(exc), self.load()))
+        except Exception as exc:  # refused as a whole: each prompt fails with the engine's error
+            for request_id in message.ids:
+                self._queue(who, request_id, exc)
             return
         for request_id, future in zip(message.ids, futures, strict=True):
             self.pending[(who, request_id)] = future
             future.add_done_callback(partial(self._done, who, request_id))
-        self._send(who, Accepted(message.batch, self.load()))
 
     def _cancel(self, who: MessageStream, message: Cancel, frames: Sequence[memoryview]) -> None:
         for request_id in message.ids:
@@ -156,6 +155,10 @@ class EngineCore:
         result: PoolingOutput | BaseException | None = None  # None: the engine stopped first
         if not future.cancelled():
             result = future.exception() or future.result()
+        self._queue(who, request_id, result)
+
+    def _queue(self, who: MessageStream, request_id: int, result: Done) -> None:
+        """Queue one request's end for its front end; one flush per loop turn sends them."""
         self._outbox[who].append((request_id, result))
         if not self._flush_scheduled:
             self._flush_scheduled = True

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -86,6 +87,14 @@ def _until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
         time.sleep(0.01)
 
 
+async def _until_async(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """`_until` that lets the caller's loop run (and send what it has queued) meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition never held"
+        await asyncio.sleep(0.01)
+
+
 def test_outputs_equal_the_engine_run_in_process(
     core: CoreThread, tiny_model_dir: Callable[[str], Path]
 ) -> None:
@@ -121,8 +130,10 @@ def test_admission_counts_every_front_end(core: CoreThread) -> None:
         try:
             with _Held(core):
                 held = await first.submit_many(PROMPTS, EMBED)  # the queue's 4 places
+                # the second front end's copy of the counters may not know yet: the core refuses
+                # and its error fails the future
                 with pytest.raises(OverloadedError) as refused:
-                    await second.submit_many([[5, 6]], EMBED)
+                    await asyncio.gather(*await second.submit_many([[5, 6]], EMBED))
                 assert refused.value.reason is OverloadReason.QUEUE_FULL
                 assert refused.value.retry_after_s >= 1
             await asyncio.gather(*held)
@@ -171,7 +182,7 @@ def test_cancelling_frees_the_cores_work(core: CoreThread) -> None:
         try:
             with _Held(core):
                 futures = await client.submit_many(PROMPTS[:2], EMBED)
-                _until(lambda: core.call(lambda: len(engine.queues.by_id)) == 2)
+                await _until_async(lambda: core.call(lambda: len(engine.queues.by_id)) == 2)
                 client.cancel_future(futures[0])
                 assert futures[0].cancelled()
                 deadline = time.monotonic() + 5
@@ -194,18 +205,28 @@ def test_cancelling_frees_the_cores_work(core: CoreThread) -> None:
 
 def test_a_caller_that_leaves_before_admission_frees_the_cores_work(core: CoreThread) -> None:
     engine = core.engine
+    admitted: list[int] = []
+    submit_many = engine.submit_many
+
+    def counting_submit_many(prompts: Any, *args: Any, **kwargs: Any) -> Any:
+        futures = submit_many(prompts, *args, **kwargs)
+        admitted.append(len(futures))
+        return futures
 
     async def run() -> None:
         client = _client(core)
         await client.connect()
         try:
             with _Held(core):
-                task = asyncio.ensure_future(client.submit_many(PROMPTS[:2], EMBED))
-                await asyncio.sleep(0)  # the Submit is sent; its answer has not come
-                task.cancel()
-                with pytest.raises(asyncio.CancelledError):
-                    await task
+                futures = await client.submit_many(PROMPTS[:2], EMBED)
+                for future in futures:  # before the core has even read the Submit
+                    client.cancel_future(future)
                 assert not client.busy
+                deadline = time.monotonic() + 5
+                while not admitted:  # the core admits the Submit, then reads the Cancel
+                    assert time.monotonic() < deadline, "the core never admitted the Submit"
+                    await asyncio.sleep(0.01)
+                assert admitted == [2]
                 deadline = time.monotonic() + 5
                 while core.call(lambda: len(core.cores[0].pending)):
                     assert time.monotonic() < deadline, "the core kept work nobody waits for"
@@ -213,8 +234,33 @@ def test_a_caller_that_leaves_before_admission_frees_the_cores_work(core: CoreTh
         finally:
             await client.close()
 
-    asyncio.run(run())
+    core.call(lambda: setattr(engine, "submit_many", counting_submit_many))
+    try:
+        asyncio.run(run())
+    finally:
+        core.call(lambda: delattr(engine, "submit_many"))
     _until(lambda: core.call(lambda: engine.admission.queued_requests) == 0)
+
+
+def test_a_front_ends_own_burst_meets_the_429_before_the_core(core: CoreThread) -> None:
+    engine = core.engine
+
+    async def run() -> None:
+        client = _client(core)
+        await client.connect()
+        try:
+            with _Held(core):
+                held = await client.submit_many(PROMPTS, EMBED)  # the queue's 4 places
+                # no message from the core in between: its own reservations refuse the fifth
+                with pytest.raises(OverloadedError) as refused:
+                    await client.submit_many([[5, 6]], EMBED)
+                assert refused.value.reason is OverloadReason.QUEUE_FULL
+                assert core.call(lambda: engine.admission.queued_requests) <= len(PROMPTS)
+            await asyncio.gather(*held)
+        finally:
+            await client.close()
+
+    asyncio.run(run())
 
 
 def test_refusals_are_the_engines_own_errors(core: CoreThread) -> None:
@@ -229,8 +275,8 @@ def test_refusals_are_the_engines_own_errors(core: CoreThread) -> None:
             with pytest.raises(UnsupportedTaskError):
                 client.check_params(PoolingParams(task=PoolingTask.CLASSIFY))
             core.call(lambda: setattr(core.engine, "draining", True))
-            with pytest.raises(DrainingError):
-                await client.submit_many([[5]], EMBED)  # the core refuses; its error arrives
+            with pytest.raises(DrainingError):  # the core refuses; its error fails the future
+                await asyncio.gather(*await client.submit_many([[5]], EMBED))
         finally:
             await client.close()
 
@@ -283,7 +329,7 @@ def test_a_front_end_that_leaves_frees_its_work(core: CoreThread) -> None:
         await client.connect()
         with _Held(core):
             futures = await client.submit_many(PROMPTS[:3], EMBED)
-            assert core.call(lambda: engine.admission.queued_requests) == 3
+            await _until_async(lambda: core.call(lambda: engine.admission.queued_requests) == 3)
             assert client.stream is not None
             client.stream.close()  # as a front-end process that dies
             outcomes = await asyncio.gather(*futures, return_exceptions=True)
@@ -353,10 +399,12 @@ def _outcome(info: object, params: PoolingParams) -> str:
 )
 def test_errors_cross_as_their_own_class(error: Exception) -> None:
     wire = protocol.decode_to_front_end(
-        protocol.encode(protocol.Refused(1, protocol.wire_error(error), _load()))
+        protocol.encode(protocol.Results([], [(7, protocol.wire_error(error))], [], _load()))
     )
-    assert isinstance(wire, protocol.Refused)
-    rebuilt = protocol.rebuild_error(wire.error)
+    assert isinstance(wire, protocol.Results)
+    ((request_id, failure),) = wire.failures
+    assert request_id == 7
+    rebuilt = protocol.rebuild_error(failure)
     assert type(rebuilt) is type(error)
     assert str(rebuilt) == str(error)
     assert rebuilt.__dict__ == error.__dict__
@@ -373,7 +421,7 @@ def test_prompts_cross_as_one_buffer_with_their_type_ids() -> None:
     prompts = [np.array([1, 2, 3]), np.array([4]), np.array([5, 6])]
     types = [np.array([0, 0, 1]), None, np.array([1, 1])]
     lengths, typed, frames = protocol.flat_prompts(prompts, types)
-    message = protocol.Submit(7, [1, 2, 3], lengths, EMBED, 0, typed)
+    message = protocol.Submit([1, 2, 3], lengths, EMBED, 0, typed)
     decoded = protocol.decode_to_core(protocol.encode(message))
     assert isinstance(decoded, protocol.Submit) and decoded.params == EMBED
     got, got_types = protocol.split_prompts(decoded, [bytes(f) for f in frames])

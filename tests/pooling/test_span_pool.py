@@ -165,7 +165,7 @@ def test_token_spans_cross_the_engine_core_boundary() -> None:
     params = PoolingParams(task=PoolingTask.EMBED, token_spans=(((0, 2), (2, 5)), ((1, 3),)))
     prompts = [np.array([1, 2, 3, 4, 5]), np.array([6, 7, 8])]
     lengths, typed, _ = protocol.flat_prompts(prompts, [None, None])
-    message = protocol.Submit(3, [1, 2], lengths, params, 0, typed)
+    message = protocol.Submit([1, 2], lengths, params, 0, typed)
     decoded = protocol.decode_to_core(protocol.encode(message))
     assert isinstance(decoded, protocol.Submit)
     assert decoded.params == params and decoded.params.token_spans == params.token_spans
