@@ -37,6 +37,7 @@ from poolserve.scheduler.errors import (
     StepFailedError,
 )
 from poolserve.scheduler.request import RequestStatus
+from tests.core.waiting import until
 
 EMBED = PoolingParams(task=PoolingTask.EMBED)
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16, 17, 18], [19]]
@@ -85,14 +86,6 @@ def _until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition never held"
         time.sleep(0.01)
-
-
-async def _until_async(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    """`_until` that lets the caller's loop run (and send what it has queued) meanwhile."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition never held"
-        await asyncio.sleep(0.01)
 
 
 def test_outputs_equal_the_engine_run_in_process(
@@ -182,7 +175,7 @@ def test_cancelling_frees_the_cores_work(core: CoreThread) -> None:
         try:
             with _Held(core):
                 futures = await client.submit_many(PROMPTS[:2], EMBED)
-                await _until_async(lambda: core.call(lambda: len(engine.queues.by_id)) == 2)
+                await until(lambda: core.call(lambda: len(engine.queues.by_id)) == 2)
                 client.cancel_future(futures[0])
                 assert futures[0].cancelled()
                 deadline = time.monotonic() + 5
@@ -329,7 +322,7 @@ def test_a_front_end_that_leaves_frees_its_work(core: CoreThread) -> None:
         await client.connect()
         with _Held(core):
             futures = await client.submit_many(PROMPTS[:3], EMBED)
-            await _until_async(lambda: core.call(lambda: engine.admission.queued_requests) == 3)
+            await until(lambda: core.call(lambda: engine.admission.queued_requests) == 3)
             assert client.stream is not None
             client.stream.close()  # as a front-end process that dies
             outcomes = await asyncio.gather(*futures, return_exceptions=True)

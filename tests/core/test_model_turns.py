@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ from poolserve.pooling.params import PoolingParams, PoolingTask
 from poolserve.scheduler.engine import Engine
 from poolserve.scheduler.observer import NullObserver
 from poolserve.scheduler.runner import PreparedStep, StepResult
+from tests.core.waiting import until
 
 EMBED = PoolingParams(task=PoolingTask.EMBED)
 # 12 prompts of 64 tokens at 16 tokens a step: 48 steps of A queued
@@ -187,17 +189,14 @@ def _measure(tiny_model_dir: Callable[[str], Path], control: _AfterA | None = No
     return asyncio.run(run())
 
 
+# steps of a tiny model: poll often, allow for a loaded machine
+_until = partial(until, timeout_s=30.0, poll_s=0.001)
+
+
 def _started_after_asking(log: list[tuple[str, str, int]], held: int) -> int:
     """A's forwards that started after the held one (B was waiting by then) and before B's."""
     b_start = log.index(("B", "start", 0))
     return sum(1 for name, what, i in log[:b_start] if name == "A" and what == "start" and i > held)
-
-
-async def _until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition never held"
-        await asyncio.sleep(0.001)
 
 
 def test_a_short_request_waits_for_at_most_the_step_in_flight(
