@@ -6,12 +6,14 @@ import asyncio
 import copy
 import dataclasses
 import gc
+import inspect
 import logging
 import math
 import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
+from typing import Any
 
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
@@ -36,6 +38,7 @@ from poolserve.service.frontend.jobs import (
 )
 from poolserve.service.frontend.pair_template import probe_pair_template
 from poolserve.service.frontend.prompts import Prompts
+from poolserve.service.frontend.routing import DirectRoutes
 from poolserve.service.frontend.texts import encode_texts, truncation_for
 from poolserve.service.frontend.truncation import special_tokens
 from poolserve.service.models_config import ServedModel, ServedModels, served_models
@@ -49,6 +52,14 @@ logger = logging.getLogger(__name__)
 WARMUP_TEXT = "poolserve warm-up"
 # What the process supervisor sends a front end when the engine core process has exited.
 CORE_LOST_SIGNAL = signal.SIGUSR1
+# The edge makes each request's server span and the service counts its own metrics: FastAPI's
+# native OpenTelemetry (FastAPI >= 0.165, on whenever a global provider is configured) would add
+# a second span per request and checks the providers on every request.
+FASTAPI_TELEMETRY_OFF: dict[str, Any] = (
+    {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+    if "telemetry" in inspect.signature(FastAPI).parameters
+    else {}
+)
 
 
 def create_app(
@@ -90,6 +101,7 @@ def create_app(
         docs_url=None,
         redoc_url=None,
         root_path=settings.root_path,  # as vLLM: routes answer with or without the prefix
+        **FASTAPI_TELEMETRY_OFF,
     )
     app.state.poolserve = state
     app.state.inflight = inflight
@@ -107,6 +119,8 @@ def create_app(
     )
     for router in routers:
         app.include_router(router)
+    # inside the edge (added first): every request still meets the edge's checks and accounting
+    app.add_middleware(DirectRoutes, routes=[r for router in routers for r in router.routes])
     app.add_middleware(EdgeMiddleware, state=state, inflight=inflight)
     if settings.allowed_origins:
         # added last, so outermost: preflights are answered before the API key check

@@ -7,9 +7,9 @@ Shapes and rules read from TEI's router and core (`router/src/http/types.rs`, `s
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from fastapi import Request
 from starlette.responses import Response
@@ -40,18 +40,9 @@ def mark(request: Request) -> None:
 
 
 class TEIRoute(StrictJSONRoute):
-    """A route only TEI's clients call: marked before its body is read, so that body and
-    validation errors answer in TEI's shape too."""
+    """A route only TEI's clients call: its body and validation errors answer in TEI's shape."""
 
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        """The strict handler, after the mark."""
-        handler = super().get_route_handler()
-
-        async def tei(request: Request) -> Response:
-            mark(request)
-            return await handler(request)
-
-        return tei
+    error_family = TEI_FAMILY
 
 
 def empty(field: str) -> InvalidRequestError:

@@ -12,6 +12,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
+from starlette.types import Scope
 
 from poolserve.models.errors import ModelError
 from poolserve.pooling.errors import PoolingError
@@ -44,31 +45,33 @@ def _validation_response(exc: RequestValidationError, family: str | None) -> Res
     )
 
 
-def _family(request: Request) -> str | None:
+def family_of(scope: Scope) -> str | None:
     """The client family a route marked its request with (None: OpenAI's error body)."""
-    family = request.scope.get("state", {}).get(ERROR_FAMILY_KEY)
+    family = scope.get("state", {}).get(ERROR_FAMILY_KEY)
     return family if isinstance(family, str) else None
+
+
+def error_answer(exc: Exception, scope: Scope) -> Response:
+    """The one table's answer to any error, in the shape of the family the request was marked
+    with: what the app's handlers answer, and the edge for what reaches it unanswered."""
+    family = family_of(scope)
+    if isinstance(exc, RequestValidationError):
+        return _validation_response(exc, family)
+    if isinstance(exc, StarletteHTTPException):
+        return http_error_response(exc, family)
+    return response_for(exc, family=family)
 
 
 def install_error_handlers(app: FastAPI) -> None:
     """Route every error through the table above."""
 
-    async def on_validation(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, RequestValidationError)
-        return _validation_response(exc, _family(request))
+    async def on_error(request: Request, exc: Exception) -> Response:
+        return error_answer(exc, request.scope)
 
-    async def on_http(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, StarletteHTTPException)
-        return http_error_response(exc, _family(request))
-
-    async def on_any(request: Request, exc: Exception) -> Response:
-        return response_for(exc, family=_family(request))
-
-    app.add_exception_handler(RequestValidationError, on_validation)
-    app.add_exception_handler(StarletteHTTPException, on_http)
-    for domain_error in (APIError, ModelError, PoolingError, SchedulerError):
-        app.add_exception_handler(domain_error, on_any)
-    app.add_exception_handler(Exception, on_any)  # last resort: 500 with no details
+    classes = (RequestValidationError, StarletteHTTPException)
+    for error_class in (*classes, APIError, ModelError, PoolingError, SchedulerError):
+        app.add_exception_handler(error_class, on_error)
+    app.add_exception_handler(Exception, on_error)  # last resort: 500 with no details
 
 
 class ErrorInfo(BaseModel):

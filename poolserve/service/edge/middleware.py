@@ -14,6 +14,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from poolserve.service.edge.handlers import error_answer
 from poolserve.service.errors import (
     CLOSE,
     APIError,
@@ -24,7 +25,6 @@ from poolserve.service.errors import (
     ShutdownError,
     clip,
     error_line,
-    http_error_response,
     response_for,
 )
 from poolserve.service.observability.logs import (
@@ -197,12 +197,10 @@ class EdgeMiddleware:
         except Exception as exc:
             if exchange.started:
                 raise
-            # answered here rather than by Starlette's outermost handler, so a bug is logged
-            # once and its 500 carries the edge's headers
-            if isinstance(exc, EdgeError):
-                await http_error_response(exc)(scope, receive, send)
-            else:
-                await response_for(exc)(scope, receive, send)
+            # what the app left unanswered (a direct route's errors, a bug) is answered here by
+            # the app's own table rather than by Starlette's outermost handler, so a bug is
+            # logged once and its 500 carries the edge's headers
+            await error_answer(exc, scope)(scope, receive, send)
 
     def _check(self, open_path: bool, headers: dict[str, str], repeated: str | None) -> None:
         if repeated is not None:

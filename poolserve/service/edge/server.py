@@ -6,6 +6,8 @@ import asyncio
 import logging
 import socket
 import time
+from collections.abc import Callable
+from functools import partial
 from http import HTTPStatus
 from types import FrameType
 from typing import Any, cast
@@ -18,6 +20,7 @@ from uvicorn.server import ServerState as UvicornState
 from poolserve.service.app import create_app
 from poolserve.service.edge.middleware import SECURITY_HEADERS, InFlight
 from poolserve.service.errors import error_document
+from poolserve.service.frontend.callers import CLOSE_WATCH
 from poolserve.service.settings import ServerSettings
 from poolserve.service.state import ServiceState
 
@@ -166,6 +169,8 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         self.head_size = 0  # parsed size of the current head
         self.in_head = True  # the next bytes belong to a request line or headers
         self.head_timer: asyncio.TimerHandle | None = None
+        self.closed = False
+        self.close_watchers: set[Callable[[], None]] = set()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         """Start the clock: a connection that sends nothing is closed too."""
@@ -173,9 +178,21 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         self._arm_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        """Stop the clock."""
+        """Stop the clock; tell the requests that wait for their answers."""
         self._disarm_head_timer()
         super().connection_lost(exc)
+        self.closed = True
+        watchers, self.close_watchers = self.close_watchers, set()
+        for callback in watchers:
+            callback()
+
+    def _watch_close(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """CLOSE_WATCH: `callback()` once this connection closes; returns what stops watching."""
+        if self.closed:
+            self.loop.call_soon(callback)
+        else:
+            self.close_watchers.add(callback)
+        return partial(self.close_watchers.discard, callback)
 
     def data_received(self, data: bytes) -> None:
         """Count head bytes; refuse once they pass the limit without the head being complete."""
@@ -187,9 +204,11 @@ class EdgeHttpProtocol(HttpToolsProtocol):
             self._refuse_large_head()
 
     def on_message_begin(self) -> None:
-        """A new head starts."""
+        """A new head starts; its request may watch the connection (no task of its own)."""
         super().on_message_begin()
         self.head_size = 0
+        extensions: dict[str, Any] = self.scope.setdefault("extensions", {})
+        extensions[CLOSE_WATCH] = self._watch_close
 
     def on_url(self, url: bytes) -> None:
         """Count the target toward the head limit."""

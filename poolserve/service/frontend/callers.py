@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 from fastapi import Request
@@ -15,6 +16,9 @@ from poolserve.service.observability.logs import MODEL_KEY, PROMPT_TOKENS_KEY
 from poolserve.service.observability.tracing import NO_TRACE, RequestTrace, SpanRecord, trace_of
 
 logger = logging.getLogger(__name__)
+# A scope extension of this service's HTTP server: watch(callback) calls callback when the
+# request's connection closes and returns what stops watching.
+CLOSE_WATCH = "poolserve.close_watch"
 
 
 class Caller(Protocol):
@@ -33,8 +37,9 @@ class Caller(Protocol):
     def admitted(self, task: PoolingTask, num_tokens: int) -> None:
         """The engine took the job's prompts."""
 
-    async def left(self) -> None:
-        """Returns when the caller has gone (never, for one that waits for its answer)."""
+    def on_leave(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call `callback` once if the caller goes (never, for one that waits for its answer);
+        returns what stops watching."""
 
 
 class InProcess:
@@ -51,9 +56,9 @@ class InProcess:
     def admitted(self, task: PoolingTask, num_tokens: int) -> None:
         """Nothing beyond the metrics."""
 
-    async def left(self) -> None:
+    def on_leave(self, callback: Callable[[], None]) -> Callable[[], None]:
         """It waits for its answer: cancelling the wait is how it leaves."""
-        await asyncio.get_running_loop().create_future()
+        return _nothing
 
 
 IN_PROCESS = InProcess()
@@ -90,9 +95,30 @@ class HTTPCaller:
         scope_state[PROMPT_TOKENS_KEY] = total
         self.trace.set({"poolserve.prompt_tokens": total, "poolserve.task": task.value})
 
-    async def left(self) -> None:
-        """Returns when the client closes the connection (the body has been read already)."""
+    def on_leave(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call `callback` when the client closes the connection (the body has been read).
+
+        Under this server the connection says so itself (`CLOSE_WATCH`, no task per request);
+        elsewhere a task waits for the ASGI disconnect message.
+        """
+        watch = self.request.scope.get("extensions", {}).get(CLOSE_WATCH)
+        if watch is not None:
+            stop: Callable[[], None] = watch(callback)
+            return stop
+        waiter = asyncio.ensure_future(self._disconnect())
+        waiter.add_done_callback(lambda done: None if done.cancelled() else callback())
+
+        def unwatch() -> None:
+            waiter.cancel()
+
+        return unwatch
+
+    async def _disconnect(self) -> None:
         while True:
             message = await self.request.receive()
             if message["type"] == "http.disconnect":
                 return
+
+
+def _nothing() -> None:
+    """Nothing to stop."""

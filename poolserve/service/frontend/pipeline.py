@@ -159,7 +159,7 @@ async def gather(run: Submitted) -> list[PoolingOutput]:
     """All outputs in input order; a caller that goes away cancels the rest of its work."""
     if not run.futures:
         return []
-    finished = asyncio.get_running_loop().create_future()
+    finished: asyncio.Future[bool] = asyncio.get_running_loop().create_future()  # True: all in
     left = len(run.futures)
 
     def on_done(future: asyncio.Future[PoolingOutput]) -> None:
@@ -168,21 +168,24 @@ async def gather(run: Submitted) -> list[PoolingOutput]:
         # the first failure ends the wait: its error is the answer, the rest is cancelled
         failed = future.cancelled() or future.exception() is not None
         if (failed or left == 0) and not finished.done():
-            finished.set_result(None)
+            finished.set_result(True)
+
+    def on_leave() -> None:
+        if not finished.done():
+            finished.set_result(False)
 
     for future in run.futures:
         future.add_done_callback(on_done)
-    watcher = asyncio.ensure_future(run.caller.left())
+    stop_watching = run.caller.on_leave(on_leave)
     try:
-        await asyncio.wait((finished, watcher), return_when=asyncio.FIRST_COMPLETED)
-        if not finished.done():
+        if not await finished:
             raise ClientDisconnectedError("the client closed the connection")
         # every future is done unless one failed; then the first failure in input order raises
         outputs = [_output(f) for f in run.futures if f.done()]
         run.trace.add_outputs(outputs)
         return outputs if run.slicing is None else run.slicing.join(outputs)
     finally:
-        watcher.cancel()
+        stop_watching()
         for future in run.futures:
             future.remove_done_callback(on_done)
         _cancel_unfinished(run)
