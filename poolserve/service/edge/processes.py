@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
@@ -226,9 +227,22 @@ def _core_main(settings: ServerSettings, address: str) -> None:
     configure_logging(settings.log_level, settings.log_format)
     fix_mmap_threshold()
     served = served_models(settings)
-    code = asyncio.run(serve_core_process(core_configs(served), address, _observers(served)))
+    serving = serve_core_process(core_configs(served), address, _observers(served))
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        code = runner.run(serving)
     logging.shutdown()
     os._exit(code)
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop where it is installed, as uvicorn picks for the front ends: the core's loop turns
+    once or more per step and per message, and uvloop's turn costs a fraction of asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
 
 
 def _observers(served: ServedModels) -> list[EngineObserver]:
