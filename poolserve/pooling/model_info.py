@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from functools import cached_property
 
 from torch import nn
 
@@ -110,7 +111,7 @@ class PoolingModelInfo:
         if heads and (self.num_labels is None or self.num_labels <= 0):
             raise PoolingConfigError("a classifier or reward head needs a positive num_labels")
 
-    @property
+    @cached_property  # asked per request; the heads never change
     def head_kind(self) -> HeadKind:
         """The kind of task head this model carries."""
         by_field = {
@@ -122,6 +123,14 @@ class PoolingModelInfo:
             HeadKind.LATE_INTERACTION: self.token_projection,
         }
         return next((kind for kind, head in by_field.items() if head is not None), HeadKind.NONE)
+
+    @cached_property  # asked per request
+    def supported_tasks(self) -> frozenset[PoolingTask]:
+        """Tasks this model serves: the tasks its heads allow, intersected with SUPPORTED."""
+        tasks = set(HEAD_TASKS[self.head_kind])
+        if self.head_kind is HeadKind.SEQUENCE_CLASSIFIER and self.num_labels == 1:
+            tasks.update({PoolingTask.REWARD, PoolingTask.SCORE})
+        return frozenset(tasks) & SUPPORTED_TASKS
 
     @property
     def embedding_size(self) -> int:
@@ -147,7 +156,4 @@ class PoolingModelInfo:
 
 def get_supported_tasks(info: PoolingModelInfo) -> frozenset[PoolingTask]:
     """Tasks this model serves: the tasks its heads allow, intersected with SUPPORTED."""
-    tasks = set(HEAD_TASKS[info.head_kind])
-    if info.head_kind is HeadKind.SEQUENCE_CLASSIFIER and info.num_labels == 1:
-        tasks.update({PoolingTask.REWARD, PoolingTask.SCORE})
-    return frozenset(tasks) & SUPPORTED_TASKS
+    return info.supported_tasks
