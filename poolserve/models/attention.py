@@ -139,15 +139,18 @@ def build_attention_metadata(
     cu_ctx = np.concatenate([[0], np.cumsum(lens_ctx)])
     cu_k = np.concatenate([[0], np.cumsum(lens_q + lens_ctx)])
     write_slots, write_index, context_slots, gather = [], [], [], []
-    for i, (n, ctx) in enumerate(zip(seq_lens_q, context_lens, strict=True)):
-        num_write = num_write_tokens[i]
-        if write_kv[i] and num_write:
-            write_slots.append(_slots(block_tables[i], ctx, ctx + num_write, block_size))
-            write_index.append(np.arange(cu_q[i], cu_q[i] + num_write, dtype=np.int64))
-        if ctx:
-            context_slots.append(_slots(block_tables[i], 0, ctx, block_size))
-        gather.append(np.arange(cu_ctx[i], cu_ctx[i] + ctx, dtype=np.int64))
-        gather.append(np.arange(cu_q[i], cu_q[i] + n, dtype=np.int64) + int(cu_ctx[-1]))
+    if any(write_kv) or cu_ctx[-1]:  # an encoder's or a whole prompt's step has nothing here
+        for i, ctx in enumerate(context_lens):
+            num_write = num_write_tokens[i]
+            if write_kv[i] and num_write:
+                write_slots.append(_slots(block_tables[i], ctx, ctx + num_write, block_size))
+                write_index.append(np.arange(cu_q[i], cu_q[i] + num_write, dtype=np.int64))
+            if ctx:
+                context_slots.append(_slots(block_tables[i], 0, ctx, block_size))
+    if context_slots:  # each sequence's cached keys, then its new ones
+        for i, (n, ctx) in enumerate(zip(seq_lens_q, context_lens, strict=True)):
+            gather.append(np.arange(cu_ctx[i], cu_ctx[i] + ctx, dtype=np.int64))
+            gather.append(np.arange(cu_q[i], cu_q[i] + n, dtype=np.int64) + int(cu_ctx[-1]))
     return AttentionMetadata(
         num_seqs=len(seq_lens_q),
         num_tokens=int(cu_q[-1]),
@@ -165,7 +168,7 @@ def build_attention_metadata(
         slot_mapping=_index_tensor(write_slots, device),
         write_token_index=_index_tensor(write_index, device),
         context_slots=_index_tensor(context_slots, device),
-        kv_gather_index=_index_tensor(gather, device) if context_slots else None,
+        kv_gather_index=_index_tensor(gather, device),
         buckets=(
             build_bucket_layout(seq_lens_q, context_lens, cu_q[:-1].tolist(), device)
             if device.type == "cpu"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +72,11 @@ class Head(ABC):
         """This head with its classifier logits calibrated; a head without logits is itself."""
         return self
 
+    def batch_key(self) -> Hashable | None:
+        """Equal for heads that compute the same function row by row, so that one call on rows
+        `[B, hidden]` gives each request's output (None: this head runs one request at a time)."""
+        return None
+
 
 class EmbeddingHead(Head):
     """Optional Dense projection, Matryoshka truncation, then L2 normalization."""
@@ -84,9 +89,13 @@ class EmbeddingHead(Head):
         self.normalize = normalize
         self.may_alias_input = projection is None and not normalize
 
+    def batch_key(self) -> Hashable | None:
+        """Row by row: the projection (the model's one module), truncation and normalization."""
+        return (EmbeddingHead, id(self.projection), self.dimensions, self.normalize)
+
     def __call__(self, pooled: torch.Tensor) -> torch.Tensor:
-        """`[hidden]` -> `[dimensions or embed size]`."""
-        x = pooled.float()  # [hidden]
+        """`[..., hidden]` -> `[..., dimensions or embed size]`."""
+        x = pooled.float()  # [..., hidden]
         if self.projection is not None:
             x = run_fp32(self.projection, x)  # [embed_output_size]
         if self.dimensions is not None:

@@ -44,6 +44,12 @@ class PoolingMethod(ABC):
     def close(self) -> None:
         """Drop any state kept across chunks; idempotent."""
 
+    def whole_prompt(self) -> PoolingType | None:
+        """What this method computes of a prompt that arrives whole in one chunk, when it is
+        one row or the mean of the chunk's rows and nothing was kept: several such requests are
+        then pooled together (None: only chunk by chunk)."""
+        return None
+
     def _finish_view(self, view: torch.Tensor) -> torch.Tensor:
         """A finished output that views the step buffer: owned only under async scheduling."""
         return _own(view, self._stats) if self._async_scheduling else view
@@ -57,6 +63,10 @@ class CLSPool(PoolingMethod):
     def __init__(self, *, async_scheduling: bool, stats: CloneStats) -> None:
         super().__init__(async_scheduling=async_scheduling, stats=stats)
         self._first: torch.Tensor | None = None  # [hidden], owned
+
+    def whole_prompt(self) -> PoolingType | None:
+        """The first row, before any chunk was seen (not a variant that skips rows)."""
+        return PoolingType.CLS if type(self) is CLSPool and self._first is None else None
 
     def add_chunk(
         self, hidden: torch.Tensor, token_ids: Sequence[int], is_last: bool
@@ -83,6 +93,10 @@ class LastPool(PoolingMethod):
 
     pooling_type = PoolingType.LAST
 
+    def whole_prompt(self) -> PoolingType | None:
+        """The last row."""
+        return PoolingType.LAST
+
     def add_chunk(
         self, hidden: torch.Tensor, token_ids: Sequence[int], is_last: bool
     ) -> torch.Tensor | None:
@@ -102,6 +116,10 @@ class MeanPool(PoolingMethod):
         super().__init__(async_scheduling=async_scheduling, stats=stats)
         self._sum: torch.Tensor | None = None  # [hidden], float32, owned (a fresh reduction)
         self._count = 0
+
+    def whole_prompt(self) -> PoolingType | None:
+        """The mean of every row, before any chunk was summed (not a variant that skips rows)."""
+        return PoolingType.MEAN if type(self) is MeanPool and self._sum is None else None
 
     def add_chunk(
         self, hidden: torch.Tensor, token_ids: Sequence[int], is_last: bool

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from poolserve.pooling.errors import PoolingStateError
@@ -47,6 +48,11 @@ class RequestPooler:
         return self._is_abandoned
 
     @property
+    def head(self) -> Head:
+        """The request's head (requests pooled together share one kind: `batch_key`)."""
+        return self._head
+
+    @property
     def pooling_type(self) -> PoolingType:
         """The pooling method this request runs."""
         return self._method.pooling_type
@@ -78,6 +84,18 @@ class RequestPooler:
             self.close()
         return output
 
+    def batch_key(self, chunk: ChunkInput) -> tuple[PoolingType, Hashable] | None:
+        """Equal for requests whose chunk can be pooled together with one reduction and one head
+        call: each a whole prompt in its last chunk, the same method and the same head."""
+        if not chunk.is_last or not self._is_open or self._is_abandoned:
+            return None
+        kind, head = self._method.whole_prompt(), self._head.batch_key()
+        return None if kind is None or head is None else (kind, head)
+
+    def finish_batched(self) -> None:
+        """Its output was pooled with others' (`pool_chunks`): close as after the last chunk."""
+        self.close()
+
     def close(self) -> None:
         """Drop cached state (finish or cancellation); idempotent."""
         if not self._is_open:
@@ -98,7 +116,12 @@ class PooledChunk:
 def pool_chunks(
     hidden: torch.Tensor, chunks: Sequence[ChunkInput], poolers: Sequence[RequestPooler]
 ) -> list[PooledChunk]:
-    """Feed each request its slice of `[num_tokens, hidden]`; one request's error is its own."""
+    """Feed each request its slice of `[num_tokens, hidden]`; one request's error is its own.
+
+    Requests of the same kind whose whole prompt is in this step (`RequestPooler.batch_key`) are
+    pooled together: a step of short prompts would otherwise cost a few small tensor operations
+    per request, which on a small model cost more than its forward.
+    """
     if len(chunks) != len(poolers):
         raise PoolingStateError(f"{len(chunks)} chunks for {len(poolers)} poolers")
     counts = [chunk.num_tokens for chunk in chunks]
@@ -106,12 +129,67 @@ def pool_chunks(
         raise PoolingStateError(
             f"chunks hold {sum(counts)} tokens but hidden states have {hidden.shape[0]} rows"
         )
+    results: list[PooledChunk | None] = [None] * len(chunks)
+    groups: dict[tuple[PoolingType, Hashable], list[int]] = {}
+    for i, (pooler, chunk) in enumerate(zip(poolers, chunks, strict=True)):
+        key = pooler.batch_key(chunk)
+        if key is not None:
+            groups.setdefault(key, []).append(i)
+    starts = np.cumsum([0, *counts[:-1]])
+    for (kind, _), members in groups.items():
+        if len(members) > 1:
+            _pool_together(hidden, kind, starts, counts, members, poolers, results)
     # Host-side counts: splitting needs no device sync.
     slices = hidden.split(counts)  # each [num_tokens_i, hidden], views
     return [
-        _pool_one(pooler, part, chunk)
-        for pooler, part, chunk in zip(poolers, slices, chunks, strict=True)
+        done if done is not None else _pool_one(pooler, part, chunk)
+        for done, pooler, part, chunk in zip(results, poolers, slices, chunks, strict=True)
     ]
+
+
+def _pool_together(
+    hidden: torch.Tensor,
+    kind: PoolingType,
+    starts: np.ndarray,
+    counts: list[int],
+    members: list[int],
+    poolers: Sequence[RequestPooler],
+    results: list[PooledChunk | None],
+) -> None:
+    """One reduction and one head call for `members` (whole prompts, the same method and head).
+
+    The rows are a fresh tensor, never a view of the step's buffer, so nothing needs a clone
+    whatever the scheduling. Should it fail, each member is pooled alone, its error its own.
+    """
+    first, sizes = starts[members], np.asarray([counts[i] for i in members])
+    try:
+        with torch.no_grad():
+            pooled = _whole_rows(hidden, kind, first, sizes)  # [len(members), hidden]
+            outputs = poolers[members[0]].head(pooled)  # [len(members), out]
+    except Exception:
+        return
+    for row, i in enumerate(members):
+        poolers[i].finish_batched()
+        results[i] = PooledChunk(output=outputs[row])
+
+
+def _whole_rows(
+    hidden: torch.Tensor, kind: PoolingType, first: np.ndarray, sizes: np.ndarray
+) -> torch.Tensor:
+    """Each prompt's pooled row: its first, its last, or the float32 mean of its rows."""
+    device = hidden.device
+    if kind is PoolingType.CLS:
+        return hidden.index_select(0, torch.from_numpy(first).to(device))
+    if kind is PoolingType.LAST:
+        return hidden.index_select(0, torch.from_numpy(first + sizes - 1).to(device))
+    # MEAN: the prompts' rows, each summed into its own row, over its count
+    total = int(sizes.sum())
+    rows = np.arange(total) + np.repeat(first - np.cumsum([0, *sizes[:-1]]), sizes)
+    owner = np.repeat(np.arange(len(sizes)), sizes)
+    picked = hidden.index_select(0, torch.from_numpy(rows).to(device)).float()
+    sums = torch.zeros(len(sizes), hidden.shape[1], dtype=torch.float32, device=device)
+    sums.index_add_(0, torch.from_numpy(owner).to(device), picked)
+    return sums / torch.from_numpy(sizes).to(device=device, dtype=torch.float32)[:, None]
 
 
 def _pool_one(pooler: RequestPooler, hidden: torch.Tensor, chunk: ChunkInput) -> PooledChunk:
