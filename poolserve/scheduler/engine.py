@@ -332,7 +332,7 @@ class Engine:
             current if previous is None else 0.8 * previous + 0.2 * current
         )
 
-    def _resolve(self, request: PoolingRequest, output: torch.Tensor, now: float) -> None:
+    def _resolve(self, request: PoolingRequest, output: np.ndarray, now: float) -> None:
         """Hand a finished output to its caller and free the request."""
         request.status = RequestStatus.FINISHED
         result = request.output(output, now)

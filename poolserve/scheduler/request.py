@@ -103,15 +103,15 @@ class PoolingRequest:
             RequestStatus.FAILED,
         )
 
-    def output(self, pooled: torch.Tensor, now: float) -> PoolingOutput:
-        """The caller's view of this request finished at `now` with its pooled host tensor."""
+    def output(self, pooled: np.ndarray, now: float) -> PoolingOutput:
+        """The caller's view of this request finished at `now` with its pooled host array."""
         started = self.first_scheduled_time or now
         timeline = None
         if self.steps is not None:
             timeline = RequestTimeline(self.arrival_time, started, now, tuple(self.steps))
         return PoolingOutput(
             request_id=self.request_id,
-            data=np.asarray(pooled.numpy(), dtype=np.float32),
+            data=np.asarray(pooled, dtype=np.float32),
             num_prompt_tokens=self.num_prompt_tokens,
             queue_time_s=started - self.arrival_time,
             inference_time_s=now - started,

@@ -55,7 +55,10 @@ class StepResult:
     """What a step produced: finished outputs (host-bound), pooling failures, forward time."""
 
     step_index: int
-    outputs: tuple[tuple[int, torch.Tensor], ...]  # (request_id, output) of finished requests
+    # (request_id, output) of finished requests: numpy views of host memory, made on the model
+    # thread so that the loop's thread never calls into torch for them (on CUDA, valid once
+    # copy_done has fired)
+    outputs: tuple[tuple[int, np.ndarray], ...]
     failures: tuple[PoolingFailure, ...]  # requests whose pooling raised: each fails alone
     copy_done: torch.cuda.Event | None  # set when the D2H copy has landed (CUDA only)
     num_tokens: int
@@ -195,16 +198,16 @@ class Runner:
 
     def _to_host(
         self, finished: list[tuple[int, torch.Tensor]]
-    ) -> tuple[tuple[tuple[int, torch.Tensor], ...], torch.cuda.Event | None]:
+    ) -> tuple[tuple[tuple[int, np.ndarray], ...], torch.cuda.Event | None]:
         """Move finished outputs to host memory the next step cannot overwrite."""
         if self.copy_stream is None:
             # CPU: a hand-off to the loop. Under async scheduling the pooler already cloned views
             # of the hidden buffer; without it, the next step starts only after this copy.
-            return tuple((rid, self._owned_on_cpu(out)) for rid, out in finished), None
+            return tuple((rid, self._owned_on_cpu(out).numpy()) for rid, out in finished), None
         compute = torch.cuda.current_stream(self.device)
         self.copy_stream.wait_stream(compute)
         with torch.cuda.stream(self.copy_stream):
-            host = tuple((rid, out.to("cpu", non_blocking=True)) for rid, out in finished)
+            host = tuple((rid, out.to("cpu", non_blocking=True).numpy()) for rid, out in finished)
             for _, out in finished:
                 out.record_stream(self.copy_stream)  # keep device memory alive until copied
             event = torch.cuda.Event()
