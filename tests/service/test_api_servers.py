@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -70,6 +71,38 @@ def test_two_front_ends_and_one_core_run(
 ) -> None:
     core, front_ends = _children(two_front_ends[1])
     assert len(front_ends) == 2 and core.is_running()
+
+
+def test_connections_spread_over_the_front_ends(
+    two_front_ends: tuple[str, subprocess.Popen[bytes]],
+) -> None:
+    """A burst of keep-alive connections lands on both front ends, not on whichever woke first
+    (which, on one shared socket, accepts the whole burst in one loop)."""
+    url, process = two_front_ends
+    port = int(url.rsplit(":", 1)[1])
+    _, front_ends = _children(process)
+    body = b'{"input": "a"}'
+    head = "POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+    request = f"{head}content-length: {len(body)}\r\n\r\n".encode() + body
+    # connected in a burst, as a load generator opens them: all queue before any is accepted
+    connections = [socket.create_connection(("127.0.0.1", port)) for _ in range(64)]
+    try:
+        for connection in connections:
+            connection.sendall(request)
+        for connection in connections:
+            connection.settimeout(60)
+            assert connection.recv(65536).startswith(b"HTTP/1.1 200")
+        held = [
+            sum(
+                c.status == psutil.CONN_ESTABLISHED and c.laddr.port == port
+                for c in front_end.net_connections(kind="tcp")
+            )
+            for front_end in front_ends
+        ]
+        assert sum(held) == 64 and min(held) >= 16, held  # binomial(64, 1/2) < 16: p ~ 3e-5
+    finally:
+        for connection in connections:
+            connection.close()
 
 
 def test_outputs_equal_sentence_transformers_under_concurrency(

@@ -61,15 +61,16 @@ def run_processes(settings: ServerSettings) -> int:
     # model i's engine core listens on socket_path(address, i)
     address = str(workdir / "cores")
     os.mkdir(address)
-    listener = _bind(settings)
+    listeners = _bind(settings, settings.api_server_count)
     supervisor = _Supervisor(settings)
     try:
         supervisor.core = _spawn(["core", str(settings_file), address], env)
         supervisor.front_ends = [
             _spawn(["api", str(settings_file), address, str(listener.fileno())], env, listener)
-            for _ in range(settings.api_server_count)
+            for listener in listeners
         ]
-        listener.close()  # the front ends hold it now
+        for listener in listeners:
+            listener.close()  # the front ends hold them now
         return supervisor.watch()
     finally:
         supervisor.kill_all()
@@ -192,15 +193,29 @@ def _signal(process: subprocess.Popen[bytes], sig: int) -> None:
         process.send_signal(sig)
 
 
-def _bind(settings: ServerSettings) -> socket.socket:
-    """The listening socket every front end accepts on."""
+def _bind(settings: ServerSettings, count: int) -> list[socket.socket]:
+    """The listening sockets of the front ends: one each, on the same port.
+
+    Where the kernel offers SO_REUSEPORT, each front end listens on its own socket and the
+    kernel spreads new connections over them evenly. On one shared socket the front end that
+    wakes first accepts a whole burst of connections (each accepts in a loop), and keep-alive
+    clients then load one front end while another idles. Elsewhere they share one socket.
+    """
     family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind((settings.host, settings.port))
-    listener.listen(2048)
-    listener.set_inheritable(True)
-    return listener
+    spread = count > 1 and hasattr(socket, "SO_REUSEPORT")
+    listeners: list[socket.socket] = []
+    for _ in range(count if spread else 1):
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if spread:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        # port 0: the others join the port the first one was given
+        port = listeners[0].getsockname()[1] if listeners else settings.port
+        listener.bind((settings.host, port))
+        listener.listen(2048)
+        listener.set_inheritable(True)
+        listeners.append(listener)
+    return listeners if spread else listeners * count
 
 
 def _child_of_supervisor(parent: int, grace_s: float) -> None:
