@@ -272,11 +272,17 @@ class _Leaves:
     def admitted(self, task: PoolingTask, num_tokens: int) -> None:
         """Nothing to account."""
 
-    async def left(self) -> None:
+    def on_leave(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Calls `callback` once a step has run; what it returns stops the watch."""
         core = self.engine.state.core
         assert core is not None
-        while core.engine.num_steps == 0:
-            await asyncio.sleep(0.001)
+
+        async def watch() -> None:
+            while core.engine.num_steps == 0:
+                await asyncio.sleep(0.001)
+            callback()
+
+        return asyncio.ensure_future(watch()).cancel
 
 
 def test_a_caller_that_leaves_cancels_every_slice() -> None:
