@@ -89,6 +89,8 @@ class RequestPooler:
         call: each a whole prompt in its last chunk, the same method and the same head."""
         if not chunk.is_last or not self._is_open or self._is_abandoned:
             return None
+        if chunk.num_tokens == 0 or chunk.num_tokens != len(chunk.token_ids):
+            return None  # add_chunk refuses it, for this request alone
         kind, head = self._method.whole_prompt(), self._head.batch_key()
         return None if kind is None or head is None else (kind, head)
 

@@ -27,6 +27,7 @@ from poolserve.service.errors import (
     error_line,
     response_for,
 )
+from poolserve.service.frontend.routing import route_path
 from poolserve.service.observability.logs import (
     ACCESS_LOGGER,
     CLIENT_CLOSED,
@@ -52,11 +53,7 @@ _UUID4_SET = (0x4000 << 64) | (0x8000 << 48)
 
 def is_open(scope: Scope) -> bool:
     """Probes, metrics and the version need no key, with or without the --root-path prefix."""
-    path: str = scope["path"]
-    root: str = scope.get("root_path") or ""
-    if root and path.startswith(root + "/"):
-        path = path[len(root) :]
-    return path in OPEN_PATHS
+    return route_path(scope) in OPEN_PATHS
 
 
 SECURITY_HEADERS = [(b"x-content-type-options", b"nosniff")]
