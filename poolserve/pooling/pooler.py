@@ -94,10 +94,6 @@ class RequestPooler:
         kind, head = self._method.whole_prompt(), self._head.batch_key()
         return None if kind is None or head is None else (kind, head)
 
-    def finish_batched(self) -> None:
-        """Its output was pooled with others' (`pool_chunks`): close as after the last chunk."""
-        self.close()
-
     def close(self) -> None:
         """Drop cached state (finish or cancellation); idempotent."""
         if not self._is_open:
@@ -171,7 +167,7 @@ def _pool_together(
     except Exception:
         return
     for row, i in enumerate(members):
-        poolers[i].finish_batched()
+        poolers[i].close()  # as after its last chunk: its output was pooled with the others'
         results[i] = PooledChunk(output=outputs[row])
 
 
