@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import pickle
 from collections.abc import Sequence
+from itertools import accumulate
 
 import msgspec
 import numpy as np
@@ -187,14 +188,18 @@ def split_prompts(
     ids = np.frombuffer(frames[0], dtype=np.int64)
     if len(ids) != sum(message.lengths):
         raise ValueError("token frame does not match the prompt lengths")
-    bounds = np.cumsum(message.lengths)[:-1]
-    prompts = np.split(ids, bounds)
+    prompts = _views(ids, message.lengths)
     if not any(message.typed):
         return prompts, None
     typed_lengths = [n for n, t in zip(message.lengths, message.typed, strict=True) if t]
-    flat = np.frombuffer(frames[1], dtype=np.int64)
-    parts = iter(np.split(flat, np.cumsum(typed_lengths)[:-1]))
+    parts = iter(_views(np.frombuffer(frames[1], dtype=np.int64), typed_lengths))
     return prompts, [next(parts) if t else None for t in message.typed]
+
+
+def _views(flat: np.ndarray, lengths: Sequence[int]) -> list[np.ndarray]:
+    """Consecutive views of `flat`, one per length (np.split costs ~8 us a call in Python)."""
+    ends = list(accumulate(lengths))
+    return [flat[end - n : end] for end, n in zip(ends, lengths, strict=True)]
 
 
 def _joined(arrays: Sequence[np.ndarray]) -> bytes | memoryview:

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import pytest
+from prometheus_client import values
 from prometheus_client.parser import text_string_to_metric_families
+
+from poolserve.service.observability.metrics import (
+    MULTIPROCESS_DIR,
+    ServiceMetrics,
+    fix_process_identity,
+)
 
 
 def _samples(client: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -73,3 +83,34 @@ def test_labels_never_take_client_values(make_client: Callable[..., Any]) -> Non
         text = client.get("/metrics").text
     assert "nonexistent-route-xyz" not in text and "client-made-up" not in text
     assert "client-made-model" not in text  # an unknown name is no model: model_name=""
+
+
+def test_a_fixed_process_identity_names_the_files_and_sums(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The values read the pid once, not per inc; a scrape still sums what they wrote."""
+    monkeypatch.setenv(MULTIPROCESS_DIR, str(tmp_path))
+    monkeypatch.setattr(values, "ValueClass", values.ValueClass)  # restored after the test
+    identifiers: list[Callable[[], int]] = []
+    real = values.MultiProcessValue
+
+    def spy(process_identifier: Callable[[], int] = os.getpid) -> Any:
+        identifiers.append(process_identifier)
+        return real(process_identifier)
+
+    monkeypatch.setattr(values, "MultiProcessValue", spy)
+    fix_process_identity()
+    (identifier,) = identifiers
+    assert identifier is not os.getpid and identifier() == os.getpid()
+    metrics = ServiceMetrics()
+    model = metrics.model("m")
+    for _ in range(3):
+        model.on_request_done(0.002, 0.02)
+        model.prompt_tokens.inc(7)
+    files = list(tmp_path.iterdir())
+    assert files and all(p.name.endswith(f"_{os.getpid()}.db") for p in files)
+    families = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+    tokens = families["poolserve_prompt_tokens"].samples
+    assert [s.value for s in tokens if s.name.endswith("_total")] == [21.0]
+    queue = families["poolserve_queue_duration_seconds"].samples
+    assert [s.value for s in queue if s.name.endswith("_count")] == [3.0]

@@ -32,7 +32,11 @@ from poolserve.service.app import CORE_LOST_SIGNAL, core_configs
 from poolserve.service.edge.memory import fix_mmap_threshold
 from poolserve.service.models_config import ServedModels, served_models
 from poolserve.service.observability.logs import configure_logging
-from poolserve.service.observability.metrics import MULTIPROCESS_DIR, ServiceMetrics
+from poolserve.service.observability.metrics import (
+    MULTIPROCESS_DIR,
+    ServiceMetrics,
+    fix_process_identity,
+)
 from poolserve.service.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -284,6 +288,7 @@ def main(argv: list[str]) -> None:
     role, settings_file, address, *fd = argv
     settings = ServerSettings.model_validate_json(Path(settings_file).read_text())
     _child_of_supervisor(int(os.environ[SUPERVISOR_PID]), settings.shutdown_timeout + EXIT_GRACE_S)
+    fix_process_identity()
     if role == "core":
         _core_main(settings, address)
     else:

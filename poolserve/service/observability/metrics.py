@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, values
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
@@ -44,6 +44,18 @@ REJECT_REASONS = ("queue_full", "tokens_full", "tokenizing_full", "draining", "n
 MODEL_LABEL = "model_name"
 # The label's value on what reached no model (probes, a refusal before routing, unknown names).
 UNROUTED = ""
+
+
+def fix_process_identity() -> None:
+    """Name this process's metric files once, for the process's life (before any metric).
+
+    prometheus-client's multiprocess values ask the kernel for the pid on every inc and
+    observe, to notice a fork; a front end makes 14 such calls a request. Server processes are
+    started, never forked, so their pid is read once here (the value class's own parameter).
+    """
+    if os.environ.get(MULTIPROCESS_DIR):
+        pid = os.getpid()
+        values.ValueClass = values.MultiProcessValue(process_identifier=lambda: pid)
 
 
 class ServiceMetrics:
