@@ -6,7 +6,8 @@ receives the remaining arguments. `all` runs every peer benchmark in turn with t
 (only `--quick` is passed on to all of them); the soak run is separate, since it needs a quiet
 machine for minutes. So are `fleet` (replicas behind HAProxy), `fleet-ray` (Ray Serve),
 `precision` (fidelity and speed of each --dtype and --quantization, not a peer comparison) and
-`frontend` (per-request cost of the HTTP front ends on a near-free model, driven by wrk).
+`frontend` (per-request cost of the HTTP front ends on a near-free model, driven by wrk) with
+`frontend-interleaved` (the same servers up at once, taking turns, for same-moment ratios).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ SEPARATE: dict[str, Callable[[Sequence[str]], None]] = {
     "ray-embed": lambda argv: _with_list("ray_embed", argv),
     "precision": lambda argv: _with_list("precision", argv),
     "frontend": lambda argv: _with_list("frontend", argv),
+    "frontend-interleaved": lambda argv: _with_list("frontend_interleaved", argv),
     "models": lambda argv: _with_list("models", argv),
     "embed-job": lambda argv: _with_list("embed_job", argv),
     "step-threads": lambda argv: _with_list("step_threads", argv),

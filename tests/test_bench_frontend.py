@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from bench import frontend_report
+from bench.frontend_interleaved import Total, markdown, summary
 from bench.wrk import WrkOutputError, parse_wrk
 
 Point = dict[str, Any]  # one measured point as bench.frontend records it
@@ -146,3 +147,32 @@ def test_report_names_what_did_not_run_and_leaves_its_targets_open() -> None:
     assert "0.62x: **met**" in text  # 3549.66 / 5704.39 against the 0.40x floor target
     assert "req/s at concurrency 64 >= 2x Infinity's: n/a (not measured)" in text
     assert "Not run: Infinity 0.0.78: not installed" in text
+
+
+def test_interleaved_totals_give_rates_cpu_and_the_floor_share() -> None:
+    floor = Total("floor").add(8000, 2.0, 1.2, 0).add(6000, 2.0, 1.0, 0)  # 3,500 req/s
+    pool = Total("poolserve-2fe").add(2900, 2.0, 2.0, 0).add(2700, 2.0, 2.2, 3)  # 1,400 req/s
+    dead = Total("poolserve")
+    rows = {row["server"]: row for row in summary([pool, floor, dead])}
+    assert rows["poolserve-2fe"]["requests_per_s"] == pytest.approx(1400.0)
+    assert rows["poolserve-2fe"]["cpu_ms_per_request"] == pytest.approx(1e3 * 4.2 / 5600)
+    assert rows["poolserve-2fe"]["of_floor"] == pytest.approx(0.4)
+    assert rows["poolserve-2fe"]["errors"] == 3
+    assert rows["floor"]["of_floor"] == pytest.approx(1.0)
+    assert rows["poolserve"]["cpu_ms_per_request"] is None
+    assert rows["poolserve"]["of_floor"] == 0.0
+    assert all(row["of_floor"] is None for row in summary([pool]))  # no floor, no share
+    table = markdown(
+        {
+            "date": "d",
+            "source": "s",
+            "concurrency": 64,
+            "rounds": 2,
+            "point_s": 2,
+            "not_run": {"infinity": "not installed"},
+            "summary": summary([pool, floor, dead]),
+        }
+    )
+    assert "| poolserve-2fe | 1,400 | 0.750 | 0.40x | 3 |" in table
+    assert "| poolserve | 0 | - | 0.00x | 0 |" in table
+    assert "- not run: infinity: not installed" in table
