@@ -5,7 +5,8 @@ imported only when it runs (the served part and the engine parts load heavy depe
 receives the remaining arguments. `all` runs every peer benchmark in turn with the same flags
 (only `--quick` is passed on to all of them); the soak run is separate, since it needs a quiet
 machine for minutes. So are `fleet` (replicas behind HAProxy), `fleet-ray` (Ray Serve),
-`precision` (fidelity and speed of each --dtype and --quantization, not a peer comparison) and
+`precision` (fidelity and speed of each --dtype and --quantization, not a peer comparison),
+`cpu-peers` (poolserve's CPU precisions against ONNX Runtime, OpenVINO, sentence-transformers) and
 `frontend` (per-request cost of the HTTP front ends on a near-free model, driven by wrk) with
 `frontend-interleaved` (the same servers up at once, taking turns, for same-moment ratios).
 """
@@ -58,6 +59,7 @@ SEPARATE: dict[str, Callable[[Sequence[str]], None]] = {
     "fleet-ray": lambda argv: _with_list("fleet_ray", argv),
     "ray-embed": lambda argv: _with_list("ray_embed", argv),
     "precision": lambda argv: _with_list("precision", argv),
+    "cpu-peers": lambda argv: _with_list("cpu_peers", argv),
     "frontend": lambda argv: _with_list("frontend", argv),
     "frontend-interleaved": lambda argv: _with_list("frontend_interleaved", argv),
     "models": lambda argv: _with_list("models", argv),

@@ -26,8 +26,9 @@ import numpy as np
 import torch
 
 from bench.offline import build_texts
+from poolserve.models.cpu_class import cpu_flags
 from poolserve.models.loader import load_model
-from poolserve.models.quantization import cpu_flags, quantize_linears
+from poolserve.models.quantization import quantize_linears
 from poolserve.models.spec import LoadedModel
 from poolserve.pooling.params import PoolingParams, PoolingTask
 from poolserve.scheduler.config import SchedulerConfig

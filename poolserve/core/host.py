@@ -60,6 +60,7 @@ class CoreConfig:
     device: str = "auto"
     dtype: str = "auto"
     quantization: str | None = None
+    allow_slower_precision: bool = False
     hf_overrides: dict[str, Any] | None = None
     max_model_len: int | None = None
     embed_pooling: PoolingType | None = None
@@ -188,6 +189,7 @@ def _load_and_build(
         hf_overrides=config.hf_overrides,
         revision=config.revision,
         quantization=config.quantization,
+        allow_slower_precision=config.allow_slower_precision,
     )
     limit = loaded.spec.max_model_len
     max_model_len = min(config.max_model_len or limit, limit)

@@ -57,3 +57,7 @@ class UnsupportedQuantizationError(ModelError):
         self.quantization = quantization
         self.device = device
         super().__init__(f"quantization {quantization} cannot run on {device}: {reason}")
+
+
+class SlowerPrecisionError(ModelError):
+    """A precision that would run slower than float32 on this CPU, or not at all (one line)."""

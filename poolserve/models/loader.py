@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 from collections.abc import Callable, Iterable, Mapping
@@ -17,6 +16,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 
 from poolserve.kinds import HeadKind
 from poolserve.models.attention import AttentionBackend, select_attention_backend
+from poolserve.models.cpu_kernels import measure_precision
 from poolserve.models.decoder import DecoderModel
 from poolserve.models.decoder_config import decoder_head_dim, decoder_is_causal
 from poolserve.models.encoder import EncoderModel
@@ -30,7 +30,7 @@ from poolserve.models.errors import (
 from poolserve.models.heads import LMHeadRows, build_heads, head_out_features, lm_head_method
 from poolserve.models.late_interaction import check_plain_prompts
 from poolserve.models.packed import PackedModel
-from poolserve.models.quantization import check_quantization, cpu_lacks_native, quantize_linears
+from poolserve.models.quantization import INT_MM, check_quantization, quantize_linears
 from poolserve.models.registry import (
     ARCHITECTURES,
     DECODER_FAMILIES,
@@ -62,12 +62,15 @@ def load_model(
     hf_overrides: Mapping[str, Any] | None = None,
     revision: str | None = None,
     quantization: str | None = None,
+    allow_slower_precision: bool = False,
 ) -> LoadedModel:
     """Loads a checkpoint (local dir, Hub id, or None = all-MiniLM-L6-v2) for packed forwards.
 
     `hf_overrides` are config.json fields that win over the checkpoint's (vLLM's --hf-overrides);
     `revision` picks the Hub commit, branch or tag of a Hub id; `quantization` (int8, fp8)
-    replaces the layers' projection weights (poolserve/models/quantization.py).
+    replaces the layers' projection weights (poolserve/models/quantization.py). On the CPU a
+    dtype other than float32 and int8 are timed on the model's projections first
+    (cpu_kernels.py): slower than float32 is refused unless `allow_slower_precision`.
     """
     # first: a refused dtype or quantization should not wait for a download
     dtype = resolve_dtype(dtype, device)
@@ -85,7 +88,10 @@ def load_model(
     packed = _BACKBONES[entry.backbone](
         config, backbone_state, select_attention_backend(device), placement
     )
-    quantized = quantize_linears(packed, quantization, device)
+    kernel = INT_MM
+    if device.type == "cpu":
+        kernel = measure_precision(packed, dtype, quantization, allow_slower_precision) or INT_MM
+    quantized = quantize_linears(packed, quantization, device, kernel=kernel)
     tokenizer = _load_tokenizer(path)
     heads = build_heads(entry, state, device, config, _lm_head_rows(entry, config, tokenizer))
     if entry.head_kind is HeadKind.LATE_INTERACTION:
@@ -128,22 +134,14 @@ def resolve_dtype(dtype: torch.dtype | None, device: torch.device) -> torch.dtyp
         reason = "the GPU has no native bfloat16 support (torch.cuda.is_bf16_supported() is False)"
         raise UnsupportedDtypeError(name, str(device), reason)
     # CUDA runs every kernel in float16 and, where native, bfloat16; CPU coverage of half types
-    # depends on the torch build, so a half dtype on the CPU is tried before it is promised.
+    # depends on the torch build, so a half dtype on the CPU is tried before it is promised (and
+    # its speed against float32 is measured at load: cpu_kernels.py).
     if device.type == "cpu" and dtype != torch.float32:
         try:
             _try_cpu_kernels(dtype)
         except (RuntimeError, NotImplementedError) as exc:
             raise UnsupportedDtypeError(name, str(device), str(exc)) from exc
-        emulated = cpu_lacks_native(dtype)
-        if emulated is not None:
-            _warn_emulated(name, emulated)
     return dtype
-
-
-@functools.cache
-def _warn_emulated(name: str, reason: str) -> None:
-    """Once per process: the dtype runs, correct but slow (refusing it would only cost memory)."""
-    logger.warning("--dtype %s: %s; torch emulates it, slower than float32", name, reason)
 
 
 def _native_bf16(device: torch.device) -> bool:

@@ -1,10 +1,11 @@
-"""Precision support: native half types on the CPU, and int8 or fp8 weights for the projections.
+"""int8 and fp8 weights for the layers' projections.
 
 `--quantization int8` stores the layers' output, MLP up (or gate/up) and down projection weights
 as int8 with one float32 scale per output channel, and quantizes their inputs per token at run
 time (symmetric, the scheme of torchao's Int8DynamicActivationInt8WeightConfig); qkv stays in the
-compute dtype (QUANTIZED_WEIGHTS says why). On the CPU the matmul is torch's int8 GEMM
-(`torch._int_mm`, the kernel torchao calls too) with the scaling around it written here; on CUDA,
+compute dtype (QUANTIZED_WEIGHTS says why). On the CPU the scaling around the GEMM is written
+here and the GEMM is the fastest exact one of int8_kernels.py, chosen at load by timing them on
+the model's own projections (cpu_kernels.py); on CUDA,
 int8 and fp8 (per-row scales, Ada and Hopper) are torchao's tensor subclasses, which `F.linear`
 dispatches. Embeddings, norms, attention and heads keep the compute dtype. Fidelity and speed:
 docs/models.md, Precision.
@@ -12,17 +13,17 @@ docs/models.md, Precision.
 
 from __future__ import annotations
 
-import functools
-import logging
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from poolserve.models.errors import UnsupportedQuantizationError
+from poolserve.models.int8_kernels import INT8_LEVELS, Int8Kernel
 
-logger = logging.getLogger(__name__)
+# The GEMM an Int8Linear runs without a start-up choice (tests, benchmarks): torch's own.
+INT_MM = Int8Kernel(None, INT8_LEVELS)
+
 
 # The projections each scheme quantizes, by the buffer names the decoder and encoder layers give
 # them. int8 keeps qkv in the compute dtype: its input is a norm's output, whose few outlier
@@ -34,42 +35,9 @@ QUANTIZED_WEIGHTS: dict[str, tuple[str, ...]] = {
     "int8": PROJECTION_WEIGHTS[1:],
     "fp8": PROJECTION_WEIGHTS,
 }
-# CPU flags (torch.cpu.get_capabilities() keys and /proc/cpuinfo names) of native units per
-# dtype; without one, torch emulates the type and runs slower than float32.
-NATIVE_CPU_FLAGS: dict[torch.dtype, tuple[str, ...]] = {
-    torch.bfloat16: ("avx512_bf16", "amx_bf16", "bf16"),  # x86 AVX-512/AMX, Arm BF16
-    torch.float16: ("avx512_fp16", "amx_fp16"),
-}
-# int8 dot-product units: VNNI (x86), AMX, Arm's dot product.
-INT8_CPU_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8", "asimddp")
 FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper have fp8 tensor cores
-INT8_MAX = 127
+INT8_MAX = INT8_LEVELS
 INSTALL_HINT = "install torchao (pip install 'poolserve[quantization]')"
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's features: torch's own capability query, plus /proc/cpuinfo's flags."""
-    query = getattr(torch.cpu, "get_capabilities", dict)  # absent from older torch releases
-    flags = {name for name, value in query().items() if value is True}
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:  # not Linux: torch's query alone
-        return frozenset(flags)
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):  # x86, Arm
-            flags.update(value.split())
-    return frozenset(flags)
-
-
-def cpu_lacks_native(dtype: torch.dtype) -> str | None:
-    """Why the CPU would emulate a half dtype (slower than float32), or None when native."""
-    wanted = NATIVE_CPU_FLAGS.get(dtype)
-    if wanted is None or not cpu_flags().isdisjoint(wanted):
-        return None
-    name = str(dtype).removeprefix("torch.")
-    return f"this CPU has no native {name} units ({' or '.join(wanted)})"
 
 
 def check_quantization(name: str | None, device: torch.device, dtype: torch.dtype) -> None:
@@ -86,16 +54,11 @@ def check_quantization(name: str | None, device: torch.device, dtype: torch.dtyp
 
 
 def _check_int8(device: torch.device, dtype: torch.dtype) -> str | None:
-    """int8 runs on the CPU where its GEMM is exact, and on CUDA through torchao."""
+    """int8 runs on the CPU (its GEMM chosen at load: cpu_kernels.py) and on CUDA (torchao)."""
     if device.type == "cuda":
         return _torchao_missing()
     if device.type != "cpu":
         return "int8 runs on cpu and cuda"
-    if not _int8_gemm_is_exact():
-        # without dot-product units the GEMM adds int16 pairs, which saturate
-        return f"its int8 GEMM saturates (no int8 dot-product units: {', '.join(INT8_CPU_FLAGS)})"
-    if cpu_flags().isdisjoint(INT8_CPU_FLAGS):
-        logger.warning("int8 on a CPU without %s: expect little or no speed-up", INT8_CPU_FLAGS)
     return None
 
 
@@ -127,26 +90,27 @@ def _torchao_missing() -> str | None:
     return None
 
 
-@functools.cache
-def _int8_gemm_is_exact() -> bool:
-    """The CPU int8 GEMM on its worst case: every product at the int8 extremes."""
-    a = torch.full((4, 64), -INT8_MAX - 1, dtype=torch.int8)
-    b = torch.full((64, 8), -INT8_MAX - 1, dtype=torch.int8)
-    return bool((torch._int_mm(a, b) == 64 * 128 * 128).all())
-
-
 class Int8Linear(torch.nn.Module):
-    """A projection's int8 weight [out, in] with float32 per-channel scales; CPU int8 GEMM."""
+    """A projection's int8 weight [out, in] with float32 per-channel scales, on an int8 GEMM.
+
+    `kernel` is the GEMM chosen at start for this CPU (cpu_kernels.py); every kernel computes
+    the same exact integer sums, so the choice changes speed, never outputs.
+    """
 
     qweight: torch.Tensor
     scale: torch.Tensor
 
-    def __init__(self, weight: torch.Tensor) -> None:  # [out, in]
+    def __init__(self, weight: torch.Tensor, kernel: Int8Kernel = INT_MM) -> None:  # [out, in]
         super().__init__()
         scale = weight.float().abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).eps)
         scale = scale / INT8_MAX  # [out]
         qweight = torch.round(weight.float() / scale[:, None]).to(torch.int8)  # [out, in]
-        self.register_buffer("qweight", qweight.contiguous())
+        self.kernel = kernel
+        self.packed = kernel.pack(qweight.contiguous())
+        # int_mm reads the int8 weight itself; an engine keeps its own packed copy, and the
+        # buffer only states the shape (a meta tensor: no storage; counted by cpu_threads)
+        keep = qweight if kernel.engine is None else qweight.to("meta")
+        self.register_buffer("qweight", keep.contiguous())
         self.register_buffer("scale", scale.contiguous())
 
     def forward(
@@ -154,21 +118,22 @@ class Int8Linear(torch.nn.Module):
         x: torch.Tensor,  # [num_tokens, in] in the compute dtype
         bias: torch.Tensor | None,  # [out]
     ) -> torch.Tensor:  # [num_tokens, out] in the compute dtype
-        """x @ W.T + bias with x quantized per token: int8 GEMM, int32 sums, float32 scaling."""
+        """x @ W.T + bias with x quantized per token: int8 GEMM, exact sums, float32 scaling."""
+        levels = self.kernel.levels
         x_scale = x.abs().amax(dim=-1, keepdim=True).float()  # [num_tokens, 1]
-        x_scale = x_scale.clamp_min_(torch.finfo(torch.float32).eps).div_(INT8_MAX)
-        # |x / x_scale| <= 127 by construction: no clamp is needed before the cast
-        qx = torch.round(x / x_scale).to(torch.int8)  # [num_tokens, in]
-        y = torch._int_mm(qx, self.qweight.t()).float()  # [num_tokens, out] exact int32 sums
+        x_scale = x_scale.clamp_min_(torch.finfo(torch.float32).eps).div_(levels)
+        # |x / x_scale| <= levels by construction: no clamp is needed
+        q = torch.round(x.float() / x_scale)  # [num_tokens, in] integers
+        y = self.kernel.matmul(q, self.packed)  # [num_tokens, out]
         y.mul_(x_scale).mul_(self.scale)
         if bias is not None:
             y.add_(bias)
         return y.to(x.dtype)
 
     def extra_repr(self) -> str:
-        """Shape, as nn.Linear prints it."""
+        """Shape, as nn.Linear prints it, and the GEMM."""
         out_features, in_features = self.qweight.shape
-        return f"in_features={in_features}, out_features={out_features}, int8"
+        return f"in_features={in_features}, out_features={out_features}, int8 {self.kernel.name}"
 
 
 def _torchao_config(name: str) -> Any:
@@ -202,11 +167,15 @@ def torchao_weight(weight: torch.Tensor, config: Any) -> torch.Tensor:
 
 
 def quantize_linears(
-    model: torch.nn.Module, name: str | None, device: torch.device, use_torchao: bool | None = None
+    model: torch.nn.Module,
+    name: str | None,
+    device: torch.device,
+    use_torchao: bool | None = None,
+    kernel: Int8Kernel = INT_MM,
 ) -> int:
     """Replaces every projection weight in place; returns how many were quantized.
 
-    `use_torchao` None: torchao on CUDA, the int8 GEMM above on the CPU (True compares them).
+    `use_torchao` None: torchao on CUDA, Int8Linear on `kernel` on the CPU (True compares them).
     """
     if name is None:
         return 0
@@ -225,6 +194,6 @@ def quantize_linears(
                 count += int(type(quantized) is not torch.Tensor)  # a kept weight is plain
             else:
                 delattr(module, slot)  # the slot becomes a submodule of the same name
-                module.add_module(slot, Int8Linear(weight))
+                module.add_module(slot, Int8Linear(weight, kernel))
                 count += 1
     return count

@@ -148,6 +148,7 @@ def core_config(settings: ServerSettings, defaults: PoolerDefaults) -> CoreConfi
         device=settings.device,
         dtype=settings.dtype,
         quantization=settings.quantization,
+        allow_slower_precision=settings.allow_slower_precision,
         hf_overrides=settings.hf_overrides_dict,
         max_model_len=settings.max_model_len,
         embed_pooling=defaults.embed_pooling,

@@ -22,7 +22,13 @@ from poolserve.service.settings import ServerSettings
 NEGATED_FLAGS = {"async_scheduling": "--no-async-scheduling"}
 # Boolean settings with a flag for each value: --NAME and --no-NAME.
 PAIRED_FLAGS = frozenset(
-    {"enable_prefix_caching", "auto_truncate", "allow_credentials", "access_log"}
+    {
+        "enable_prefix_caching",
+        "auto_truncate",
+        "allow_credentials",
+        "access_log",
+        "allow_slower_precision",
+    }
 )
 LIST_FORMS = "several values, a JSON list or comma-separated"
 

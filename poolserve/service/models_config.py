@@ -41,6 +41,7 @@ PER_MODEL = frozenset(
         "revision",
         "dtype",
         "quantization",
+        "allow_slower_precision",
         "max_model_len",
         "pooler_config",
         "hf_overrides",

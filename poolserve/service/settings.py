@@ -98,6 +98,12 @@ class ServerSettings(BaseSettings):
         "bfloat16). Embeddings, norms, attention and heads keep --dtype; refused at startup where "
         "the device cannot run it. Fidelity and speed: docs/models.md, Precision.",
     )
+    allow_slower_precision: bool = Field(
+        False,
+        description="Run a --dtype or --quantization that the start-up measurement on the CPU "
+        "found slower than float32 (a warning names the ratio); without it such a precision is "
+        "refused at startup. docs/models.md, Precision.",
+    )
     max_model_len: int | None = Field(
         None, gt=0, description="Longest prompt in tokens (default: the model's limit)."
     )

@@ -75,7 +75,8 @@ def test_half_dtypes_run_on_the_cpu(dtype: torch.dtype, tmp_path: Path) -> None:
     # torch's CPU kernels take both half types: the whole and the chunked (KV cache) paths run.
     directory = save_tiny_decoder("gemma3", tmp_path / "gemma3")
     reference = run_whole(load_model(str(directory), device=CPU), PROMPTS, CPU)
-    half = load_model(str(directory), device=CPU, dtype=dtype)
+    # the tiny model's projections are too small for a half type to beat float32: run anyway
+    half = load_model(str(directory), device=CPU, dtype=dtype, allow_slower_precision=True)
     assert half.spec.dtype == dtype
     for ours, want in zip(run_chunked(half, PROMPTS, 7, CPU), reference, strict=True):
         assert_close(ours, want, rel=HALF_TOLERANCE[dtype])

@@ -58,6 +58,7 @@ RUN_ONLY_SETTINGS = frozenset(
         "api_key",  # a secret: never written to disk
         "async_scheduling",
         "enable_prefix_caching",
+        "allow_slower_precision",  # which kernel runs, never what it computes
         "api_server_count",
         "engine_core_timeout",
         "shutdown_timeout",

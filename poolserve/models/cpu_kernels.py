@@ -1,0 +1,204 @@
+"""A CPU precision measured at load: the fastest exact kernel, or a refusal naming the ratio.
+
+What a precision is worth depends on the CPU class (cpu_class.py): bfloat16 is 1.5-1.8x
+float32 with native units and 0.2x without; int8 through `torch._int_mm` is 2x float32 with VNNI
+and 0.04x on CPUs with AVX2 only, where a quantized engine's GEMM is 2.2x. So at load, on this
+model's own projection shapes and this CPU, each candidate kernel of the asked precision is timed
+against float32 (about a tenth of a second for MiniLM) and the fastest exact one runs; a precision
+whose fastest kernel is still slower than float32 is refused in one line, unless the operator
+passed `allow_slower` (then it runs, and a warning says by how much). `--dtype auto` is float32 on
+the CPU: the only precision within the float32 tolerance of the equivalence tests, so nothing is
+timed for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from poolserve.models.cpu_class import CpuClass, cpu_class, cpu_lacks_native
+from poolserve.models.errors import SlowerPrecisionError
+from poolserve.models.int8_kernels import Int8Kernel, is_exact, kernels
+from poolserve.models.quantization import PROJECTION_WEIGHTS, QUANTIZED_WEIGHTS, Int8Linear
+
+logger = logging.getLogger(__name__)
+
+# One timed call's work on the largest projection, which sets the token count: enough rows for
+# the kernels' steady speed, little enough that the whole measurement stays well under a second.
+TIMED_FLOPS = 0.4e9
+TOKEN_RANGE = (16, 256)
+REPEATS = 3  # each candidate's best of this many calls, after one warm-up call
+
+
+@dataclass(frozen=True)
+class PrecisionChoice:
+    """What one precision measured at load, and which of its kernels runs."""
+
+    flag: str  # as the operator asked for it: "--dtype bfloat16", "--quantization int8"
+    kernel: str  # the fastest exact candidate's name
+    timings: tuple[tuple[str, float], ...]  # every exact candidate's seconds, the chosen first
+    float32_seconds: float  # the same projections in float32
+    num_tokens: int
+    cpu: CpuClass
+
+    @property
+    def seconds(self) -> float:
+        """The chosen kernel's time."""
+        return self.timings[0][1]
+
+    @property
+    def speedup(self) -> float:
+        """The chosen kernel's speed against float32's (above 1: faster)."""
+        return self.float32_seconds / self.seconds
+
+    def describe(self) -> str:
+        """One line for the log: the choice, its ratio, and the numbers behind it."""
+        others = ", ".join(f"{name} {s * 1e3:.2f}" for name, s in self.timings)
+        return (
+            f"{self.flag} runs {self.kernel}: {self.speedup:.2f}x float32 on this CPU, "
+            f"{self.cpu} (ms for one layer's projections on {self.num_tokens} tokens: {others}; "
+            f"float32 {self.float32_seconds * 1e3:.2f})"
+        )
+
+
+def choose(
+    flag: str,
+    tiers: Sequence[Mapping[str, float]],
+    float32_seconds: float,
+    num_tokens: int,
+    cpu: CpuClass,
+) -> PrecisionChoice:
+    """The fastest candidate of the first tier with one faster than float32, else of all.
+
+    Tiers rank fidelity (int8: full range before 7-bit), so a precision's outputs stay the same
+    from start to start on one CPU whatever the timings' noise; SlowerPrecisionError when no
+    candidate is left (no exact kernel).
+    """
+    every = {name: s for tier in tiers for name, s in tier.items()}
+    if not every:
+        raise SlowerPrecisionError(
+            f"{flag} cannot run on this CPU, {cpu}: none of its kernels is exact here"
+        )
+    fast = [tier for tier in tiers if any(s < float32_seconds for s in tier.values())]
+    pool = fast[0] if fast else every
+    kernel = min(pool, key=pool.__getitem__)
+    ranked = (
+        (kernel, pool[kernel]),
+        *sorted((i for i in every.items() if i[0] != kernel), key=lambda item: item[1]),
+    )
+    return PrecisionChoice(flag, kernel, ranked, float32_seconds, num_tokens, cpu)
+
+
+def check_speed(choice: PrecisionChoice, allow_slower: bool, advice: str) -> None:
+    """Refuse a choice slower than float32 (one line, with the ratio); warn when allowed."""
+    if choice.speedup >= 1.0:
+        logger.info("%s", choice.describe())
+        return
+    why = (
+        f"{choice.flag} would run at {choice.speedup:.2f}x float32's speed on this CPU, "
+        f"{choice.cpu}: its fastest kernel ({choice.kernel}) takes "
+        f"{choice.seconds * 1e3:.2f} ms against float32's {choice.float32_seconds * 1e3:.2f} ms "
+        f"for one layer's projections on {choice.num_tokens} tokens"
+    )
+    if not allow_slower:
+        raise SlowerPrecisionError(f"{why}; {advice}, or pass --allow-slower-precision")
+    logger.warning("%s; running it anyway (--allow-slower-precision)", why)
+
+
+def measure_precision(
+    model: torch.nn.Module,
+    dtype: torch.dtype,
+    quantization: str | None,
+    allow_slower: bool,
+) -> Int8Kernel | None:
+    """Times the asked precision on `model`'s projections; returns int8's GEMM (None: no int8).
+
+    Call on a CPU model before quantize_linears: it reads the layers' plain weights.
+    """
+    weights = _layer_projections(model)
+    if not weights or (dtype == torch.float32 and quantization != "int8"):
+        return None
+    num_tokens = _num_tokens(weights.values())
+    inputs = _inputs(weights.values(), num_tokens)
+    cpu = cpu_class()
+    if dtype != torch.float32:
+        name = str(dtype).removeprefix("torch.")
+        native = cpu_lacks_native(dtype)
+        advice = "use --dtype float32 (or auto)" + (f"; {native}" if native else "")
+        timings = {name: _time_linears(weights, inputs, dtype)}
+        float32 = _time_linears(weights, inputs, torch.float32)
+        choice = choose(f"--dtype {name}", [timings], float32, num_tokens, cpu)
+        check_speed(choice, allow_slower, advice)
+    if quantization != "int8":
+        return None
+    slots = {slot: w for slot, w in weights.items() if slot in QUANTIZED_WEIGHTS["int8"]}
+    exact = {kernel.name: kernel for kernel in kernels() if is_exact(kernel)}
+    tiers = [
+        {name: _time_int8(slots, inputs, dtype, k) for name, k in exact.items() if k.levels == n}
+        for n in sorted({k.levels for k in exact.values()}, reverse=True)
+    ]
+    float32 = _time_linears(slots, inputs, torch.float32)
+    choice = choose("--quantization int8", tiers, float32, num_tokens, cpu)
+    check_speed(choice, allow_slower, "run without --quantization")
+    return exact[choice.kernel]
+
+
+def _layer_projections(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Layer 0's plain projection weights [out, in] by slot (every layer has its shapes)."""
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, Sequence | torch.nn.ModuleList) or len(layers) == 0:
+        return {}
+    buffers = dict(layers[0].named_buffers(recurse=False))
+    found = {slot: buffers[slot] for slot in PROJECTION_WEIGHTS if slot in buffers}
+    return {slot: w for slot, w in found.items() if type(w) is torch.Tensor and w.dim() == 2}
+
+
+def _num_tokens(weights: Iterable[torch.Tensor]) -> int:
+    """Rows for one timed call: TIMED_FLOPS on the largest projection, a power of two in range."""
+    largest = max(w.numel() for w in weights)
+    rows = max(1, int(TIMED_FLOPS / (2 * largest)))
+    low, high = TOKEN_RANGE
+    return min(high, max(low, 1 << int(math.log2(rows))))
+
+
+def _inputs(weights: Iterable[torch.Tensor], num_tokens: int) -> dict[int, torch.Tensor]:
+    """One random activation [num_tokens, in] per input width (values like a norm's output)."""
+    generator = torch.Generator().manual_seed(0)
+    widths = {w.shape[1] for w in weights}
+    return {n: torch.randn(num_tokens, n, generator=generator) for n in sorted(widths)}
+
+
+def _time_linears(
+    weights: Mapping[str, torch.Tensor], inputs: Mapping[int, torch.Tensor], dtype: torch.dtype
+) -> float:
+    """The projections as F.linear in `dtype`."""
+    cast = [(inputs[w.shape[1]].to(dtype), w.to(dtype)) for w in weights.values()]
+    return _seconds(lambda: [F.linear(x, w) for x, w in cast])
+
+
+def _time_int8(
+    weights: Mapping[str, torch.Tensor],
+    inputs: Mapping[int, torch.Tensor],
+    dtype: torch.dtype,
+    kernel: Int8Kernel,
+) -> float:
+    """The projections as Int8Linear on `kernel`, their input in the compute dtype."""
+    linears = [(inputs[w.shape[1]].to(dtype), Int8Linear(w, kernel)) for w in weights.values()]
+    return _seconds(lambda: [linear(x, None) for x, linear in linears])
+
+
+def _seconds(run: Callable[[], object]) -> float:
+    """Best of REPEATS calls after a warm-up (the first call allocates and may pack)."""
+    run()
+    best = math.inf
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best

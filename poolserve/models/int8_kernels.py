@@ -1,0 +1,108 @@
+"""The CPU int8 GEMMs one int8 scheme can run on: each returns the exact integer sums.
+
+The scheme (quantization.py's Int8Linear) is fixed: int8 weights with a float32 scale per output
+channel, activations rounded per token to integers in [-levels, levels]. What varies by CPU is
+which GEMM computes `sum(q_x * q_w)` fastest, or at all:
+
+- `int_mm`: torch's int8 GEMM (`torch._int_mm`, oneDNN's s8s8 matmul). Fast with VNNI or AMX;
+  on CPUs with AVX2 only it fell to a loop of 1.6 GOP/s (against float32's 45 GFLOP/s).
+- a quantized engine's dynamic linear (`fbgemm`, `onednn`, `x86`): u8 activations times s8
+  weights, 2.2x float32 on those same AVX2 CPUs. It quantizes its input per tensor; a sentinel row
+  holding the level range's two ends makes that quantization the identity on our integers (scale
+  1, zero point `levels + 1`), so the per-token scheme, and so batch invariance, is kept. Without
+  dot-product units these kernels add u8 x s8 products in int16 pairs, which saturate at 8 bits:
+  the reduced-range variants keep 7 (levels 63), where a pair cannot overflow.
+
+Each kernel is checked once on the worst case before it may run (`is_exact`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+INT8_LEVELS = 127  # activations and weights in [-127, 127]
+REDUCED_LEVELS = 63  # 7-bit activations: a pair of u8 x s8 products stays under 2**15
+# The worst case of the exactness check: extreme rows against extreme columns, in both signs.
+_CHECK_DEPTH = 64
+
+
+@dataclass(frozen=True)
+class Int8Kernel:
+    """One int8 GEMM: `engine` None is torch._int_mm; else a quantized engine's dynamic linear."""
+
+    engine: str | None
+    levels: int
+
+    @property
+    def name(self) -> str:
+        """e.g. 'int_mm', 'fbgemm', 'onednn 7-bit'."""
+        base = self.engine or "int_mm"
+        return base if self.levels == INT8_LEVELS else f"{base} 7-bit"
+
+    def pack(self, qweight: torch.Tensor) -> Any:  # [out, in] int8
+        """The weight in the form `matmul` takes (int_mm: transposed; engines: prepacked)."""
+        if self.engine is None:
+            return qweight.t()  # [in, out]
+        ones = torch.ones(qweight.shape[0], dtype=torch.float64)
+        zeros = torch.zeros(qweight.shape[0], dtype=torch.long)
+        with _engine(self.engine), warnings.catch_warnings():
+            # torch marks its quantized tensors deprecated; a removal shows as a failed check
+            warnings.simplefilter("ignore")
+            quantized = torch._make_per_channel_quantized_tensor(qweight, ones, zeros, 0)
+            return torch.ops.quantized.linear_prepack(quantized, None)
+
+    def matmul(
+        self,
+        q: torch.Tensor,  # [num_tokens, in] float32 integers in [-levels, levels]
+        packed: Any,
+    ) -> torch.Tensor:  # [num_tokens, out] float32: the exact int32 sums
+        """sum over `in` of q * qweight, as float32."""
+        if self.engine is None:
+            return torch._int_mm(q.to(torch.int8), packed).float()
+        # [2, in]: the two ends of the range the engine's u8 quantization maps onto itself
+        sentinel = q.new_tensor([[-self.levels - 1.0], [float(self.levels)]]).expand(2, q.shape[1])
+        reduce_range = self.levels != INT8_LEVELS
+        out = torch.ops.quantized.linear_dynamic(torch.cat((q, sentinel)), packed, reduce_range)
+        return out[:-2]
+
+
+def kernels() -> tuple[Int8Kernel, ...]:
+    """Every int8 GEMM this torch build has, full range before reduced."""
+    engines = [e for e in torch.backends.quantized.supported_engines if e != "none"]
+    full = [Int8Kernel(None, INT8_LEVELS)] + [Int8Kernel(e, INT8_LEVELS) for e in engines]
+    # qnnpack ignores reduce_range (it says so in a warning at every call): no 7-bit variant
+    reduced = [Int8Kernel(e, REDUCED_LEVELS) for e in engines if e != "qnnpack"]
+    return (*full, *reduced)
+
+
+def is_exact(kernel: Int8Kernel) -> bool:
+    """The kernel returns exact sums on the worst case (all products at the extremes)."""
+    levels = kernel.levels
+    # rows: all +levels, all -levels, alternating; columns: all +127, all -127, alternating
+    sign = torch.tensor([1.0, -1.0]).repeat(_CHECK_DEPTH // 2)  # [depth]
+    q = torch.stack((torch.ones(_CHECK_DEPTH), -torch.ones(_CHECK_DEPTH), sign)) * levels
+    w = torch.stack((torch.ones(_CHECK_DEPTH), -torch.ones(_CHECK_DEPTH), sign)) * INT8_LEVELS
+    want = q.double() @ w.double().t()  # [3, 3], exact in float32 too (under 2**24)
+    try:
+        got = kernel.matmul(q, kernel.pack(w.to(torch.int8)))
+    except (RuntimeError, NotImplementedError, AttributeError):  # absent from this build
+        return False
+    return bool((got.double() == want).all())
+
+
+class _engine:
+    """Sets torch's quantized engine for a prepack, and restores it (prepacked weights keep it)."""
+
+    def __init__(self, engine: str) -> None:
+        self.engine = engine
+        self.previous = torch.backends.quantized.engine
+
+    def __enter__(self) -> None:
+        torch.backends.quantized.engine = self.engine
+
+    def __exit__(self, *exc_info: object) -> None:
+        torch.backends.quantized.engine = self.previous

@@ -1,0 +1,187 @@
+"""The CPU precision measured at load: exact int8 GEMMs, the choice, the refusal, the CLI's line.
+
+Speed itself is benchmarked (docs/benchmarks.md), never asserted: the choice is tested with
+injected timings, and the kernels for what they compute.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from poolserve.models import cpu_kernels, load_model
+from poolserve.models.cpu_class import CpuClass, cpu_class
+from poolserve.models.cpu_kernels import check_speed, choose, measure_precision
+from poolserve.models.errors import SlowerPrecisionError
+from poolserve.models.int8_kernels import INT8_LEVELS, REDUCED_LEVELS, Int8Kernel, is_exact, kernels
+from poolserve.models.quantization import INT_MM, Int8Linear
+
+CPU = torch.device("cpu")
+CLASS = CpuClass("Test CPU", "AVX2", None, ())
+# The scheme's fidelity to float32 on one random projection, per activation grid.
+COSINE = {INT8_LEVELS: 0.9995, REDUCED_LEVELS: 0.998}
+
+
+def _scheme(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, levels: int) -> torch.Tensor:
+    """Int8Linear's arithmetic in float64: per-token activations, per-channel weights."""
+    w_scale = weight.abs().amax(1) / INT8_LEVELS  # [out] (float32, as Int8Linear rounds it)
+    qw = torch.round(weight / w_scale[:, None]).double()  # [out, in]
+    x_scale = x.abs().amax(-1, keepdim=True) / levels  # [tokens, 1]
+    qx = torch.round(x / x_scale).double()  # [tokens, in]
+    return (qx @ qw.t()) * x_scale.double() * w_scale.double() + bias.double()
+
+
+def _exact_kernels() -> list[Int8Kernel]:
+    return [kernel for kernel in kernels() if is_exact(kernel)]
+
+
+@pytest.mark.parametrize("kernel", _exact_kernels(), ids=lambda k: k.name)
+def test_each_exact_kernel_computes_the_scheme_and_stays_close(kernel: Int8Kernel) -> None:
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(96, 200, generator=generator) * 0.05
+    bias = torch.randn(96, generator=generator)
+    x = torch.randn(37, 200, generator=generator)
+    got = Int8Linear(weight, kernel)(x, bias)
+    want = _scheme(x, weight, bias, kernel.levels)
+    # the same integer sums; only float32's rounding of the scaling differs
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    exact = F.linear(x, weight, bias)
+    assert F.cosine_similarity(got, exact).min() >= COSINE[kernel.levels]
+    assert Int8Linear(weight, kernel)(torch.zeros(0, 200), bias).shape == (0, 96)
+
+
+def test_full_range_kernels_agree_with_each_other() -> None:
+    # one scheme whichever GEMM runs: the choice changes speed, never outputs
+    generator = torch.Generator().manual_seed(4)
+    weight, x = torch.randn(64, 128, generator=generator), torch.randn(20, 128, generator=generator)
+    full = [k for k in _exact_kernels() if k.levels == INT8_LEVELS]
+    outputs = [Int8Linear(weight, k)(x, None) for k in full]
+    for kernel, out in zip(full[1:], outputs[1:], strict=True):
+        torch.testing.assert_close(out, outputs[0], rtol=1e-6, atol=1e-6, msg=kernel.name)
+
+
+def test_a_saturating_gemm_fails_the_check_and_is_never_chosen(
+    monkeypatch: pytest.MonkeyPatch, loaded_layers: torch.nn.Module
+) -> None:
+    def saturating(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """What a GEMM adding int8 products in int16 pairs returns at the extremes."""
+        return (a.int() @ b.int()).clamp(-(2**15), 2**15 - 1)
+
+    monkeypatch.setattr(torch, "_int_mm", saturating)
+    assert not is_exact(INT_MM)
+    chosen = measure_precision(loaded_layers, torch.float32, "int8", allow_slower=True)
+    assert chosen is not None and chosen != INT_MM
+
+
+@pytest.fixture
+def loaded_layers(tiny_model_dir: Callable[[str], Path]) -> torch.nn.Module:
+    """A tiny model's packed layers, fresh (measure_precision reads plain weights)."""
+    return load_model(str(tiny_model_dir("qwen3")), device=CPU).model
+
+
+def test_the_fastest_of_the_most_faithful_tier_faster_than_float32_runs() -> None:
+    full = {"int_mm": 9.0, "fbgemm": 4.0, "onednn": 6.0}
+    reduced = {"fbgemm 7-bit": 1.0}
+    choice = choose("--quantization int8", [full, reduced], 8.0, 64, CLASS)
+    assert choice.kernel == "fbgemm" and choice.speedup == 2.0
+    assert [name for name, _ in choice.timings] == ["fbgemm", "fbgemm 7-bit", "onednn", "int_mm"]
+    # no full-range kernel beats float32 here: the 7-bit one does
+    choice = choose("--quantization int8", [{"int_mm": 90.0}, reduced], 8.0, 64, CLASS)
+    assert choice.kernel == "fbgemm 7-bit"
+    # none beats float32: the fastest of all, which the speed check then refuses
+    choice = choose("--quantization int8", [{"int_mm": 90.0}, {"x86 7-bit": 12.0}], 8.0, 64, CLASS)
+    assert choice.kernel == "x86 7-bit" and choice.speedup == pytest.approx(2 / 3)
+    with pytest.raises(SlowerPrecisionError, match="none of its kernels is exact"):
+        choose("--quantization int8", [{}, {}], 8.0, 64, CLASS)
+
+
+def test_a_slower_precision_is_refused_in_one_line_or_run_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    choice = choose("--dtype bfloat16", [{"bfloat16": 0.0325}], 0.0065, 256, CLASS)
+    with pytest.raises(SlowerPrecisionError) as caught:
+        check_speed(choice, allow_slower=False, advice="use --dtype float32 (or auto)")
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith("--dtype bfloat16 would run at 0.20x float32's speed")
+    for part in (str(CLASS), "32.50 ms", "6.50 ms", "256 tokens", "--allow-slower-precision"):
+        assert part in message
+    with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+        check_speed(choice, allow_slower=True, advice="")
+    assert "0.20x" in caplog.text and "running it anyway" in caplog.text
+    faster = choose("--dtype bfloat16", [{"bfloat16": 0.002}], 0.0065, 256, CLASS)
+    check_speed(faster, allow_slower=False, advice="")  # 3.25x: runs
+
+
+def test_load_model_measures_and_refuses_with_injected_timings(
+    monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Callable[[str], Path]
+) -> None:
+    # bfloat16 five times slower than float32, as on CPUs without native units
+    seconds = {torch.bfloat16: 5.0, torch.float32: 1.0}
+    monkeypatch.setattr(cpu_kernels, "_time_linears", lambda w, i, dtype: seconds[dtype])
+    directory = str(tiny_model_dir("bert"))
+    with pytest.raises(SlowerPrecisionError, match=r"--dtype bfloat16 would run at 0\.20x"):
+        load_model(directory, device=CPU, dtype=torch.bfloat16)
+    loaded = load_model(directory, device=CPU, dtype=torch.bfloat16, allow_slower_precision=True)
+    assert loaded.spec.dtype == torch.bfloat16
+    # int8: every kernel slower than float32 is refused; one faster runs, as Int8Linear
+    monkeypatch.setattr(cpu_kernels, "_time_int8", lambda w, i, d, kernel: 2.0)
+    with pytest.raises(SlowerPrecisionError, match=r"--quantization int8 would run at 0\.50x"):
+        load_model(directory, device=CPU, quantization="int8")
+    fastest = _exact_kernels()[-1]
+    monkeypatch.setattr(
+        cpu_kernels, "_time_int8", lambda w, i, d, kernel: 0.5 if kernel == fastest else 2.0
+    )
+    loaded = load_model(directory, device=CPU, quantization="int8")
+    assert loaded.model.layers[0].o_weight.kernel == fastest
+
+
+def test_float32_is_never_timed(
+    monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Callable[[str], Path]
+) -> None:
+    def fail(*args: object) -> float:
+        raise AssertionError("float32 without quantization needs no measurement")
+
+    monkeypatch.setattr(cpu_kernels, "_seconds", fail)
+    load_model(str(tiny_model_dir("bert")), device=CPU)
+    load_model(str(tiny_model_dir("bert")), device=CPU, dtype=torch.float32)
+
+
+def test_the_cpu_class_names_torchs_isa_and_the_units() -> None:
+    here = cpu_class()
+    assert here.isa == torch.backends.cpu.get_cpu_capability()
+    assert str(here).startswith(here.isa)
+    capped = CpuClass("X", "AVX2", "AVX2", ())
+    assert str(capped) == "AVX2 (X, oneDNN capped at AVX2)"
+    assert str(CpuClass("Y", "AVX512", None, ("VNNI", "BF16"))) == "AVX512 + VNNI + BF16 (Y)"
+
+
+def _embed(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    """`poolserve embed` of one text with MiniLM in bfloat16, torch's kernels capped at AVX2."""
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"id": 1, "text": "a query"}\n')
+    out = tmp_path / f"out{len(flags)}.parquet"
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    command = [sys.executable, "-m", "poolserve", "embed", str(source), "-o", str(out)]
+    command += ["--device", "cpu", "--dtype", "bfloat16", *flags]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+
+
+def test_the_cli_refuses_emulated_bfloat16_in_one_line(tmp_path: Path) -> None:
+    # capped at AVX2, torch and oneDNN emulate bfloat16: MiniLM's projections run ~0.2x float32
+    refused = _embed(tmp_path)
+    assert refused.returncode != 0
+    lines = refused.stderr.strip().splitlines()
+    assert len(lines) == 1, refused.stderr
+    assert "--dtype bfloat16 would run at" in lines[0] and "AVX2" in lines[0]
+    assert "--allow-slower-precision" in lines[0]
+    allowed = _embed(tmp_path, "--allow-slower-precision")
+    assert allowed.returncode == 0, allowed.stderr
