@@ -176,9 +176,9 @@ def poolserve_runtimes(
                 loaded = load_model(
                     str(model_dir), device=CPU, dtype=dtype, quantization=quantization
                 )
-                start = said[-1] if said else "nothing to measure"
+                start = _short(said[-1]) if said else "nothing to measure"
             except SlowerPrecisionError as exc:
-                start = f"REFUSED: {exc}"
+                start = f"REFUSED ({_short(str(exc))}); run with allow_slower_precision"
                 loaded = load_model(
                     str(model_dir),
                     device=CPU,
@@ -188,6 +188,15 @@ def poolserve_runtimes(
                 )
         runtimes.append(Runtime(f"poolserve {label}", start, runner(loaded, loop, engines)))
     return runtimes
+
+
+def _short(said: str) -> str:
+    """The start-up line's kernel and ratio: 'onednn, 2.00x float32 at start'."""
+    kernel = said.split(" runs ", 1)[1].split(" ", 1)[0].rstrip(":")
+    if "x float32" not in said:  # float32's own line: the kernel alone
+        return kernel
+    ratio = said.split("x float32")[0].rsplit(" ", 1)[-1]
+    return f"{kernel}, {ratio}x float32 at start"
 
 
 @contextlib.contextmanager

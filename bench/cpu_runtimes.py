@@ -45,7 +45,11 @@ def peer_runtimes(model_dir: Path, pooling: str, tmp: Path) -> list[Runtime]:
         Runtime(
             "sentence-transformers (torch) float32",
             "",
-            lambda texts: np.asarray(st.encode(texts, batch_size=BATCH, normalize_embeddings=True)),
+            lambda texts: np.asarray(
+                st.encode(
+                    texts, batch_size=BATCH, normalize_embeddings=True, show_progress_bar=False
+                )
+            ),
         )
     ]
     try:
@@ -115,13 +119,14 @@ def _onnx_forwards(onnx_path: Path, tmp: Path) -> list[tuple[str, str, Forward]]
         logger.warning("openvino is not installed: pip install -e '.[cpu-peers]'")
         return forwards
     core = ov.Core()
+    version = ov.__version__.split("-")[0]
     default = core.compile_model(core.read_model(str(onnx_path)), "CPU")
-    precision = str(default.get_property("INFERENCE_PRECISION_HINT"))
-    forwards.append((f"OpenVINO {ov.__version__} default", f"runs {precision}", _ov(default)))
+    precision = default.get_property("INFERENCE_PRECISION_HINT").get_type_name()  # f32, bf16
+    forwards.append((f"OpenVINO {version} default", f"runs {precision}", _ov(default)))
     if precision != "f32":
         hint = {"INFERENCE_PRECISION_HINT": "f32"}
         f32 = core.compile_model(core.read_model(str(onnx_path)), "CPU", hint)
-        forwards.append((f"OpenVINO {ov.__version__} float32", "runs f32", _ov(f32)))
+        forwards.append((f"OpenVINO {version} float32", "runs f32", _ov(f32)))
     return forwards
 
 

@@ -13,6 +13,7 @@ timed for it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -20,11 +21,14 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from poolserve.models.cpu_class import CpuClass, cpu_class, cpu_lacks_native
 from poolserve.models.errors import SlowerPrecisionError
-from poolserve.models.int8_kernels import Int8Kernel, is_exact, kernels
+from poolserve.models.float_kernels import KERNELS as FLOAT_KERNELS
+from poolserve.models.float_kernels import TORCH, FloatKernel, is_close
+from poolserve.models.int8_kernels import Int8Kernel, is_exact
+from poolserve.models.int8_kernels import kernels as int8_kernels
+from poolserve.models.layers import linear
 from poolserve.models.quantization import PROJECTION_WEIGHTS, QUANTIZED_WEIGHTS, Int8Linear
 
 logger = logging.getLogger(__name__)
@@ -34,6 +38,7 @@ logger = logging.getLogger(__name__)
 TIMED_FLOPS = 0.4e9
 TOKEN_RANGE = (16, 256)
 REPEATS = 3  # each candidate's best of this many calls, after one warm-up call
+FLOAT_MARGIN = 0.05  # another float GEMM replaces torch's only when this much faster
 
 
 @dataclass(frozen=True)
@@ -60,10 +65,12 @@ class PrecisionChoice:
     def describe(self) -> str:
         """One line for the log: the choice, its ratio, and the numbers behind it."""
         others = ", ".join(f"{name} {s * 1e3:.2f}" for name, s in self.timings)
+        ratio = "" if self.flag == "float32" else f": {self.speedup:.2f}x float32"
         return (
-            f"{self.flag} runs {self.kernel}: {self.speedup:.2f}x float32 on this CPU, "
-            f"{self.cpu} (ms for one layer's projections on {self.num_tokens} tokens: {others}; "
-            f"float32 {self.float32_seconds * 1e3:.2f})"
+            f"{self.flag} runs {self.kernel}{ratio} on this CPU, "
+            f"{self.cpu} (ms for one layer's projections on {self.num_tokens} tokens: {others}"
+            + ("" if self.flag == "float32" else f"; float32 {self.float32_seconds * 1e3:.2f}")
+            + ")"
         )
 
 
@@ -111,42 +118,86 @@ def check_speed(choice: PrecisionChoice, allow_slower: bool, advice: str) -> Non
     logger.warning("%s; running it anyway (--allow-slower-precision)", why)
 
 
-def measure_precision(
+@dataclass(frozen=True)
+class CpuKernels:
+    """The kernels chosen for a model's projections: its float GEMM, and int8's where asked."""
+
+    float_kernel: FloatKernel
+    int8_kernel: Int8Kernel | None
+
+
+def choose_kernels(
     model: torch.nn.Module,
     dtype: torch.dtype,
     quantization: str | None,
     allow_slower: bool,
-) -> Int8Kernel | None:
-    """Times the asked precision on `model`'s projections; returns int8's GEMM (None: no int8).
+) -> CpuKernels:
+    """Times the candidates on `model`'s projections; refuses a precision slower than float32.
 
-    Call on a CPU model before quantize_linears: it reads the layers' plain weights.
+    Call on a CPU model before quantize_linears and pack_linears: it reads the plain weights.
     """
     weights = _layer_projections(model)
-    if not weights or (dtype == torch.float32 and quantization != "int8"):
-        return None
+    if not weights:
+        return CpuKernels(TORCH, None)
     num_tokens = _num_tokens(weights.values())
     inputs = _inputs(weights.values(), num_tokens)
     cpu = cpu_class()
+    float32 = _choose_float(weights, inputs, torch.float32, num_tokens, cpu)
+    float_choice = float32
     if dtype != torch.float32:
-        name = str(dtype).removeprefix("torch.")
-        native = cpu_lacks_native(dtype)
-        advice = "use --dtype float32 (or auto)" + (f"; {native}" if native else "")
-        timings = {name: _time_linears(weights, inputs, dtype)}
-        float32 = _time_linears(weights, inputs, torch.float32)
-        choice = choose(f"--dtype {name}", [timings], float32, num_tokens, cpu)
-        check_speed(choice, allow_slower, advice)
+        float_choice = _choose_float(weights, inputs, dtype, num_tokens, cpu)
+        float_choice = dataclasses.replace(float_choice, float32_seconds=float32.seconds)
+        native = "" if _native(dtype, cpu) else f"; {cpu_lacks_native(dtype) or 'emulated'}"
+        check_speed(float_choice, allow_slower, f"use --dtype float32 (or auto){native}")
+    else:
+        logger.info("%s", float32.describe())
+    float_kernel = FloatKernel(float_choice.kernel)
     if quantization != "int8":
-        return None
+        return CpuKernels(float_kernel, None)
     slots = {slot: w for slot, w in weights.items() if slot in QUANTIZED_WEIGHTS["int8"]}
-    exact = {kernel.name: kernel for kernel in kernels() if is_exact(kernel)}
+    exact = {kernel.name: kernel for kernel in int8_kernels() if is_exact(kernel)}
     tiers = [
         {name: _time_int8(slots, inputs, dtype, k) for name, k in exact.items() if k.levels == n}
         for n in sorted({k.levels for k in exact.values()}, reverse=True)
     ]
-    float32 = _time_linears(slots, inputs, torch.float32)
-    choice = choose("--quantization int8", tiers, float32, num_tokens, cpu)
+    baseline = _time_linears(slots, inputs, torch.float32, FloatKernel(float32.kernel))
+    choice = choose("--quantization int8", tiers, baseline, num_tokens, cpu)
     check_speed(choice, allow_slower, "run without --quantization")
-    return exact[choice.kernel]
+    return CpuKernels(float_kernel, exact[choice.kernel])
+
+
+def _choose_float(
+    weights: Mapping[str, torch.Tensor],
+    inputs: Mapping[int, torch.Tensor],
+    dtype: torch.dtype,
+    num_tokens: int,
+    cpu: CpuClass,
+) -> PrecisionChoice:
+    """The float GEMM for `dtype`: torch's, unless another is FLOAT_MARGIN faster.
+
+    Float kernels differ in summation order: keeping torch's unless another is clearly faster
+    keeps timing noise from moving outputs by an ulp from one start to the next.
+    """
+    name = str(dtype).removeprefix("torch.")
+    flag = "float32" if dtype == torch.float32 else f"--dtype {name}"
+    usable = [k for k in FLOAT_KERNELS if is_close(k, dtype)]
+    if not usable:
+        raise SlowerPrecisionError(f"{flag} cannot run on this CPU, {cpu}: no kernel of it does")
+    timings = {k.name: _time_linears(weights, inputs, dtype, k) for k in usable}
+    kernel = min(timings, key=timings.__getitem__)
+    torch_s = timings.get(TORCH.name)
+    if torch_s is not None and timings[kernel] > torch_s * (1 - FLOAT_MARGIN):
+        kernel = TORCH.name
+    others = sorted((item for item in timings.items() if item[0] != kernel), key=lambda i: i[1])
+    ranked = ((kernel, timings[kernel]), *others)
+    return PrecisionChoice(flag, kernel, ranked, timings[kernel], num_tokens, cpu)
+
+
+def _native(dtype: torch.dtype, cpu: CpuClass) -> bool:
+    """The CPU class has units for the half dtype (BF16 for bfloat16; float16: its flags)."""
+    if dtype == torch.bfloat16:
+        return "BF16" in cpu.units
+    return cpu_lacks_native(dtype) is None
 
 
 def _layer_projections(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -175,11 +226,14 @@ def _inputs(weights: Iterable[torch.Tensor], num_tokens: int) -> dict[int, torch
 
 
 def _time_linears(
-    weights: Mapping[str, torch.Tensor], inputs: Mapping[int, torch.Tensor], dtype: torch.dtype
+    weights: Mapping[str, torch.Tensor],
+    inputs: Mapping[int, torch.Tensor],
+    dtype: torch.dtype,
+    kernel: FloatKernel,
 ) -> float:
-    """The projections as F.linear in `dtype`."""
-    cast = [(inputs[w.shape[1]].to(dtype), w.to(dtype)) for w in weights.values()]
-    return _seconds(lambda: [F.linear(x, w) for x, w in cast])
+    """The projections on a float kernel in `dtype`."""
+    cast = [(inputs[w.shape[1]].to(dtype), kernel.wrap(w.to(dtype))) for w in weights.values()]
+    return _seconds(lambda: [linear(x, w, None) for x, w in cast])
 
 
 def _time_int8(

@@ -26,7 +26,7 @@ from poolserve.models.encoder_relative import (
 from poolserve.models.encoder_weights import LAYOUTS, LayerNames, layer_state, layer_tensors
 from poolserve.models.errors import ModelLoadError
 from poolserve.models.kv_cache import PagedKVCache
-from poolserve.models.layers import Weight, activation, linear, to_device
+from poolserve.models.layers import Weight, activation, linear, linear_act, to_device
 from poolserve.models.packed import PackedModel
 from poolserve.models.registry import EncoderFamily, Positions, Relative
 from poolserve.models.rope import Rotary, apply_rotary
@@ -123,12 +123,12 @@ class EncoderLayer(torch.nn.Module):
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
         """act(up) or, gated, act(first half) * second half; then down."""
-        up = linear(h, self.up_weight, self.up_bias)  # [num_tokens, (2 x) intermediate]
         if self.gated:
+            up = linear(h, self.up_weight, self.up_bias)  # [num_tokens, 2 x intermediate]
             gate, value = up.chunk(2, dim=-1)  # [num_tokens, intermediate] each
             up = self.act(gate).mul_(value)
         else:
-            up = self.act(up)
+            up = linear_act(h, self.up_weight, self.up_bias, self.act)  # [num_tokens, inter]
         return linear(up, self.down_weight, self.down_bias)
 
 

@@ -43,31 +43,38 @@ class Int8Kernel:
         base = self.engine or "int_mm"
         return base if self.levels == INT8_LEVELS else f"{base} 7-bit"
 
-    def pack(self, qweight: torch.Tensor) -> Any:  # [out, in] int8
-        """The weight in the form `matmul` takes (int_mm: transposed; engines: prepacked)."""
+    def pack(self, qweight: torch.Tensor, scale: torch.Tensor) -> Any:  # [out, in] int8, [out]
+        """The weight as `matmul` takes it (int_mm: transposed; engines: prepacked, scaled)."""
         if self.engine is None:
-            return qweight.t()  # [in, out]
-        ones = torch.ones(qweight.shape[0], dtype=torch.float64)
+            return qweight.t(), scale  # [in, out], [out]
         zeros = torch.zeros(qweight.shape[0], dtype=torch.long)
         with _engine(self.engine), warnings.catch_warnings():
             # torch marks its quantized tensors deprecated; a removal shows as a failed check
             warnings.simplefilter("ignore")
-            quantized = torch._make_per_channel_quantized_tensor(qweight, ones, zeros, 0)
+            quantized = torch._make_per_channel_quantized_tensor(qweight, scale.double(), zeros, 0)
             return torch.ops.quantized.linear_prepack(quantized, None)
 
     def matmul(
         self,
-        q: torch.Tensor,  # [num_tokens, in] float32 integers in [-levels, levels]
+        x: torch.Tensor,  # [num_tokens, in] float32
+        x_scale: torch.Tensor,  # [num_tokens, 1] float32: max |x| of each token / levels
         packed: Any,
-    ) -> torch.Tensor:  # [num_tokens, out] float32: the exact int32 sums
-        """sum over `in` of q * qweight, as float32."""
+    ) -> torch.Tensor:  # [num_tokens, out] float32
+        """sum over `in` of round(x / x_scale) * qweight, times the weight's scale per channel."""
         if self.engine is None:
-            return torch._int_mm(q.to(torch.int8), packed).float()
-        # [2, in]: the two ends of the range the engine's u8 quantization maps onto itself
-        sentinel = q.new_tensor([[-self.levels - 1.0], [float(self.levels)]]).expand(2, q.shape[1])
+            weight, scale = packed
+            q = torch.div(x, x_scale).round_().to(torch.int8)  # [num_tokens, in]
+            return torch._int_mm(q, weight).float().mul_(scale)
+        # the engine rounds x / x_scale itself: its per-tensor quantization is the identity on
+        # [-levels - 1, levels] once the two sentinel rows hold those ends (scale 1, zero point
+        # levels + 1), so the per-token integers are what it multiplies
+        num_tokens = x.shape[0]
+        scaled = x.new_empty(num_tokens + 2, x.shape[1])  # [num_tokens + 2, in]
+        torch.div(x, x_scale, out=scaled[:num_tokens])
+        scaled[num_tokens].fill_(-self.levels - 1.0)
+        scaled[num_tokens + 1].fill_(float(self.levels))
         reduce_range = self.levels != INT8_LEVELS
-        out = torch.ops.quantized.linear_dynamic(torch.cat((q, sentinel)), packed, reduce_range)
-        return out[:-2]
+        return torch.ops.quantized.linear_dynamic(scaled, packed, reduce_range)[:num_tokens]
 
 
 def kernels() -> tuple[Int8Kernel, ...]:
@@ -87,8 +94,9 @@ def is_exact(kernel: Int8Kernel) -> bool:
     q = torch.stack((torch.ones(_CHECK_DEPTH), -torch.ones(_CHECK_DEPTH), sign)) * levels
     w = torch.stack((torch.ones(_CHECK_DEPTH), -torch.ones(_CHECK_DEPTH), sign)) * INT8_LEVELS
     want = q.double() @ w.double().t()  # [3, 3], exact in float32 too (under 2**24)
+    ones = torch.ones(3)
     try:
-        got = kernel.matmul(q, kernel.pack(w.to(torch.int8)))
+        got = kernel.matmul(q, ones[:, None], kernel.pack(w.to(torch.int8), ones))
     except (RuntimeError, NotImplementedError, AttributeError):  # absent from this build
         return False
     return bool((got.double() == want).all())

@@ -9,10 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from poolserve.models.errors import ModelLoadError
+from poolserve.models.float_kernels import PackedLinear
 from poolserve.models.quantization import Int8Linear
 
-# A projection weight: a tensor (plain, or torchao's quantized subclass) or the CPU int8 module.
-Weight = torch.Tensor | Int8Linear
+# A projection weight: a tensor (plain, or torchao's quantized subclass), or a CPU kernel's
+# module chosen at load (cpu_kernels.py): the int8 one, or a oneDNN-prepacked float weight.
+Weight = torch.Tensor | Int8Linear | PackedLinear
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -29,6 +31,29 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name not in ACTIVATIONS:
         raise ModelLoadError(f"unsupported activation {name!r}")
     return ACTIVATIONS[name]
+
+
+# Activations oneDNN computes as the same function in a packed GEMM's epilogue (saving a pass
+# over the MLP's widest tensor): activation -> (oneDNN post-op, its algorithm).
+FUSED_POST_OPS: dict[Callable[[torch.Tensor], torch.Tensor], tuple[str, str]] = {
+    ACTIVATIONS["gelu"]: ("gelu", "none"),
+    ACTIVATIONS["gelu_new"]: ("gelu", "tanh"),
+    ACTIVATIONS["gelu_pytorch_tanh"]: ("gelu", "tanh"),
+    ACTIVATIONS["relu"]: ("relu", ""),
+}
+
+
+def linear_act(
+    x: torch.Tensor,
+    weight: Weight,
+    bias: torch.Tensor | None,
+    act: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """act(x @ weight.T + bias), fused where the weight is oneDNN-packed and oneDNN has it."""
+    post_op = FUSED_POST_OPS.get(act)
+    if post_op is not None and isinstance(weight, PackedLinear):
+        return weight(x, bias, post_op)
+    return act(linear(x, weight, bias))
 
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch.Tensor:

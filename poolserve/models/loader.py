@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 
 from poolserve.kinds import HeadKind
 from poolserve.models.attention import AttentionBackend, select_attention_backend
-from poolserve.models.cpu_kernels import measure_precision
+from poolserve.models.cpu_kernels import CpuKernels, choose_kernels
 from poolserve.models.decoder import DecoderModel
 from poolserve.models.decoder_config import decoder_head_dim, decoder_is_causal
 from poolserve.models.encoder import EncoderModel
@@ -27,6 +27,7 @@ from poolserve.models.errors import (
     UnsupportedArchitectureError,
     UnsupportedDtypeError,
 )
+from poolserve.models.float_kernels import TORCH, pack_linears
 from poolserve.models.heads import LMHeadRows, build_heads, head_out_features, lm_head_method
 from poolserve.models.late_interaction import check_plain_prompts
 from poolserve.models.packed import PackedModel
@@ -88,10 +89,11 @@ def load_model(
     packed = _BACKBONES[entry.backbone](
         config, backbone_state, select_attention_backend(device), placement
     )
-    kernel = INT_MM
+    kernels = CpuKernels(TORCH, None)
     if device.type == "cpu":
-        kernel = measure_precision(packed, dtype, quantization, allow_slower_precision) or INT_MM
-    quantized = quantize_linears(packed, quantization, device, kernel=kernel)
+        kernels = choose_kernels(packed, dtype, quantization, allow_slower_precision)
+    quantized = quantize_linears(packed, quantization, device, kernel=kernels.int8_kernel or INT_MM)
+    pack_linears(packed, kernels.float_kernel)
     tokenizer = _load_tokenizer(path)
     heads = build_heads(entry, state, device, config, _lm_head_rows(entry, config, tokenizer))
     if entry.head_kind is HeadKind.LATE_INTERACTION:

@@ -93,8 +93,9 @@ def _torchao_missing() -> str | None:
 class Int8Linear(torch.nn.Module):
     """A projection's int8 weight [out, in] with float32 per-channel scales, on an int8 GEMM.
 
-    `kernel` is the GEMM chosen at start for this CPU (cpu_kernels.py); every kernel computes
-    the same exact integer sums, so the choice changes speed, never outputs.
+    `kernel` is the GEMM chosen at start for this CPU (cpu_kernels.py); the kernels of one
+    activation range compute the same exact integer sums, so among them the choice changes
+    speed, not outputs (the 7-bit range is coarser: chosen only where no full-range one pays).
     """
 
     qweight: torch.Tensor
@@ -106,7 +107,7 @@ class Int8Linear(torch.nn.Module):
         scale = scale / INT8_MAX  # [out]
         qweight = torch.round(weight.float() / scale[:, None]).to(torch.int8)  # [out, in]
         self.kernel = kernel
-        self.packed = kernel.pack(qweight.contiguous())
+        self.packed = kernel.pack(qweight.contiguous(), scale.contiguous())
         # int_mm reads the int8 weight itself; an engine keeps its own packed copy, and the
         # buffer only states the shape (a meta tensor: no storage; counted by cpu_threads)
         keep = qweight if kernel.engine is None else qweight.to("meta")
@@ -119,16 +120,15 @@ class Int8Linear(torch.nn.Module):
         bias: torch.Tensor | None,  # [out]
     ) -> torch.Tensor:  # [num_tokens, out] in the compute dtype
         """x @ W.T + bias with x quantized per token: int8 GEMM, exact sums, float32 scaling."""
-        levels = self.kernel.levels
-        x_scale = x.abs().amax(dim=-1, keepdim=True).float()  # [num_tokens, 1]
-        x_scale = x_scale.clamp_min_(torch.finfo(torch.float32).eps).div_(levels)
-        # |x / x_scale| <= levels by construction: no clamp is needed
-        q = torch.round(x.float() / x_scale)  # [num_tokens, in] integers
-        y = self.kernel.matmul(q, self.packed)  # [num_tokens, out]
-        y.mul_(x_scale).mul_(self.scale)
-        if bias is not None:
-            y.add_(bias)
-        return y.to(x.dtype)
+        dtype, x = x.dtype, x.float()
+        # max |x| per token from the two extremes: no |x| tensor is written
+        x_scale = torch.maximum(x.amax(-1, keepdim=True), x.amin(-1, keepdim=True).neg_())
+        x_scale = x_scale.clamp_min_(torch.finfo(torch.float32).eps).div_(self.kernel.levels)
+        # |x / x_scale| <= levels by construction: no clamp is needed before the GEMM rounds
+        y = self.kernel.matmul(x, x_scale, self.packed)  # [num_tokens, out], weight-scaled
+        if bias is None:
+            return y.mul_(x_scale).to(dtype)
+        return torch.addcmul(bias, y, x_scale, out=y).to(dtype)  # one pass: bias + y * x_scale
 
     def extra_repr(self) -> str:
         """Shape, as nn.Linear prints it, and the GEMM."""

@@ -19,10 +19,12 @@ import torch.nn.functional as F
 
 from poolserve.models import cpu_kernels, load_model
 from poolserve.models.cpu_class import CpuClass, cpu_class
-from poolserve.models.cpu_kernels import check_speed, choose, measure_precision
+from poolserve.models.cpu_kernels import check_speed, choose, choose_kernels
 from poolserve.models.errors import SlowerPrecisionError
+from poolserve.models.float_kernels import CLOSE, ONEDNN, TORCH, PackedLinear, is_close
 from poolserve.models.int8_kernels import INT8_LEVELS, REDUCED_LEVELS, Int8Kernel, is_exact, kernels
 from poolserve.models.quantization import INT_MM, Int8Linear
+from tests.models.driver import make_prompts, run_whole
 
 CPU = torch.device("cpu")
 CLASS = CpuClass("Test CPU", "AVX2", None, ())
@@ -58,6 +60,19 @@ def test_each_exact_kernel_computes_the_scheme_and_stays_close(kernel: Int8Kerne
     assert Int8Linear(weight, kernel)(torch.zeros(0, 200), bias).shape == (0, 96)
 
 
+@pytest.mark.parametrize("kernel", _exact_kernels(), ids=lambda k: k.name)
+def test_each_exact_kernel_is_batch_invariant(kernel: Int8Kernel) -> None:
+    # per-token scales: a row's output is the same alone, in a chunk of 7, or in the whole batch
+    generator = torch.Generator().manual_seed(6)
+    weight = torch.randn(64, 128, generator=generator)
+    x = torch.randn(173, 128, generator=generator) * torch.rand(173, 1, generator=generator) * 9
+    linear = Int8Linear(weight, kernel)
+    whole = linear(x, None)
+    for size in (1, 7):
+        pieces = torch.cat([linear(x[i : i + size], None) for i in range(0, len(x), size)])
+        torch.testing.assert_close(pieces, whole, rtol=1e-5, atol=1e-5 * float(whole.abs().max()))
+
+
 def test_full_range_kernels_agree_with_each_other() -> None:
     # one scheme whichever GEMM runs: the choice changes speed, never outputs
     generator = torch.Generator().manual_seed(4)
@@ -77,13 +92,17 @@ def test_a_saturating_gemm_fails_the_check_and_is_never_chosen(
 
     monkeypatch.setattr(torch, "_int_mm", saturating)
     assert not is_exact(INT_MM)
-    chosen = measure_precision(loaded_layers, torch.float32, "int8", allow_slower=True)
+    chosen = choose_kernels(loaded_layers, torch.float32, "int8", allow_slower=True).int8_kernel
     assert chosen is not None and chosen != INT_MM
 
 
 @pytest.fixture
-def loaded_layers(tiny_model_dir: Callable[[str], Path]) -> torch.nn.Module:
-    """A tiny model's packed layers, fresh (measure_precision reads plain weights)."""
+def loaded_layers(
+    monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Callable[[str], Path]
+) -> torch.nn.Module:
+    """A tiny model's packed layers with plain float weights (choose_kernels reads those)."""
+    # every float kernel as fast as torch's: torch's is kept, its weights stay plain tensors
+    monkeypatch.setattr(cpu_kernels, "_time_linears", lambda w, i, d, k: 1.0)
     return load_model(str(tiny_model_dir("qwen3")), device=CPU).model
 
 
@@ -126,7 +145,7 @@ def test_load_model_measures_and_refuses_with_injected_timings(
 ) -> None:
     # bfloat16 five times slower than float32, as on CPUs without native units
     seconds = {torch.bfloat16: 5.0, torch.float32: 1.0}
-    monkeypatch.setattr(cpu_kernels, "_time_linears", lambda w, i, dtype: seconds[dtype])
+    monkeypatch.setattr(cpu_kernels, "_time_linears", lambda w, i, dtype, k: seconds[dtype])
     directory = str(tiny_model_dir("bert"))
     with pytest.raises(SlowerPrecisionError, match=r"--dtype bfloat16 would run at 0\.20x"):
         load_model(directory, device=CPU, dtype=torch.bfloat16)
@@ -144,15 +163,52 @@ def test_load_model_measures_and_refuses_with_injected_timings(
     assert loaded.model.layers[0].o_weight.kernel == fastest
 
 
-def test_float32_is_never_timed(
+def test_a_float_kernel_replaces_torchs_only_when_clearly_faster(
     monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Callable[[str], Path]
 ) -> None:
-    def fail(*args: object) -> float:
-        raise AssertionError("float32 without quantization needs no measurement")
+    directory = str(tiny_model_dir("bert"))
+    for onednn_s, packed in ((0.97, False), (0.90, True)):
+        seconds = {TORCH: 1.0, ONEDNN: onednn_s}
+        monkeypatch.setattr(cpu_kernels, "_time_linears", lambda w, i, d, k, s=seconds: s[k])
+        layer = load_model(directory, device=CPU).model.layers[0]
+        assert isinstance(layer.up_weight, PackedLinear) is packed, onednn_s
+        assert isinstance(layer.qkv_weight, PackedLinear) is packed
 
-    monkeypatch.setattr(cpu_kernels, "_seconds", fail)
-    load_model(str(tiny_model_dir("bert")), device=CPU)
-    load_model(str(tiny_model_dir("bert")), device=CPU, dtype=torch.float32)
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_packed_linear_matches_f_linear(dtype: torch.dtype) -> None:
+    if not is_close(ONEDNN, dtype):
+        pytest.skip(f"oneDNN's packed {dtype} linear does not run on this CPU")
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(200, 96, generator=generator).to(dtype)
+    bias = torch.randn(200, generator=generator).to(dtype)
+    for rows in (0, 1, 33, 300):  # a step's token count varies; the packing is for any
+        x = torch.randn(rows, 96, generator=generator).to(dtype)
+        want = F.linear(x, weight, bias).float()
+        got = PackedLinear(weight)(x, bias).float()
+        assert got.shape == want.shape
+        if rows:
+            assert (got - want).abs().max() <= CLOSE[dtype] * want.abs().max()
+
+
+@pytest.mark.parametrize("name", ["qwen3", "bert"])  # bert: GELU fused into the up projection
+def test_a_model_on_packed_weights_equals_the_plain_one(
+    name: str, monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Callable[[str], Path]
+) -> None:
+    if not is_close(ONEDNN, torch.float32):
+        pytest.skip("oneDNN's packed linear does not run on this CPU")
+    directory = str(tiny_model_dir(name))
+    prompts = make_prompts((1, 9, 40), seed=3)
+    for kernel in (TORCH, ONEDNN):  # each chosen by injected timings
+        seconds = {TORCH: 1.0, ONEDNN: 1.0 if kernel == TORCH else 0.5}
+        monkeypatch.setattr(cpu_kernels, "_time_linears", lambda w, i, d, k, s=seconds: s[k])
+        loaded = load_model(directory, device=CPU)
+        assert isinstance(loaded.model.layers[0].o_weight, PackedLinear) is (kernel == ONEDNN)
+        got = run_whole(loaded, prompts, CPU)
+        if kernel == TORCH:
+            want = got
+    for ours, theirs in zip(got, want, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4 * float(theirs.abs().max()))
 
 
 def test_the_cpu_class_names_torchs_isa_and_the_units() -> None:

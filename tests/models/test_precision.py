@@ -142,16 +142,23 @@ def test_int8_replaces_only_the_measured_projections(
     layer = loaded.model.layers[0]
     for slot in ("o_weight", "gate_up_weight", "down_weight"):
         assert isinstance(getattr(layer, slot), Int8Linear)
-    assert type(layer.qkv_weight) is torch.Tensor  # the norm's outliers: kept in the dtype
+    # the norm's outliers: kept in the dtype (a plain or oneDNN-packed float weight)
+    assert not isinstance(layer.qkv_weight, Int8Linear)
     assert loaded.model.embed_tokens.dtype == torch.float32
 
 
 def test_int8_chunked_equals_int8_whole(family: Callable[[str], tuple[Any, Path]]) -> None:
-    # per-token activation scales: a token's output does not depend on its step's other tokens
+    # Per-token activation scales: a token's output does not depend on its step's other tokens
+    # (tests/models/test_cpu_kernels.py checks each GEMM's rows alone against rows in a batch).
+    # A chunk's attention over cached keys differs from the whole prompt's by float rounding,
+    # though, and int8's rounding can turn such a difference into one quantization level of a
+    # few elements: the bound is that step (a per-tensor scale, shared with the step's other
+    # tokens, would move every token by far more), not float tolerance.
     loaded = load_model(str(family("qwen3")[1]), device=CPU, quantization="int8", **FIDELITY_ONLY)
     whole = run_whole(loaded, PROMPTS, CPU)
     for got, want in zip(run_chunked(loaded, PROMPTS, 7, CPU), whole, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert F.cosine_similarity(got, want, dim=-1).min() >= 0.9999
+        assert (got - want).abs().max() <= 0.01 * want.abs().max()
 
 
 @functools.cache
