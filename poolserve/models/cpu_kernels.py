@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from poolserve.models.cpu_class import CpuClass, cpu_class, cpu_lacks_native
+from poolserve.models.cpu_class import NATIVE_CPU_FLAGS, CpuClass, cpu_class, cpu_lacks_native
 from poolserve.models.errors import SlowerPrecisionError
 from poolserve.models.float_kernels import KERNELS as FLOAT_KERNELS
 from poolserve.models.float_kernels import TORCH, FloatKernel, is_close
@@ -102,8 +102,9 @@ def choose(
     return PrecisionChoice(flag, kernel, ranked, float32_seconds, num_tokens, cpu)
 
 
-def check_speed(choice: PrecisionChoice, allow_slower: bool, advice: str) -> None:
-    """Refuse a choice slower than float32 (one line, with the ratio); warn when allowed."""
+def check_speed(choice: PrecisionChoice, allow_slower: bool, advice: str, reason: str = "") -> None:
+    """Refuse a choice slower than float32 (one line, with the ratio and `reason` when known);
+    warn when allowed."""
     if choice.speedup >= 1.0:
         logger.info("%s", choice.describe())
         return
@@ -112,6 +113,7 @@ def check_speed(choice: PrecisionChoice, allow_slower: bool, advice: str) -> Non
         f"{choice.cpu}: its fastest kernel ({choice.kernel}) takes "
         f"{choice.seconds * 1e3:.2f} ms against float32's {choice.float32_seconds * 1e3:.2f} ms "
         f"for one layer's projections on {choice.num_tokens} tokens"
+        + (f" ({reason})" if reason else "")
     )
     if not allow_slower:
         raise SlowerPrecisionError(f"{why}; {advice}, or pass --allow-slower-precision")
@@ -147,8 +149,9 @@ def choose_kernels(
     if dtype != torch.float32:
         float_choice = _choose_float(weights, inputs, dtype, num_tokens, cpu)
         float_choice = dataclasses.replace(float_choice, float32_seconds=float32.seconds)
-        native = "" if _native(dtype, cpu) else f"; {cpu_lacks_native(dtype) or 'emulated'}"
-        check_speed(float_choice, allow_slower, f"use --dtype float32 (or auto){native}")
+        check_speed(
+            float_choice, allow_slower, "use --dtype float32 (or auto)", _emulated(dtype, cpu)
+        )
     else:
         logger.info("%s", float32.describe())
     float_kernel = FloatKernel(float_choice.kernel)
@@ -193,11 +196,12 @@ def _choose_float(
     return PrecisionChoice(flag, kernel, ranked, timings[kernel], num_tokens, cpu)
 
 
-def _native(dtype: torch.dtype, cpu: CpuClass) -> bool:
-    """The CPU class has units for the half dtype (BF16 for bfloat16; float16: its flags)."""
-    if dtype == torch.bfloat16:
-        return "BF16" in cpu.units
-    return cpu_lacks_native(dtype) is None
+def _emulated(dtype: torch.dtype, cpu: CpuClass) -> str:
+    """Why torch emulates a half dtype on this CPU class, or "" where it has the units."""
+    name = str(dtype).removeprefix("torch.")
+    wanted = NATIVE_CPU_FLAGS.get(dtype, ())
+    native = "BF16" in cpu.units if dtype == torch.bfloat16 else cpu_lacks_native(dtype) is None
+    return "" if native else f"torch emulates {name} without native units: {', '.join(wanted)}"
 
 
 def _layer_projections(model: torch.nn.Module) -> dict[str, torch.Tensor]:

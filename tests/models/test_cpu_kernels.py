@@ -241,3 +241,16 @@ def test_the_cli_refuses_emulated_bfloat16_in_one_line(tmp_path: Path) -> None:
     assert "--allow-slower-precision" in lines[0]
     allowed = _embed(tmp_path, "--allow-slower-precision")
     assert allowed.returncode == 0, allowed.stderr
+
+
+def test_serve_refuses_in_one_line_and_stops_its_front_end_at_once() -> None:
+    # the engine core says why in one line and exits 3; the supervisor stops the front end at
+    # once (it served nothing) instead of draining it for --shutdown-timeout
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    command = [sys.executable, "-m", "poolserve", "serve", "--device", "cpu", "--port", "0"]
+    command += ["--dtype", "bfloat16", "--shutdown-timeout", "120"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=100)
+    assert done.returncode == 3, done.stderr
+    errors = [line for line in done.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "could not start: model None: --dtype bfloat16 would run at" in errors[0]

@@ -5,7 +5,8 @@ kernel spreads connections over them), starts the engine core and the front ends
 them. SIGTERM (or SIGINT) drains: every front end drains as a single server does, then the
 core finishes what is left and stops; exit 0. Any child that exits on its own takes the server
 down, loudly and non-zero: a lost engine core first turns every front end's answers into 503
-(its connection closes), a lost front end stops the rest. Restarting is the orchestrator's job.
+(its connection closes), a lost front end stops the rest; a model that cannot start is said in
+one line and stops everything at once (exit 3). Restarting is the orchestrator's job.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
+from poolserve.core.host import ModelStartError
 from poolserve.core.process import serve_core_process
+from poolserve.models.errors import ModelError
 from poolserve.scheduler.observer import EngineObserver
 from poolserve.service.app import CORE_LOST_SIGNAL, core_configs
 from poolserve.service.edge.memory import fix_mmap_threshold
@@ -51,6 +54,12 @@ SUPERVISOR_PID = "POOLSERVE_SUPERVISOR_PID"
 PR_SET_PDEATHSIG = 1
 # What a child gets beyond --shutdown-timeout to exit after SIGTERM before it is killed.
 EXIT_GRACE_S = 5.0
+# The engine core's exit code when a model could not start (said in one line): the front ends,
+# which have served nothing, are stopped at once and the server exits with it.
+START_FAILED_EXIT = 3
+# Start failures that are the operator's to fix (a path, a flag, a precision): one line, no
+# traceback; anything else is a bug and keeps its traceback.
+OPERATOR_ERRORS = (ModelError, ValueError, OSError)
 
 
 def run_processes(settings: ServerSettings) -> int:
@@ -145,6 +154,12 @@ class _Supervisor:
         code = self.core.returncode
         if self.stopping and all(p.poll() is not None for p in self.front_ends):
             return 0 if code == 0 else 1
+        if code == START_FAILED_EXIT:  # the core said why; nothing was served, nothing drains
+            for front_end in self.front_ends:
+                if front_end.poll() is None:
+                    front_end.kill()
+                    front_end.wait()
+            return code
         logger.error("the engine core exited (code %s): stopping the server", code)
         for front_end in self.front_ends:
             _signal(front_end, CORE_LOST_SIGNAL)  # its requests answer 503 now
@@ -248,7 +263,12 @@ def _core_main(settings: ServerSettings, address: str) -> None:
     served = served_models(settings)
     serving = serve_core_process(core_configs(served), address, _observers(served))
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        code = runner.run(serving)
+        try:
+            code = runner.run(serving)
+        except ModelStartError as exc:
+            bug = not isinstance(exc.__cause__, OPERATOR_ERRORS)
+            logger.error("could not start: %s", exc, exc_info=bug)
+            code = START_FAILED_EXIT
     logging.shutdown()
     os._exit(code)
 
