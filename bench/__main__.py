@@ -19,6 +19,8 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
+from poolserve.models.cpu_class import cpu_class
+
 logger = logging.getLogger(__name__)
 
 
@@ -74,6 +76,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("part", choices=[*PARTS, *SEPARATE, "all"])
     argv = list(sys.argv[1:] if argv is None else argv)
     args, rest = parser.parse_args(argv[:1]), argv[1:]  # the part's own flags, --help too
+    # every result depends on the CPU class: each report says which it was taken on
+    print(f"CPU class: {cpu_class()}", flush=True)
     if args.part != "all":
         {**PARTS, **SEPARATE}[args.part](rest)
         return

@@ -14,7 +14,8 @@ Run from the repository root: `python -m bench cpu-peers [--quick] [--rounds N] 
 Rows, each embedding the same texts (tokenization included), every row once per round in turn,
 each keeping its fastest round, so ratios come from the same stretch of a shared machine:
 
-- poolserve's engine (offline, no HTTP) in float32, `--dtype bfloat16` and `--quantization int8`.
+- poolserve's engine (offline, no HTTP) in float32, `--dtype bfloat16`, `--quantization int8`
+  (float32 compute) and both together (qkv, attention and norms in bfloat16).
   Each precision is first loaded as the server would: the "start" column says whether the
   start-up measurement (poolserve/models/cpu_kernels.py) ran it and on which kernel, or refused it;
   a refused one is then loaded with `allow_slower_precision` so its real speed shows beside.
@@ -108,24 +109,11 @@ def _bge_base(directory: Path) -> Path:
 
 
 def _qwen3_0_6b(directory: Path) -> Path:
-    """Qwen3-0.6B's layers, random weights, last-token pooling and Normalize."""
-    import transformers
+    """Qwen3-0.6B's 28 layers, random weights, last-token pooling and Normalize."""
+    from bench.engine_bench import save_decoder
 
-    config = transformers.Qwen3Config(
-        vocab_size=30522,  # MiniLM's tokenizer; the layers are Qwen3-0.6B's
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=40960,
-        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    transformers.Qwen3Model(config).save_pretrained(directory)
+    # MiniLM's vocabulary: the layers' cost is Qwen3-0.6B's, the ONNX file stays under 2 GB
+    save_decoder(directory, num_layers=28, vocab_size=30522)
     return _with_tokenizer_and_st(directory, "lasttoken")
 
 
@@ -164,6 +152,7 @@ PRECISIONS = {
     "float32": (torch.float32, None),
     "bfloat16": (torch.bfloat16, None),
     "int8": (torch.float32, "int8"),
+    "bfloat16 + int8": (torch.bfloat16, "int8"),
 }
 
 

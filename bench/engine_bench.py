@@ -94,10 +94,10 @@ class OfflineRow:
         return 1.0 - self.busy_s / self.wall_s
 
 
-def save_decoder(directory: Path, num_layers: int) -> Path:
+def save_decoder(directory: Path, num_layers: int, vocab_size: int = 151936) -> Path:
     """A random Qwen3-0.6B-shaped checkpoint with num_layers layers and MiniLM's tokenizer."""
     config = transformers.Qwen3Config(
-        vocab_size=151936,
+        vocab_size=vocab_size,
         hidden_size=1024,
         intermediate_size=3072,
         num_hidden_layers=num_layers,

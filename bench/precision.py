@@ -26,7 +26,10 @@ import numpy as np
 import torch
 
 from bench.offline import build_texts
-from poolserve.models.cpu_class import cpu_flags
+from poolserve.models import loader
+from poolserve.models.cpu_class import cpu_class
+from poolserve.models.cpu_kernels import CpuKernels
+from poolserve.models.float_kernels import TORCH
 from poolserve.models.loader import load_model
 from poolserve.models.quantization import quantize_linears
 from poolserve.models.spec import LoadedModel
@@ -39,7 +42,6 @@ logger = logging.getLogger(__name__)
 CPU = torch.device("cpu")
 TOP_K = 10
 STEP_TOKENS = 4096  # the server's default --max-num-batched-tokens
-FLAGS = ("avx512_bf16", "amx_bf16", "avx512_vnni", "amx_int8")
 
 
 @dataclass(frozen=True)
@@ -74,9 +76,19 @@ def load(precision: Precision, model_dir: Path) -> LoadedModel:
     """The model in one precision (torchao's int8 put in by hand: the loader uses ours on CPU)."""
     if not precision.torchao_on_cpu:
         return load_model(
-            str(model_dir), device=CPU, dtype=precision.dtype, quantization=precision.quantization
+            str(model_dir),
+            device=CPU,
+            dtype=precision.dtype,
+            quantization=precision.quantization,
+            allow_slower_precision=True,  # measured here even where the server refuses it
         )
-    loaded = load_model(str(model_dir), device=CPU, dtype=precision.dtype)
+    # torchao quantizes plain weights: the float GEMM stays torch's for this row
+    choose = loader.choose_kernels
+    loader.choose_kernels = lambda *args, **kwargs: CpuKernels(TORCH, None)
+    try:
+        loaded = load_model(str(model_dir), device=CPU, dtype=precision.dtype)
+    finally:
+        loader.choose_kernels = choose
     quantize_linears(loaded.model, precision.quantization, CPU, use_torchao=True)
     return loaded
 
@@ -91,6 +103,8 @@ def runner(
         enable_chunked_prefill=loaded.spec.is_causal,  # encoders run whole prompts
         max_num_queued_tokens=1 << 24,
         max_num_queued_requests=1 << 16,
+        # every round embeds the same texts: a decoder's cached prefixes would skip the work
+        enable_prefix_caching=False,
     )
     engine = Engine(loaded, config, CPU)
     engines.append(engine)
@@ -166,11 +180,10 @@ def table(rows: list[Row], num_tokens: int) -> str:
 
 def machine() -> str:
     """Threads, the CPU's precision units and the load average right now."""
-    flags = sorted(set(FLAGS) & cpu_flags())
     load_avg = Path("/proc/loadavg").read_text().split()[:3]
     return (
         f"torch {torch.__version__}, {torch.get_num_threads()} threads on {os.cpu_count()} CPUs, "
-        f"units: {', '.join(flags) or 'none'}; load average {' '.join(load_avg)}"
+        f"CPU class {cpu_class()}; load average {' '.join(load_avg)}"
     )
 
 

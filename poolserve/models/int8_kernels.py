@@ -64,7 +64,7 @@ class Int8Kernel:
         if self.engine is None:
             weight, scale = packed
             q = torch.div(x, x_scale).round_().to(torch.int8)  # [num_tokens, in]
-            return torch._int_mm(q, weight).float().mul_(scale)
+            return torch.mul(torch._int_mm(q, weight), scale)  # int32 -> float32 in one pass
         # the engine rounds x / x_scale itself: its per-tensor quantization is the identity on
         # [-levels - 1, levels] once the two sentinel rows hold those ends (scale 1, zero point
         # levels + 1), so the per-token integers are what it multiplies
