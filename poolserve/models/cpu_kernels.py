@@ -14,6 +14,7 @@ timed for it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -39,6 +40,9 @@ TIMED_FLOPS = 0.4e9
 TOKEN_RANGE = (16, 256)
 REPEATS = 3  # each candidate's best of this many calls, after one warm-up call
 FLOAT_MARGIN = 0.05  # another float GEMM replaces torch's only when this much faster
+# A layer's projections below this many FLOPs a token (the tests' tiny models) keep torch's
+# float GEMM untimed; MiniLM's take 3.5 M.
+MIN_KERNEL_FLOPS = 1e6
 
 
 @dataclass(frozen=True)
@@ -134,29 +138,56 @@ def choose_kernels(
     quantization: str | None,
     allow_slower: bool,
 ) -> CpuKernels:
-    """Times the candidates on `model`'s projections; refuses a precision slower than float32.
+    """The kernels for `model`'s projections; refuses a precision slower than float32.
 
     Call on a CPU model before quantize_linears and pack_linears: it reads the plain weights.
     """
-    weights = _layer_projections(model)
-    if not weights:
+    shapes = _projection_shapes(model)
+    if not shapes:
         return CpuKernels(TORCH, None)
+    measured = _measure(shapes, dtype, quantization == "int8")
+    if measured.half is not None:
+        advice = "use --dtype float32 (or auto)"
+        check_speed(measured.half, allow_slower, advice, _emulated(dtype, measured.half.cpu))
+    else:
+        logger.info("%s", measured.float32.describe())
+    if measured.int8 is not None:
+        check_speed(measured.int8, allow_slower, "run without --quantization")
+    float_kernel = FloatKernel((measured.half or measured.float32).kernel)
+    return CpuKernels(float_kernel, measured.int8_kernel)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What one measurement of a layer's projection shapes chose, per precision."""
+
+    float32: PrecisionChoice
+    half: PrecisionChoice | None  # the asked half dtype's, against float32
+    int8: PrecisionChoice | None  # int8's, against float32
+    int8_kernel: Int8Kernel | None
+
+
+@functools.cache
+def _measure(shapes: tuple[tuple[str, int, int], ...], dtype: torch.dtype, int8: bool) -> Measured:
+    """Times the candidates on random weights of `shapes` (speed does not depend on values).
+
+    Once per process and shapes: every model of these shapes loaded by one process runs the
+    same kernels, so two loads of one checkpoint give the same outputs to the bit.
+    """
+    generator = torch.Generator().manual_seed(0)
+    weights = {
+        slot: torch.randn(out, inp, generator=generator) * 0.05 for slot, out, inp in shapes
+    }  # [out, in] each
     num_tokens = _num_tokens(weights.values())
     inputs = _inputs(weights.values(), num_tokens)
     cpu = cpu_class()
     float32 = _choose_float(weights, inputs, torch.float32, num_tokens, cpu)
-    float_choice = float32
+    half = None
     if dtype != torch.float32:
-        float_choice = _choose_float(weights, inputs, dtype, num_tokens, cpu)
-        float_choice = dataclasses.replace(float_choice, float32_seconds=float32.seconds)
-        check_speed(
-            float_choice, allow_slower, "use --dtype float32 (or auto)", _emulated(dtype, cpu)
-        )
-    else:
-        logger.info("%s", float32.describe())
-    float_kernel = FloatKernel(float_choice.kernel)
-    if quantization != "int8":
-        return CpuKernels(float_kernel, None)
+        half = _choose_float(weights, inputs, dtype, num_tokens, cpu)
+        half = dataclasses.replace(half, float32_seconds=float32.seconds)
+    if not int8:
+        return Measured(float32, half, None, None)
     slots = {slot: w for slot, w in weights.items() if slot in QUANTIZED_WEIGHTS["int8"]}
     exact = {kernel.name: kernel for kernel in int8_kernels() if is_exact(kernel)}
     tiers = [
@@ -165,8 +196,7 @@ def choose_kernels(
     ]
     baseline = _time_linears(slots, inputs, torch.float32, FloatKernel(float32.kernel))
     choice = choose("--quantization int8", tiers, baseline, num_tokens, cpu)
-    check_speed(choice, allow_slower, "run without --quantization")
-    return CpuKernels(float_kernel, exact[choice.kernel])
+    return Measured(float32, half, choice, exact[choice.kernel])
 
 
 def _choose_float(
@@ -183,7 +213,9 @@ def _choose_float(
     """
     name = str(dtype).removeprefix("torch.")
     flag = "float32" if dtype == torch.float32 else f"--dtype {name}"
-    usable = [k for k in FLOAT_KERNELS if is_close(k, dtype)]
+    # a layer too small for a GEMM's speed to matter keeps torch's without timing the others
+    small = sum(w.numel() for w in weights.values()) * 2 < MIN_KERNEL_FLOPS
+    usable = [k for k in (TORCH,) if small] or [k for k in FLOAT_KERNELS if is_close(k, dtype)]
     if not usable:
         raise SlowerPrecisionError(f"{flag} cannot run on this CPU, {cpu}: no kernel of it does")
     timings = {k.name: _time_linears(weights, inputs, dtype, k) for k in usable}
@@ -204,14 +236,14 @@ def _emulated(dtype: torch.dtype, cpu: CpuClass) -> str:
     return "" if native else f"torch emulates {name} without native units: {', '.join(wanted)}"
 
 
-def _layer_projections(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Layer 0's plain projection weights [out, in] by slot (every layer has its shapes)."""
+def _projection_shapes(model: torch.nn.Module) -> tuple[tuple[str, int, int], ...]:
+    """Layer 0's plain projection weights as (slot, out, in): every layer has its shapes."""
     layers = getattr(model, "layers", None)
     if not isinstance(layers, Sequence | torch.nn.ModuleList) or len(layers) == 0:
-        return {}
+        return ()
     buffers = dict(layers[0].named_buffers(recurse=False))
-    found = {slot: buffers[slot] for slot in PROJECTION_WEIGHTS if slot in buffers}
-    return {slot: w for slot, w in found.items() if type(w) is torch.Tensor and w.dim() == 2}
+    found = [(slot, buffers[slot]) for slot in PROJECTION_WEIGHTS if slot in buffers]
+    return tuple((slot, *w.shape) for slot, w in found if type(w) is torch.Tensor and w.dim() == 2)
 
 
 def _num_tokens(weights: Iterable[torch.Tensor]) -> int:

@@ -10,7 +10,7 @@ import logging
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -21,7 +21,14 @@ from poolserve.models import cpu_kernels, load_model
 from poolserve.models.cpu_class import CpuClass, cpu_class
 from poolserve.models.cpu_kernels import check_speed, choose, choose_kernels
 from poolserve.models.errors import SlowerPrecisionError
-from poolserve.models.float_kernels import CLOSE, ONEDNN, TORCH, PackedLinear, is_close
+from poolserve.models.float_kernels import (
+    CLOSE,
+    ONEDNN,
+    TORCH,
+    FloatKernel,
+    PackedLinear,
+    is_close,
+)
 from poolserve.models.int8_kernels import INT8_LEVELS, REDUCED_LEVELS, Int8Kernel, is_exact, kernels
 from poolserve.models.quantization import INT_MM, Int8Linear
 from tests.models.driver import make_prompts, run_whole
@@ -30,6 +37,16 @@ CPU = torch.device("cpu")
 CLASS = CpuClass("Test CPU", "AVX2", None, ())
 # The scheme's fidelity to float32 on one random projection, per activation grid.
 COSINE = {INT8_LEVELS: 0.9995, REDUCED_LEVELS: 0.998}
+
+
+@pytest.fixture(autouse=True)
+def fresh_measurements(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Each test measures anew, and leaves no measurement of its injected timings behind;
+    the tiny models' layers are timed like a real model's."""
+    monkeypatch.setattr(cpu_kernels, "MIN_KERNEL_FLOPS", 0)
+    cpu_kernels._measure.cache_clear()
+    yield
+    cpu_kernels._measure.cache_clear()
 
 
 def _scheme(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, levels: int) -> torch.Tensor:
@@ -159,6 +176,7 @@ def test_load_model_measures_and_refuses_with_injected_timings(
     monkeypatch.setattr(
         cpu_kernels, "_time_int8", lambda w, i, d, kernel: 0.5 if kernel == fastest else 2.0
     )
+    cpu_kernels._measure.cache_clear()  # new timings: a new measurement
     loaded = load_model(directory, device=CPU, quantization="int8")
     assert loaded.model.layers[0].o_weight.kernel == fastest
 
@@ -170,6 +188,7 @@ def test_a_float_kernel_replaces_torchs_only_when_clearly_faster(
     for onednn_s, packed in ((0.97, False), (0.90, True)):
         seconds = {TORCH: 1.0, ONEDNN: onednn_s}
         monkeypatch.setattr(cpu_kernels, "_time_linears", lambda w, i, d, k, s=seconds: s[k])
+        cpu_kernels._measure.cache_clear()
         layer = load_model(directory, device=CPU).model.layers[0]
         assert isinstance(layer.up_weight, PackedLinear) is packed, onednn_s
         assert isinstance(layer.qkv_weight, PackedLinear) is packed
@@ -202,6 +221,7 @@ def test_a_model_on_packed_weights_equals_the_plain_one(
     for kernel in (TORCH, ONEDNN):  # each chosen by injected timings
         seconds = {TORCH: 1.0, ONEDNN: 1.0 if kernel == TORCH else 0.5}
         monkeypatch.setattr(cpu_kernels, "_time_linears", lambda w, i, d, k, s=seconds: s[k])
+        cpu_kernels._measure.cache_clear()
         loaded = load_model(directory, device=CPU)
         assert isinstance(loaded.model.layers[0].o_weight, PackedLinear) is (kernel == ONEDNN)
         got = run_whole(loaded, prompts, CPU)
@@ -209,6 +229,40 @@ def test_a_model_on_packed_weights_equals_the_plain_one(
             want = got
     for ours, theirs in zip(got, want, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4 * float(theirs.abs().max()))
+
+
+def test_one_process_measures_a_shape_once(
+    monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Callable[[str], Path]
+) -> None:
+    # two loads of one checkpoint run the same kernels (the same outputs to the bit)
+    timed: list[str] = []
+
+    def record(w: object, i: object, d: object, kernel: FloatKernel) -> float:
+        timed.append(kernel.name)
+        return 1.0
+
+    monkeypatch.setattr(cpu_kernels, "_time_linears", record)
+    directory = str(tiny_model_dir("bert"))
+    first = run_whole(load_model(directory, device=CPU), [[5, 6, 7]], CPU)
+    count = len(timed)
+    second = run_whole(load_model(directory, device=CPU), [[5, 6, 7]], CPU)
+    assert count > 0 and len(timed) == count
+    assert torch.equal(first[0], second[0])
+
+
+def test_a_small_layer_keeps_torchs_float_gemm_untimed(
+    monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Callable[[str], Path]
+) -> None:
+    monkeypatch.setattr(cpu_kernels, "MIN_KERNEL_FLOPS", 1e9)
+    timed: list[str] = []
+
+    def record(w: object, i: object, d: object, kernel: FloatKernel) -> float:
+        timed.append(kernel.name)
+        return 1.0
+
+    monkeypatch.setattr(cpu_kernels, "_time_linears", record)
+    layer = load_model(str(tiny_model_dir("bert")), device=CPU).model.layers[0]
+    assert timed == ["torch"] and isinstance(layer.up_weight, torch.Tensor)
 
 
 def test_the_cpu_class_names_torchs_isa_and_the_units() -> None:
