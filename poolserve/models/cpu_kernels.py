@@ -1,14 +1,15 @@
-"""A CPU precision measured at load: the fastest exact kernel, or a refusal naming the ratio.
+"""CPU kernels measured at load: the fastest faithful one runs, a slower precision is refused.
 
-What a precision is worth depends on the CPU class (cpu_class.py): bfloat16 is 1.5-1.8x
-float32 with native units and 0.2x without; int8 through `torch._int_mm` is 2x float32 with VNNI
-and 0.04x on CPUs with AVX2 only, where a quantized engine's GEMM is 2.2x. So at load, on this
-model's own projection shapes and this CPU, each candidate kernel of the asked precision is timed
-against float32 (about a tenth of a second for MiniLM) and the fastest exact one runs; a precision
-whose fastest kernel is still slower than float32 is refused in one line, unless the operator
-passed `allow_slower` (then it runs, and a warning says by how much). `--dtype auto` is float32 on
-the CPU: the only precision within the float32 tolerance of the equivalence tests, so nothing is
-timed for it.
+What a precision is worth depends on the CPU class (cpu_class.py): bfloat16 is 1.5-2x float32
+with native units and 0.2x without; int8 through `torch._int_mm` is 2x float32 with VNNI and
+0.04x on CPUs with AVX2 only, where a quantized engine's GEMM is 2.2x. So at load, on the model's
+projection shapes and this CPU, the float GEMMs (float_kernels.py) and, for int8, the exact int8
+GEMMs (int8_kernels.py) are timed against float32 (0.1 to 0.3 s for MiniLM-to-Qwen3-0.6B
+shapes, up to 1.5 s with int8), and the fastest faithful one runs. A precision whose fastest
+kernel is still slower than float32 is refused in one line, unless the operator passed
+`allow_slower` (then it runs, and a warning says by how much). `--dtype auto` is float32 on the
+CPU, the only precision within the float32 tolerance of the equivalence tests: only its kernel
+is chosen.
 """
 
 from __future__ import annotations
