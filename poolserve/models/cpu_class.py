@@ -21,8 +21,6 @@ NATIVE_CPU_FLAGS: dict[torch.dtype, tuple[str, ...]] = {
     torch.bfloat16: ("avx512_bf16", "amx_bf16", "bf16"),  # x86 AVX-512/AMX, Arm BF16
     torch.float16: ("avx512_fp16", "amx_fp16"),
 }
-# int8 dot-product units: VNNI (x86), AMX, Arm's dot product.
-INT8_CPU_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8", "asimddp")
 # The units a class lists, each by the flags that provide it.
 UNITS: dict[str, tuple[str, ...]] = {
     "VNNI": ("avx512_vnni", "avx_vnni", "asimddp"),

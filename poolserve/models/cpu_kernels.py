@@ -100,11 +100,13 @@ def choose(
     fast = [tier for tier in tiers if any(s < float32_seconds for s in tier.values())]
     pool = fast[0] if fast else every
     kernel = min(pool, key=pool.__getitem__)
-    ranked = (
-        (kernel, pool[kernel]),
-        *sorted((i for i in every.items() if i[0] != kernel), key=lambda item: item[1]),
-    )
-    return PrecisionChoice(flag, kernel, ranked, float32_seconds, num_tokens, cpu)
+    return PrecisionChoice(flag, kernel, _ranked(kernel, every), float32_seconds, num_tokens, cpu)
+
+
+def _ranked(kernel: str, timings: Mapping[str, float]) -> tuple[tuple[str, float], ...]:
+    """The chosen kernel's timing first, then the others' from the fastest."""
+    others = sorted((item for item in timings.items() if item[0] != kernel), key=lambda i: i[1])
+    return ((kernel, timings[kernel]), *others)
 
 
 def check_speed(choice: PrecisionChoice, allow_slower: bool, advice: str, reason: str = "") -> None:
@@ -214,9 +216,10 @@ def _choose_float(
     """
     name = str(dtype).removeprefix("torch.")
     flag = "float32" if dtype == torch.float32 else f"--dtype {name}"
-    # a layer too small for a GEMM's speed to matter keeps torch's without timing the others
-    small = sum(w.numel() for w in weights.values()) * 2 < MIN_KERNEL_FLOPS
-    usable = [k for k in (TORCH,) if small] or [k for k in FLOAT_KERNELS if is_close(k, dtype)]
+    usable = [k for k in FLOAT_KERNELS if is_close(k, dtype)]
+    if sum(w.numel() for w in weights.values()) * 2 < MIN_KERNEL_FLOPS:
+        # a layer too small for a GEMM's speed to matter keeps torch's without timing the others
+        usable = [k for k in usable if k == TORCH]
     if not usable:
         raise SlowerPrecisionError(f"{flag} cannot run on this CPU, {cpu}: no kernel of it does")
     timings = {k.name: _time_linears(weights, inputs, dtype, k) for k in usable}
@@ -224,9 +227,7 @@ def _choose_float(
     torch_s = timings.get(TORCH.name)
     if torch_s is not None and timings[kernel] > torch_s * (1 - FLOAT_MARGIN):
         kernel = TORCH.name
-    others = sorted((item for item in timings.items() if item[0] != kernel), key=lambda i: i[1])
-    ranked = ((kernel, timings[kernel]), *others)
-    return PrecisionChoice(flag, kernel, ranked, timings[kernel], num_tokens, cpu)
+    return PrecisionChoice(flag, kernel, _ranked(kernel, timings), timings[kernel], num_tokens, cpu)
 
 
 def _emulated(dtype: torch.dtype, cpu: CpuClass) -> str:

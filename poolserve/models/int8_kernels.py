@@ -7,11 +7,11 @@ which GEMM computes `sum(q_x * q_w)` fastest, or at all:
 - `int_mm`: torch's int8 GEMM (`torch._int_mm`, oneDNN's s8s8 matmul). Fast with VNNI or AMX;
   on CPUs with AVX2 only it fell to a loop of 1.6 GOP/s (against float32's 45 GFLOP/s).
 - a quantized engine's dynamic linear (`fbgemm`, `onednn`, `x86`): u8 activations times s8
-  weights, 2.2x float32 on those same AVX2 CPUs. It quantizes its input per tensor; a sentinel row
-  holding the level range's two ends makes that quantization the identity on our integers (scale
-  1, zero point `levels + 1`), so the per-token scheme, and so batch invariance, is kept. Without
-  dot-product units these kernels add u8 x s8 products in int16 pairs, which saturate at 8 bits:
-  the reduced-range variants keep 7 (levels 63), where a pair cannot overflow.
+  weights, 2.2x float32 on those same AVX2 CPUs. It quantizes its input per tensor; two sentinel
+  rows holding the level range's two ends make that quantization the identity on our integers
+  (scale 1, zero point `levels + 1`), so the per-token scheme, and so batch invariance, is
+  kept. Without dot-product units these kernels add u8 x s8 products in int16 pairs, which
+  saturate at 8 bits: the reduced-range variants keep 7 (levels 63), where a pair cannot overflow.
 
 Each kernel is checked once on the worst case before it may run (`is_exact`).
 """
