@@ -54,11 +54,11 @@ import torch
 from bench.cpu_runtimes import Runtime, peer_runtimes
 from bench.offline import build_texts
 from bench.precision import runner
+from poolserve.engine.loop import Engine
 from poolserve.models import loader
 from poolserve.models.cpu_class import cpu_class
-from poolserve.models.errors import SlowerPrecisionError
 from poolserve.models.loader import load_model
-from poolserve.scheduler.engine import Engine
+from poolserve.types.errors import SlowerPrecisionError
 
 logger = logging.getLogger(__name__)
 

@@ -142,10 +142,11 @@ def profile_engine_steps(
     """torch.profiler table of the first steps' forwards, run in this thread (loop not started)."""
     import asyncio
 
+    from poolserve.config.scheduler import SchedulerConfig
+    from poolserve.engine.loop import Engine
     from poolserve.models.loader import load_model
-    from poolserve.pooling.params import PoolingParams, PoolingTask
-    from poolserve.scheduler.config import SchedulerConfig
-    from poolserve.scheduler.engine import Engine
+    from poolserve.types.params import PoolingParams
+    from poolserve.types.tasks import PoolingTask
 
     cpu = torch.device("cpu")
     loaded = load_model(model_dir, device=cpu, dtype=torch.float32)

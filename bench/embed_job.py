@@ -38,10 +38,10 @@ import pyarrow.parquet as pq
 from bench.offline import build_texts
 from bench.peers import PeerJob, run_in_child
 from poolserve.cli import build_parser
+from poolserve.config.flags import settings_from_args
 from poolserve.jobs.corpus.command import build_job
 from poolserve.jobs.corpus.run import run_job
 from poolserve.offline import AsyncPoolingEngine
-from poolserve.service.cli import settings_from_args
 
 logger = logging.getLogger(__name__)
 

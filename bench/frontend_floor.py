@@ -42,7 +42,7 @@ def create_app() -> FastAPI:
 
 
 def main() -> None:
-    """Serve on loopback with poolserve's uvicorn settings (poolserve/service/edge/server.py)."""
+    """Serve on loopback with poolserve's uvicorn settings (poolserve/http/edge/server.py)."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--port", type=int, required=True)
     args = parser.parse_args()

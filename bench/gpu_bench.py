@@ -37,11 +37,12 @@ from bench.efficiency import (
 )
 from bench.engine_bench import TOKENIZER_FILES
 from bench.peers import PeerJob, run_in_child
+from poolserve.config.scheduler import SchedulerConfig
+from poolserve.engine.loop import Engine
 from poolserve.models.loader import load_model
 from poolserve.models.spec import LoadedModel
-from poolserve.pooling.params import PoolingParams, PoolingTask
-from poolserve.scheduler.config import SchedulerConfig
-from poolserve.scheduler.engine import Engine
+from poolserve.types.params import PoolingParams
+from poolserve.types.tasks import PoolingTask
 
 logger = logging.getLogger(__name__)
 

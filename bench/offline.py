@@ -34,7 +34,7 @@ from bench.efficiency import (
 from bench.engine_bench import save_decoder
 from bench.peers import PeerJob, PeerResult, run_in_child
 from bench.plotting import pyplot
-from poolserve.service.settings import ServerSettings
+from poolserve.config.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 

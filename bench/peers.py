@@ -21,9 +21,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from poolserve.pooling.params import PoolingParams, PoolingTask
-from poolserve.scheduler.engine import Engine
-from poolserve.scheduler.request import PoolingOutput
+from poolserve.engine.loop import Engine
+from poolserve.types.outputs import PoolingOutput
+from poolserve.types.params import PoolingParams
+from poolserve.types.tasks import PoolingTask
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +82,8 @@ Runner = Callable[[list[str]], np.ndarray]
 
 def _poolserve(job: PeerJob) -> Runner:
     """poolserve's engine: tokenize the batch, submit everything at once, await every output."""
+    from poolserve.config.scheduler import SchedulerConfig
     from poolserve.models.loader import load_model
-    from poolserve.scheduler.config import SchedulerConfig
 
     device = torch.device(job.device)
     loaded = load_model(job.model_dir, device=device, dtype=getattr(torch, job.dtype))

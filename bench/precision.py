@@ -26,6 +26,8 @@ import numpy as np
 import torch
 
 from bench.offline import build_texts
+from poolserve.config.scheduler import SchedulerConfig
+from poolserve.engine.loop import Engine
 from poolserve.models import loader
 from poolserve.models.cpu_class import cpu_class
 from poolserve.models.cpu_kernels import CpuKernels
@@ -33,9 +35,8 @@ from poolserve.models.float_kernels import TORCH
 from poolserve.models.loader import load_model
 from poolserve.models.quantization import quantize_linears
 from poolserve.models.spec import LoadedModel
-from poolserve.pooling.params import PoolingParams, PoolingTask
-from poolserve.scheduler.config import SchedulerConfig
-from poolserve.scheduler.engine import Engine
+from poolserve.types.params import PoolingParams
+from poolserve.types.tasks import PoolingTask
 
 logger = logging.getLogger(__name__)
 

@@ -106,8 +106,8 @@ def _poolserve(model_dir: Path, documents: list[str]) -> tuple[Runner, object]:
     """The /rerank route of a started in-process app; returns (run, client to close)."""
     from starlette.testclient import TestClient
 
-    from poolserve.service.app import create_app
-    from poolserve.service.settings import ServerSettings
+    from poolserve.config.settings import ServerSettings
+    from poolserve.http.app import create_app
 
     settings = {"model": str(model_dir), "served_model_name": "m", "dtype": "float32"}
     app = create_app(ServerSettings.model_validate(settings))

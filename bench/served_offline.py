@@ -17,13 +17,13 @@ from pathlib import Path
 
 import torch
 
+from poolserve.config.scheduler import SchedulerConfig
+from poolserve.engine.loop import Engine
 from poolserve.models.attention import build_attention_metadata
 from poolserve.models.loader import load_model
 from poolserve.models.spec import LoadedModel
-from poolserve.pooling.params import PoolingParams
 from poolserve.pooling.tasks import PoolingTask
-from poolserve.scheduler.config import SchedulerConfig
-from poolserve.scheduler.engine import Engine
+from poolserve.types.params import PoolingParams
 
 CPU = torch.device("cpu")
 EMBED = PoolingParams(task=PoolingTask.EMBED)

@@ -11,7 +11,7 @@ prints markdown and writes bench/results/soak_<malloc>.json and .md. Asserts not
 
 `--malloc` picks the server's allocator setup: `default` is what `make serve` and the image start
 the server with (a fixed glibc mmap threshold through GLIBC_TUNABLES); `inproc` sets it from
-inside the process (poolserve/service/edge/memory.py) instead; `glibc` (glibc's defaults),
+inside the process (poolserve/memory.py) instead; `glibc` (glibc's defaults),
 `arena2` (at most two arenas) and `jemalloc` (Debian's libjemalloc2 preloaded) are the
 alternatives measured against it in docs/benchmarks.md.
 """
@@ -40,7 +40,7 @@ import httpx
 from bench import soak_load, soak_report
 from bench.loadgen import wait_ready
 from bench.soak_report import RssSample
-from poolserve.service.edge.memory import ALLOCATOR_VARIABLES, MMAP_THRESHOLD_BYTES
+from poolserve.memory import ALLOCATOR_VARIABLES, MMAP_THRESHOLD_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +69,8 @@ PROJECT_MALLOC_ENV = {"GLIBC_TUNABLES": f"glibc.malloc.mmap_threshold={MMAP_THRE
 # the threshold itself before loading anything.
 IN_PROCESS_PREFIX = (
     "-c",
-    "from poolserve.service.edge.memory import fix_mmap_threshold; fix_mmap_threshold(); "
-    "from poolserve.service.cli import main; main()",
+    "from poolserve.memory import fix_mmap_threshold; fix_mmap_threshold(); "
+    "from poolserve.config.flags import main; main()",
 )
 
 
@@ -122,7 +122,7 @@ def server(args: argparse.Namespace, port: int, log: Path) -> Iterator[subproces
     env = {k: v for k, v in os.environ.items() if k not in unset}
     env.update(malloc_env(args.malloc))
     env.update({"HF_HUB_OFFLINE": env.get("HF_HUB_OFFLINE", "1"), "PYTHONPATH": str(ROOT)})
-    launcher = IN_PROCESS_PREFIX if args.malloc == "inproc" else ("-m", "poolserve.service.cli")
+    launcher = IN_PROCESS_PREFIX if args.malloc == "inproc" else ("-m", "poolserve.config.flags")
     command = [
         sys.executable,
         *launcher,

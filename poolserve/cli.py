@@ -2,7 +2,7 @@
 
 Each command adds its own subparser and sets `run(args) -> exit code` on it; the model and its
 settings are flags of every command, as `poolserve serve` takes them
-(`poolserve.service.cli.add_settings_flags`, `settings_from_args`).
+(`poolserve.config.flags.add_settings_flags`, `settings_from_args`).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from poolserve.config.flags import add_serve_command, package_version, serve, settings_from_args
 from poolserve.jobs.corpus.command import add_embed_command
 from poolserve.jobs.run_batch import add_run_batch
-from poolserve.service.cli import add_serve_command, package_version, serve, settings_from_args
 
 if TYPE_CHECKING:  # argparse's class takes a type argument only for type checkers
     Commands = argparse._SubParsersAction[argparse.ArgumentParser]

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from bench import models, models_report
-from poolserve.service.cli import parse_settings
-from poolserve.service.models_config import served_models
-from poolserve.service.observability.metrics import ServiceMetrics
+from poolserve.config.flags import parse_settings
+from poolserve.config.models_file import served_models
+from poolserve.observability.metrics import ServiceMetrics
 
 
 def test_flags() -> None:

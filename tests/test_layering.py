@@ -1,9 +1,11 @@
-"""Imports point downstream only: cli -> jobs -> offline -> service -> core -> scheduler ->
-(models, pooling), all under poolserve.
+"""Imports point downstream only, all under poolserve, and the packages follow the processes.
 
-Inside service: api and compat -> frontend -> scheduler; compat and api never import each other;
-only the app factory (and the CLI that starts the server) imports the edge; only the app factory
-imports dispatch, the one module that picks a family's handler by body shape.
+`types` is the torch-free vocabulary every layer shares and imports nothing of the project;
+`config` builds the settings on it. The engine-core process runs `engine` on `models` and
+`pooling` (which never import each other). Front-end processes run `http` on `frontend`, which
+import neither the engine nor the model code (tests/test_process_imports.py checks what a front
+end actually loads). `offline` (the Python API) stands on `frontend`, `jobs` on `offline`.
+Inside http: api and compat never import each other; only the app factory imports dispatch.
 """
 
 from __future__ import annotations
@@ -15,24 +17,40 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "poolserve"
-# package -> packages it must never import
-ABOVE_SERVICE = {"offline", "jobs", "cli"}
-FORBIDDEN = {
-    "models": {"pooling", "scheduler", "core", "service", *ABOVE_SERVICE},
-    "pooling": {"models", "scheduler", "core", "service", *ABOVE_SERVICE},
-    "scheduler": {"core", "service", *ABOVE_SERVICE},
-    "core": {"service", *ABOVE_SERVICE},
-    "service": ABOVE_SERVICE,
-    "offline": {"jobs", "cli"},
-    "jobs": {"cli"},
+TOP = {"cli", "supervisor", "memory", "__main__"}
+PACKAGES = {
+    "types",
+    "config",
+    "models",
+    "pooling",
+    "engine",
+    "observability",
+    "frontend",
+    "http",
+    "offline",
+    "jobs",
+}
+# package -> the project's packages and top-level modules it may import (itself always)
+ALLOWED = {
+    "types": set(),
+    "config": {"types"},
+    "models": {"types", "config"},
+    "pooling": {"types"},
+    "engine": {"types", "config", "models", "pooling"},
+    "observability": {"types", "config"},
+    "frontend": {"types", "config", "observability"},
+    "http": {"types", "config", "observability", "frontend", "memory"},
+    "offline": {"types", "config", "observability", "frontend"},
+    "jobs": {"types", "config", "observability", "frontend", "offline"},
 }
 
 
-def _imported_modules(path: Path) -> set[str]:
-    """Every absolute module name the file imports."""
+def _imported_modules(path: Path, *, top_level_only: bool = False) -> set[str]:
+    """Every absolute module name the file imports (at module level only, if asked)."""
     tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
     names: set[str] = set()
-    for node in ast.walk(tree):
+    for node in nodes:
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -41,7 +59,7 @@ def _imported_modules(path: Path) -> set[str]:
 
 
 def _subpackages(path: Path) -> set[str]:
-    """The poolserve subpackages a file imports (poolserve.X -> X)."""
+    """The poolserve subpackages and top-level modules a file imports (poolserve.X -> X)."""
     return {
         name.split(".")[1]
         for name in _imported_modules(path)
@@ -49,18 +67,26 @@ def _subpackages(path: Path) -> set[str]:
     }
 
 
-@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_every_package_has_its_rule() -> None:
+    found = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert found == PACKAGES
+    modules = {p.stem for p in PACKAGE.glob("*.py") if p.name != "__init__.py"}
+    assert modules == TOP
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
 def test_no_back_edges(package: str) -> None:
+    allowed = ALLOWED[package] | {package}
     offenders = {
-        str(path.relative_to(ROOT)): sorted(_subpackages(path) & FORBIDDEN[package])
+        str(path.relative_to(ROOT)): sorted(_subpackages(path) - allowed)
         for path in (PACKAGE / package).rglob("*.py")
     }
     assert {k: v for k, v in offenders.items() if v} == {}
 
 
 def test_no_relative_or_bare_imports() -> None:
-    """Every project import names the poolserve root (no `import service`, no relative ones)."""
-    bare = {"models", "pooling", "scheduler", "core", "service", "offline", "jobs", "bench"}
+    """Every project import names the poolserve root (no `import http`, no relative ones)."""
+    bare = (PACKAGES | TOP | {"bench"}) - {"types", "http"}  # stdlib names, imported as such
     offenders = {}
     for path in PACKAGE.rglob("*.py"):
         tree = ast.parse(path.read_text())
@@ -71,56 +97,58 @@ def test_no_relative_or_bare_imports() -> None:
     assert offenders == {}
 
 
-# service layer -> service layers it must never import
-SERVICE_FORBIDDEN = {
-    "api": {"compat", "edge", "dispatch", "app", "cli"},
-    "compat": {"api", "edge", "dispatch", "app", "cli"},
-    "frontend": {"api", "compat", "edge", "dispatch", "app", "cli"},
-    "observability": {"api", "compat", "frontend", "edge", "dispatch", "app", "cli"},
+def test_supervisor_imports_no_process_code_at_module_level() -> None:
+    """The supervisor starts the engine core and the front ends; their code loads in them only."""
+    heavy = {"engine", "models", "pooling", "frontend", "http", "offline", "jobs"}
+    for module in ("supervisor.py", "cli.py"):
+        names = _imported_modules(PACKAGE / module, top_level_only=True)
+        imported = {n.split(".")[1] for n in names if n.startswith("poolserve.")}
+        assert imported & heavy == set(), module
+
+
+# http layer -> http layers it must never import
+HTTP_FORBIDDEN = {
+    "api": {"compat", "edge", "dispatch", "app"},
+    "compat": {"api", "edge", "dispatch", "app"},
 }
 # modules that may import a layer nobody else may
-ONLY_IMPORTED_BY = {"edge": {"app", "cli", "edge"}, "dispatch": {"app"}}
+ONLY_IMPORTED_BY = {"dispatch": {"app"}}
 
 
-def _service_layers(path: Path) -> set[str]:
-    """The service layers a file imports (poolserve.service.X -> X)."""
+def _http_layers(path: Path) -> set[str]:
+    """The http layers a file imports (poolserve.http.X -> X)."""
     return {
         name.split(".")[2]
         for name in _imported_modules(path)
-        if name.startswith("poolserve.service.") and name.count(".") >= 2
+        if name.startswith("poolserve.http.") and name.count(".") >= 2
     }
 
 
 def _layer_of(path: Path) -> str:
-    """A service file's layer: its folder under service/, else its module name."""
-    parts = path.relative_to(PACKAGE / "service").with_suffix("").parts
-    return parts[0]
+    """An http file's layer: its folder under http/, else its module name."""
+    return path.relative_to(PACKAGE / "http").with_suffix("").parts[0]
 
 
-@pytest.mark.parametrize("layer", sorted(SERVICE_FORBIDDEN))
-def test_service_layers_point_one_way(layer: str) -> None:
+@pytest.mark.parametrize("layer", sorted(HTTP_FORBIDDEN))
+def test_http_layers_point_one_way(layer: str) -> None:
     offenders = {
-        str(path.relative_to(ROOT)): sorted(_service_layers(path) & SERVICE_FORBIDDEN[layer])
-        for path in (PACKAGE / "service" / layer).rglob("*.py")
+        str(path.relative_to(ROOT)): sorted(_http_layers(path) & HTTP_FORBIDDEN[layer])
+        for path in (PACKAGE / "http" / layer).rglob("*.py")
     }
     assert {k: v for k, v in offenders.items() if v} == {}
 
 
 @pytest.mark.parametrize("layer", sorted(ONLY_IMPORTED_BY))
-def test_edge_and_dispatch_have_one_importer(layer: str) -> None:
+def test_dispatch_has_one_importer(layer: str) -> None:
     importers = {
         str(path.relative_to(ROOT))
-        for path in (PACKAGE / "service").rglob("*.py")
-        if layer in _service_layers(path) and _layer_of(path) not in ONLY_IMPORTED_BY[layer]
+        for path in (PACKAGE / "http").rglob("*.py")
+        if layer in _http_layers(path) and _layer_of(path) not in ONLY_IMPORTED_BY[layer]
     }
     assert importers == set()
 
 
-def test_models_and_pooling_share_only_kinds() -> None:
-    """The one module both may import holds plain enums and imports nothing of the project."""
-    assert _subpackages(PACKAGE / "kinds.py") == set()
-
-
 def test_planner_is_pure() -> None:
-    imported = {n.split(".")[0] for n in _imported_modules(PACKAGE / "scheduler" / "planner.py")}
+    path = PACKAGE / "engine" / "sched" / "planner.py"
+    imported = {n.split(".")[0] for n in _imported_modules(path)}
     assert not imported & {"torch", "asyncio", "time"}

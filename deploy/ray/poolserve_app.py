@@ -1,6 +1,6 @@
 """poolserve as a Ray Serve application: each replica owns its engines behind poolserve's own app.
 
-Every replica builds the FastAPI app of `poolserve serve` (`poolserve.service.app.create_app`)
+Every replica builds the FastAPI app of `poolserve serve` (`poolserve.http.app.create_app`)
 and Serve routes HTTP to it unchanged, so every route, error shape and metric is the same as on
 a plain server. The app's lifespan runs inside the replica: the model loads and warms up before the
 replica counts as started, and on shutdown Serve first waits for the requests in flight
@@ -39,10 +39,10 @@ from ray import serve
 from ray.serve import Application
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from poolserve.service.app import create_app
-from poolserve.service.cli import parse_settings
-from poolserve.service.models_config import served_models
-from poolserve.service.settings import ServerSettings
+from poolserve.config.flags import parse_settings
+from poolserve.config.models_file import served_models
+from poolserve.config.settings import ServerSettings
+from poolserve.http.app import create_app
 
 logger = logging.getLogger(__name__)
 

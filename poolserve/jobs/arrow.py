@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import numpy as np
 import pyarrow as pa
 
+from poolserve.frontend.encoding import to_dtype_bytes
 from poolserve.offline.outputs import Pooled
-from poolserve.service.frontend.encoding import to_dtype_bytes
 
 # embed_dtype (vLLM's names) -> Arrow value type of the stored embedding
 EMBED_DTYPES: dict[str, pa.DataType] = {

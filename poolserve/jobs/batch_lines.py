@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import orjson
 
-from poolserve.service.errors import clip, error_document
+from poolserve.http.errors import error_document
+from poolserve.types.errors import clip
 
 if TYPE_CHECKING:  # the Python API loads the app and torch: not for `poolserve --help`
     from poolserve.offline.outputs import Reply

@@ -23,13 +23,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from poolserve.config.flags import add_settings_flags, settings_from_args
+from poolserve.config.settings import ServerSettings
+from poolserve.http.errors import ERROR_TABLE
 from poolserve.jobs.arrow import EMBED_DTYPES, output_schema, output_table
 from poolserve.jobs.corpus.errors import JobError
 from poolserve.jobs.corpus.run import EmbedOptions
 from poolserve.offline import Pooled, PoolingEngine
-from poolserve.service.cli import add_settings_flags, settings_from_args
-from poolserve.service.errors import ERROR_TABLE, APIError
-from poolserve.service.settings import ServerSettings
+from poolserve.types.errors import APIError
 
 # Rows per output file at least (the last file of a write may hold fewer): blocks of one batch
 # each are gathered so the output is not thousands of small files.

@@ -17,6 +17,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO
 
+from poolserve.config.flags import add_settings_flags, settings_from_args
+from poolserve.config.settings import ServerSettings
 from poolserve.jobs.batch_lines import (
     JobError,
     LineError,
@@ -28,8 +30,6 @@ from poolserve.jobs.batch_lines import (
     parse_line,
     too_long,
 )
-from poolserve.service.cli import add_settings_flags, settings_from_args
-from poolserve.service.settings import ServerSettings
 
 if TYPE_CHECKING:
     from poolserve.offline.engine import AsyncPoolingEngine
@@ -76,7 +76,7 @@ def add_run_batch(commands: Commands) -> None:
 
 def run_batch(settings: ServerSettings, input_name: str, output_name: str) -> int:
     """Run the job; the exit code (0: every line answered, 1: the job could not run)."""
-    from poolserve.service.observability.logs import configure_logging
+    from poolserve.observability.logs import configure_logging
 
     configure_logging(settings.log_level, settings.log_format)
     # As `serve` does: idle OpenMP threads sleep, leaving the cores to tokenization and JSON.

@@ -1,14 +1,6 @@
 """Model loading and native forwards over packed tokens; attention backends."""
 
-from poolserve.kinds import HeadKind
 from poolserve.models.attention import AttentionBackend, AttentionMetadata, build_attention_metadata
-from poolserve.models.errors import (
-    InvalidTokenIdError,
-    ModelError,
-    ModelLoadError,
-    UnsafeCheckpointError,
-    UnsupportedArchitectureError,
-)
 from poolserve.models.kv_cache import PagedKVCache
 from poolserve.models.loader import load_model
 from poolserve.models.packed import PackedModel, validate_token_ids
@@ -18,6 +10,14 @@ from poolserve.models.spec import (
     ModelSpec,
     SentenceTransformersConfig,
 )
+from poolserve.types.errors import (
+    InvalidTokenIdError,
+    ModelError,
+    ModelLoadError,
+    UnsafeCheckpointError,
+    UnsupportedArchitectureError,
+)
+from poolserve.types.tasks import HeadKind
 
 __all__ = [
     "AttentionBackend",

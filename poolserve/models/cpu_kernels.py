@@ -25,13 +25,13 @@ from dataclasses import dataclass
 import torch
 
 from poolserve.models.cpu_class import NATIVE_CPU_FLAGS, CpuClass, cpu_class, cpu_lacks_native
-from poolserve.models.errors import SlowerPrecisionError
 from poolserve.models.float_kernels import KERNELS as FLOAT_KERNELS
 from poolserve.models.float_kernels import TORCH, FloatKernel, is_close
 from poolserve.models.int8_kernels import Int8Kernel, is_exact
 from poolserve.models.int8_kernels import kernels as int8_kernels
 from poolserve.models.layers import linear
 from poolserve.models.quantization import PROJECTION_WEIGHTS, QUANTIZED_WEIGHTS, Int8Linear
+from poolserve.types.errors import SlowerPrecisionError
 
 logger = logging.getLogger(__name__)
 

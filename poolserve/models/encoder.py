@@ -24,12 +24,12 @@ from poolserve.models.encoder_relative import (
     RelativeScores,
 )
 from poolserve.models.encoder_weights import LAYOUTS, LayerNames, layer_state, layer_tensors
-from poolserve.models.errors import ModelLoadError
 from poolserve.models.kv_cache import PagedKVCache
 from poolserve.models.layers import Weight, activation, linear, linear_act, to_device
 from poolserve.models.packed import PackedModel
 from poolserve.models.registry import EncoderFamily, Positions, Relative
 from poolserve.models.rope import Rotary, apply_rotary
+from poolserve.types.errors import ModelLoadError
 
 
 @dataclass(frozen=True)

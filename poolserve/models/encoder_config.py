@@ -7,8 +7,8 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-from poolserve.models.errors import ModelLoadError
 from poolserve.models.registry import ENCODER_FAMILIES, EncoderFamily, Positions, Relative
+from poolserve.types.errors import ModelLoadError
 
 # DistilBERT's LayerNorms are built with a fixed eps, whatever its config says.
 _FIXED_EPS = 1e-12

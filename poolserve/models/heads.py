@@ -9,15 +9,15 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
-from poolserve.kinds import HeadKind
 from poolserve.models.decoder_config import LogitsTransform, logits_transform
-from poolserve.models.errors import ModelLoadError
 from poolserve.models.late_interaction import colbert_projection
 from poolserve.models.layers import activation
 from poolserve.models.masked_lm import MASKED_LM_LAYOUTS, MaskedLMHead
 from poolserve.models.registry import DECODER_FAMILIES, ArchitectureEntry, HeadTransform
 from poolserve.models.spec import ModelHeads
 from poolserve.models.weights import take
+from poolserve.types.errors import ModelLoadError
+from poolserve.types.tasks import HeadKind
 
 logger = logging.getLogger(__name__)
 

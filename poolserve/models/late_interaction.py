@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
-from poolserve.models.errors import ModelLoadError
+from poolserve.types.errors import ModelLoadError
 
 # Where checkpoints keep the projection `[dim, hidden]` (no bias): Stanford ColBERT's HF_ColBERT
 # saves `linear.weight` at the root; other exports name it `colbert_linear`, some under the

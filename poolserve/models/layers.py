@@ -8,9 +8,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from poolserve.models.errors import ModelLoadError
 from poolserve.models.float_kernels import PackedLinear
 from poolserve.models.quantization import Int8Linear
+from poolserve.types.errors import ModelLoadError
 
 # A projection weight: a tensor (plain, or torchao's quantized subclass), or a CPU kernel's
 # module chosen at load (cpu_kernels.py): the int8 one, or a oneDNN-prepacked float weight.

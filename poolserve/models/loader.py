@@ -14,19 +14,12 @@ from tokenizers.normalizers import Lowercase, Normalizer
 from tokenizers.normalizers import Sequence as NormalizerSequence
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from poolserve.kinds import HeadKind
 from poolserve.models.attention import AttentionBackend, select_attention_backend
 from poolserve.models.cpu_kernels import CpuKernels, choose_kernels
 from poolserve.models.decoder import DecoderModel
 from poolserve.models.decoder_config import decoder_head_dim, decoder_is_causal
 from poolserve.models.encoder import EncoderModel
 from poolserve.models.encoder_config import adopt_remote_nomic_fields, encoder_max_len
-from poolserve.models.errors import (
-    ModelLoadError,
-    UnsafeCheckpointError,
-    UnsupportedArchitectureError,
-    UnsupportedDtypeError,
-)
 from poolserve.models.float_kernels import TORCH, pack_linears
 from poolserve.models.heads import LMHeadRows, build_heads, head_out_features, lm_head_method
 from poolserve.models.late_interaction import check_plain_prompts
@@ -44,6 +37,13 @@ from poolserve.models.resolve import resolve_model_path
 from poolserve.models.sentence_transformers import read_sentence_transformers
 from poolserve.models.spec import LoadedModel, ModelHeads, ModelSpec
 from poolserve.models.weights import load_state_dict, strip_prefix
+from poolserve.types.errors import (
+    ModelLoadError,
+    UnsafeCheckpointError,
+    UnsupportedArchitectureError,
+    UnsupportedDtypeError,
+)
+from poolserve.types.tasks import CLASSIFIER_HEADS, HeadKind
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,6 @@ DEFAULT_DTYPES = {"cuda": torch.bfloat16}
 # A CUDA device without native bfloat16 (before Ampere) runs auto in float16 instead.
 CUDA_FALLBACK_DTYPE = torch.float16
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_CLASSIFIER_KINDS = frozenset({HeadKind.SEQUENCE_CLASSIFIER, HeadKind.TOKEN_CLASSIFIER})
 
 
 def load_model(
@@ -334,7 +333,7 @@ def _spec(
     decoder = entry.backbone is Backbone.DECODER
     num_labels = head_out_features(heads)
     labels: tuple[str, ...] = ()
-    if entry.head_kind in _CLASSIFIER_KINDS and num_labels is not None:
+    if entry.head_kind in CLASSIFIER_HEADS and num_labels is not None:
         id2label = getattr(config, "id2label", None) or {}
         labels = tuple(str(id2label.get(i, f"LABEL_{i}")) for i in range(num_labels))
     dims = getattr(config, "matryoshka_dimensions", None)

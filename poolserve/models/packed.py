@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import torch
 
 from poolserve.models.attention import AttentionMetadata
-from poolserve.models.errors import InvalidTokenIdError, InvalidTokenTypeError
 from poolserve.models.kv_cache import PagedKVCache
+from poolserve.types.prompts import check_token_ids, check_token_type_ids
 
 
 def validate_token_ids(token_ids: Sequence[int] | torch.Tensor, vocab_size: int) -> None:
@@ -17,35 +17,16 @@ def validate_token_ids(token_ids: Sequence[int] | torch.Tensor, vocab_size: int)
     if isinstance(token_ids, torch.Tensor):
         if token_ids.device.type != "cpu":
             raise ValueError("validate_token_ids checks host tensors; got one on the device")
-        if token_ids.numel() == 0:
-            return
-        low, high = int(token_ids.min()), int(token_ids.max())
+        check_token_ids(token_ids.numpy(), vocab_size)
     else:
-        if len(token_ids) == 0:
-            return
-        low, high = min(token_ids), max(token_ids)
-    if low < 0:
-        raise InvalidTokenIdError(low, vocab_size)
-    if high >= vocab_size:
-        raise InvalidTokenIdError(high, vocab_size)
+        check_token_ids(token_ids, vocab_size)
 
 
 def validate_token_type_ids(
     token_type_ids: torch.Tensor, num_tokens: int, num_token_types: int
 ) -> None:
     """Raises InvalidTokenTypeError unless each token has one id inside the type table."""
-    if token_type_ids.shape != (num_tokens,):
-        raise InvalidTokenTypeError(
-            f"{token_type_ids.numel()} token type ids given for a prompt of {num_tokens} tokens"
-        )
-    if num_token_types == 0 or num_tokens == 0:
-        return  # a model without a table ignores the values, as transformers does
-    low, high = int(token_type_ids.min()), int(token_type_ids.max())
-    if low < 0 or high >= num_token_types:
-        bad = low if low < 0 else high
-        raise InvalidTokenTypeError(
-            f"token type id {bad} is out of range [0, {num_token_types}) of this model"
-        )
+    check_token_type_ids(token_type_ids.numpy(), num_tokens, num_token_types)
 
 
 class PackedModel(torch.nn.Module, abc.ABC):

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from poolserve.models.errors import UnsupportedQuantizationError
 from poolserve.models.int8_kernels import INT8_LEVELS, Int8Kernel
+from poolserve.types.errors import UnsupportedQuantizationError
 
 # The GEMM an Int8Linear runs without a start-up choice (tests, benchmarks): torch's own.
 INT_MM = Int8Kernel(None, INT8_LEVELS)

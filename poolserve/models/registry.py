@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, replace
 
-from poolserve.kinds import HeadKind
+from poolserve.types.tasks import HeadKind
 
 
 class Backbone(enum.Enum):

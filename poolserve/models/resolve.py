@@ -6,7 +6,7 @@ import logging
 import os
 from pathlib import Path
 
-from poolserve.models.errors import ModelLoadError
+from poolserve.types.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 

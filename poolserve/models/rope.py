@@ -8,7 +8,7 @@ import torch
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from poolserve.models.errors import ModelLoadError
+from poolserve.types.errors import ModelLoadError
 
 # These types change inv_freq with the sequence length at run time; a packed batch has none.
 _DYNAMIC_ROPE_TYPES = frozenset({"dynamic", "longrope"})

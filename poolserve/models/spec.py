@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from poolserve.kinds import HeadKind
+from poolserve.types.tasks import HeadKind
 
 if TYPE_CHECKING:
     from poolserve.models.packed import PackedModel

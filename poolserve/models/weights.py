@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from poolserve.models.errors import ModelLoadError, UnsafeCheckpointError
+from poolserve.types.errors import ModelLoadError, UnsafeCheckpointError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

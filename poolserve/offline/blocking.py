@@ -15,11 +15,11 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from poolserve.config.settings import ServerSettings
+from poolserve.frontend.state import ModelHandle
 from poolserve.offline.engine import AsyncPoolingEngine, Inputs
 from poolserve.offline.outputs import Classification, Pooled, Ranked, Reply
-from poolserve.pooling.params import PoolingTask
-from poolserve.service.settings import ServerSettings
-from poolserve.service.state import ModelHandle
+from poolserve.types.tasks import PoolingTask
 
 T = TypeVar("T")
 

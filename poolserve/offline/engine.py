@@ -18,18 +18,17 @@ import httpx
 import numpy as np
 from fastapi import FastAPI
 
+from poolserve.config.settings import ServerSettings
+from poolserve.frontend.jobs import Requested, ScoreJob, TextJob, Truncate, TruncationSide
+from poolserve.frontend.pipeline import check_serving, gather, submit_job
+from poolserve.frontend.scoring import best_first, scores_of
+from poolserve.frontend.spans import LateChunking
+from poolserve.frontend.state import ModelHandle, ServiceState
+from poolserve.http.api.schemas import LateChunkingBody
+from poolserve.http.app import create_app
 from poolserve.offline.outputs import Classification, Pooled, Ranked, Reply
-from poolserve.pooling.params import PoolingTask
-from poolserve.scheduler.errors import OverloadedError, RequestTooLargeError
-from poolserve.service.api.schemas import LateChunkingBody
-from poolserve.service.app import create_app
-from poolserve.service.errors import InvalidRequestError
-from poolserve.service.frontend.jobs import Requested, ScoreJob, TextJob, Truncate, TruncationSide
-from poolserve.service.frontend.pipeline import check_serving, gather, submit_job
-from poolserve.service.frontend.scoring import best_first, scores_of
-from poolserve.service.frontend.spans import LateChunking
-from poolserve.service.settings import ServerSettings
-from poolserve.service.state import ModelHandle, ServiceState
+from poolserve.types.errors import InvalidRequestError, OverloadedError, RequestTooLargeError
+from poolserve.types.tasks import PoolingTask
 
 T = TypeVar("T")
 

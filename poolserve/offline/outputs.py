@@ -9,7 +9,7 @@ import numpy as np
 
 @dataclass(frozen=True)
 class Pooled:
-    """One input's pooled output, shaped as its task gives it (see poolserve/pooling/params.py).
+    """One input's pooled output, shaped as its task gives it (see poolserve/types/params.py).
 
     An embedding is `[dim]`, a reward or classification `[classes]`, a token-level output
     `[tokens, dim]`; float32, as the server's float encoding sends it.

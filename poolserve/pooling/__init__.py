@@ -1,15 +1,5 @@
 """Pooling methods, heads, tasks and per-request chunk state."""
 
-from poolserve.kinds import HeadKind
-from poolserve.pooling.errors import (
-    InvalidPoolingParamsError,
-    PoolingConfigError,
-    PoolingError,
-    PoolingStateError,
-    UnsupportedTaskError,
-)
-from poolserve.pooling.model_info import PoolingModelInfo
-from poolserve.pooling.params import SUPPORTED_TASKS, PoolingParams, PoolingTask, PoolingType
 from poolserve.pooling.stats import CloneStats
 from poolserve.pooling.tasks import (
     ChunkInput,
@@ -18,7 +8,17 @@ from poolserve.pooling.tasks import (
     get_supported_tasks,
     pool_step,
 )
-from poolserve.pooling.validation import validate_params
+from poolserve.types.errors import (
+    InvalidPoolingParamsError,
+    PoolingConfigError,
+    PoolingError,
+    PoolingStateError,
+    UnsupportedTaskError,
+)
+from poolserve.types.model_info import PoolingModelInfo
+from poolserve.types.params import PoolingParams
+from poolserve.types.tasks import SUPPORTED_TASKS, HeadKind, PoolingTask, PoolingType
+from poolserve.types.validation import validate_params
 
 __all__ = [
     "SUPPORTED_TASKS",

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import copy
-import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from poolserve.pooling.params import PoolingType
+from poolserve.types.params import NO_CALIBRATION, LogitCalibration
+from poolserve.types.tasks import PoolingType
 
 
 def run_fp32(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -28,33 +27,6 @@ def run_fp32(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def _activate(logits: torch.Tensor) -> torch.Tensor:
     """Sigmoid for one label, softmax over labels otherwise (the last dimension)."""
     return torch.sigmoid(logits) if logits.shape[-1] == 1 else torch.softmax(logits, dim=-1)
-
-
-@dataclass(frozen=True)
-class LogitCalibration:
-    """vLLM's `logit_mean` and `logit_sigma`: classifier logits become `(logit - mean) / sigma`
-    before any activation (a model-level setting, the same for every request)."""
-
-    mean: float | None = None
-    sigma: float | None = None
-
-    def __post_init__(self) -> None:
-        for name, value in (("logit_mean", self.mean), ("logit_sigma", self.sigma)):
-            if value is not None and not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value}")
-        if self.sigma == 0:
-            raise ValueError("logit_sigma cannot be 0 (division by zero)")
-
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        """The calibrated logits (the same tensor when nothing is set)."""
-        if self.mean is not None:
-            logits = logits - self.mean
-        if self.sigma is not None:
-            logits = logits / self.sigma
-        return logits
-
-
-NO_CALIBRATION = LogitCalibration()
 
 
 class Head(ABC):

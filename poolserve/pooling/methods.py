@@ -13,9 +13,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from poolserve.pooling.errors import PoolingStateError
-from poolserve.pooling.params import PoolingType
 from poolserve.pooling.stats import CloneStats
+from poolserve.types.errors import PoolingStateError
+from poolserve.types.tasks import PoolingType
 
 
 def _own(tensor: torch.Tensor, stats: CloneStats) -> torch.Tensor:

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from poolserve.pooling.errors import PoolingStateError
 from poolserve.pooling.heads import Head
 from poolserve.pooling.methods import PoolingMethod
-from poolserve.pooling.params import PoolingType
 from poolserve.pooling.stats import CloneStats
+from poolserve.types.errors import PoolingStateError
+from poolserve.types.tasks import PoolingType
 
 
 @dataclass(frozen=True)

@@ -1,24 +1,17 @@
-"""Scorers: how a model turns a (query, document) pair into one relevance score."""
+"""The cross-encoder head: a joint (query, document) prompt's pooled state to one score."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from enum import Enum
 
-import numpy as np
 import torch
 from torch import nn
 
-from poolserve.kinds import HeadKind
-from poolserve.pooling.errors import UnsupportedTaskError
-from poolserve.pooling.heads import NO_CALIBRATION, Head, LogitCalibration, run_fp32
-from poolserve.pooling.model_info import (
-    PoolingModelInfo,
+from poolserve.pooling.heads import Head, run_fp32
+from poolserve.types.model_info import (
     ScoreActivation,
-    get_supported_tasks,
 )
-from poolserve.pooling.params import PoolingTask
+from poolserve.types.params import NO_CALIBRATION, LogitCalibration
 
 # A cross-encoder's default activation over its one logit, as sentence-transformers applies it.
 SCORE_ACTIVATIONS: dict[ScoreActivation, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -26,59 +19,6 @@ SCORE_ACTIVATIONS: dict[ScoreActivation, Callable[[torch.Tensor], torch.Tensor]]
     ScoreActivation.IDENTITY: lambda logits: logits,
     ScoreActivation.TANH: torch.tanh,
 }
-# Below this product of norms two embeddings have no direction to compare (torch's own eps).
-COSINE_EPS = 1e-8
-
-
-class PairMode(Enum):
-    """How a pair reaches the model."""
-
-    JOINT = "joint"  # one prompt holds both texts and the head scores it (cross-encoder, yes/no)
-    SEPARATE = "separate"  # each text is its own prompt; the score compares their outputs
-
-
-def cosine_score(first: np.ndarray, second: np.ndarray) -> float:
-    """Cosine similarity of two embeddings `[D]`, in float64 so the score is exact in float32."""
-    a = first.astype(np.float64)
-    b = second.astype(np.float64)
-    norms = float(np.linalg.norm(a) * np.linalg.norm(b))
-    return float(a @ b) / max(norms, COSINE_EPS)
-
-
-def maxsim_score(query: np.ndarray, document: np.ndarray) -> float:
-    """ColBERT's MaxSim of query `[Q, D]` and document `[T, D]` token embeddings, in float64."""
-    # each query token keeps its best match among the document's tokens; the matches add up
-    similarities = query.astype(np.float64) @ document.astype(np.float64).T  # [Q, T]
-    return float(similarities.max(axis=1).sum())
-
-
-@dataclass(frozen=True)
-class ScorerPlan:
-    """How one kind of model scores pairs: the prompts' mode and the task each prompt runs."""
-
-    mode: PairMode
-    task: PoolingTask
-    # Separate prompts: how the query's output and the document's become the pair's score.
-    compare: Callable[[np.ndarray, np.ndarray], float] | None = None
-
-
-# Head kind -> scorer. A one-label sequence classifier (cross-encoder, or a causal LM read through
-# two LM-head rows) scores the joint prompt; a model without a head compares two embeddings; a
-# ColBERT model compares every projected token of the query with every one of the document.
-SCORER_PLANS: dict[HeadKind, ScorerPlan] = {
-    HeadKind.SEQUENCE_CLASSIFIER: ScorerPlan(PairMode.JOINT, PoolingTask.SCORE),
-    HeadKind.NONE: ScorerPlan(PairMode.SEPARATE, PoolingTask.EMBED, cosine_score),
-    HeadKind.LATE_INTERACTION: ScorerPlan(PairMode.SEPARATE, PoolingTask.TOKEN_EMBED, maxsim_score),
-}
-
-
-def scorer_plan(info: PoolingModelInfo) -> ScorerPlan:
-    """The model's scorer; UnsupportedTaskError naming what it serves when it has none."""
-    supported = get_supported_tasks(info)
-    plan = SCORER_PLANS.get(info.head_kind)
-    if plan is None or plan.task not in supported:
-        raise UnsupportedTaskError(PoolingTask.SCORE.value, [t.value for t in supported])
-    return plan
 
 
 class CrossEncoderHead(Head):

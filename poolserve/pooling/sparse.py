@@ -15,12 +15,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from poolserve.pooling.errors import PoolingConfigError
 from poolserve.pooling.heads import Head, run_fp32
 from poolserve.pooling.methods import PoolingMethod
-from poolserve.pooling.model_info import PoolingModelInfo
-from poolserve.pooling.params import PoolingParams, PoolingType
 from poolserve.pooling.stats import CloneStats
+from poolserve.types.errors import PoolingConfigError
+from poolserve.types.model_info import PoolingModelInfo
+from poolserve.types.params import PoolingParams
+from poolserve.types.tasks import PoolingType
 
 # Logits computed at once: [rows, vocab] float32 stays within 16 MiB whatever the vocabulary.
 BLOCK_ELEMENTS = 1 << 22

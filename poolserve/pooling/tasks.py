@@ -7,27 +7,25 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from poolserve.kinds import HeadKind
-from poolserve.pooling.errors import PoolingConfigError
 from poolserve.pooling.heads import (
-    NO_CALIBRATION,
     ClassifierHead,
     EmbeddingHead,
     EmbedTokenClassifyHead,
     Head,
-    LogitCalibration,
     ProcessRewardHead,
     TokenEmbeddingHead,
     TokenRewardHead,
 )
 from poolserve.pooling.methods import PoolingMethod, build_method
-from poolserve.pooling.model_info import PoolingModelInfo, get_supported_tasks
-from poolserve.pooling.params import PoolingParams, PoolingTask, PoolingType
 from poolserve.pooling.pooler import ChunkInput, RequestPooler, pool_step
 from poolserve.pooling.scorers import CrossEncoderHead
 from poolserve.pooling.sparse import sparse_head, sparse_method
 from poolserve.pooling.stats import CloneStats
-from poolserve.pooling.validation import request_spans, validate_params
+from poolserve.types.errors import PoolingConfigError
+from poolserve.types.model_info import PoolingModelInfo, get_supported_tasks
+from poolserve.types.params import NO_CALIBRATION, LogitCalibration, PoolingParams
+from poolserve.types.tasks import CALIBRATED_TASKS, HeadKind, PoolingTask, PoolingType
+from poolserve.types.validation import request_spans, validate_params
 
 __all__ = [
     "TASK_PLANS",
@@ -148,18 +146,6 @@ TASK_PLANS: dict[tuple[HeadKind, PoolingTask], TaskPlan] = {
     (HeadKind.MASKED_LM, PoolingTask.EMBED_SPARSE): TaskPlan(_sparse, sparse_head, sparse_method),
     (HeadKind.LATE_INTERACTION, PoolingTask.TOKEN_EMBED): TaskPlan(_all, _late_interaction_head),
 }
-
-
-# Tasks whose classifier logits --pooler-config's logit_mean/logit_sigma calibrate, as vLLM's
-# classifier and token-classifier heads do; a reward stays the classifier's raw score.
-CALIBRATED_TASKS = frozenset(
-    {
-        PoolingTask.CLASSIFY,
-        PoolingTask.SCORE,
-        PoolingTask.TOKEN_CLASSIFY,
-        PoolingTask.EMBED_TOKEN_CLASSIFY,
-    }
-)
 
 
 def build_pooler(

@@ -20,23 +20,25 @@ import numpy as np
 import pytest
 import torch
 
-from poolserve.core import protocol
-from poolserve.core.card import ModelCard
-from poolserve.core.client import EngineClient
-from poolserve.core.host import CoreConfig, CoreThread, build_engine
-from poolserve.models.errors import InvalidTokenIdError
-from poolserve.pooling.errors import InvalidPoolingParamsError, UnsupportedTaskError
-from poolserve.pooling.params import PoolingParams, PoolingTask
-from poolserve.pooling.validation import validate_params
-from poolserve.scheduler.errors import (
+from poolserve.engine.host import CoreConfig, CoreThread, build_engine
+from poolserve.engine.sched.request import RequestStatus
+from poolserve.frontend.client import EngineClient
+from poolserve.types import protocol
+from poolserve.types.card import ModelCard
+from poolserve.types.errors import (
     DrainingError,
     EngineDeadError,
+    InvalidPoolingParamsError,
+    InvalidTokenIdError,
     OverloadedError,
     OverloadReason,
     PromptTooLongError,
     StepFailedError,
+    UnsupportedTaskError,
 )
-from poolserve.scheduler.request import RequestStatus
+from poolserve.types.params import PoolingParams
+from poolserve.types.tasks import PoolingTask
+from poolserve.types.validation import validate_params
 from tests.core.waiting import until
 
 EMBED = PoolingParams(task=PoolingTask.EMBED)

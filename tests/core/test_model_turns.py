@@ -30,8 +30,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from poolserve.core.client import EngineClient
-from poolserve.core.host import (
+from poolserve.engine.host import (
     GIB,
     CoreConfig,
     CoreThread,
@@ -41,10 +40,12 @@ from poolserve.core.host import (
     check_memory_fraction,
     socket_path,
 )
-from poolserve.pooling.params import PoolingParams, PoolingTask
-from poolserve.scheduler.engine import Engine
-from poolserve.scheduler.observer import NullObserver
-from poolserve.scheduler.runner import PreparedStep, StepResult
+from poolserve.engine.loop import Engine
+from poolserve.engine.runner import PreparedStep, StepResult
+from poolserve.frontend.client import EngineClient
+from poolserve.types.observer import NullObserver
+from poolserve.types.params import PoolingParams
+from poolserve.types.tasks import PoolingTask
 from tests.core.waiting import until
 
 EMBED = PoolingParams(task=PoolingTask.EMBED)
@@ -316,7 +317,7 @@ def test_the_cpu_ignores_the_memory_fraction_with_one_info_line(
     tiny_model_dir: Callable[[str], Path], caplog: pytest.LogCaptureFixture
 ) -> None:
     config = dataclasses.replace(_configs(tiny_model_dir)[1], gpu_memory_fraction=1e-9)
-    with caplog.at_level(logging.INFO, logger="poolserve.core.host"):
+    with caplog.at_level(logging.INFO, logger="poolserve.engine.host"):
         build_engine(config)
     lines = [r for r in caplog.records if "gpu_memory_fraction" in r.getMessage()]
     assert len(lines) == 1 and lines[0].levelno == logging.INFO
@@ -327,8 +328,8 @@ def test_the_cpu_ignores_the_memory_fraction_with_one_info_line(
 
 CHILD = """
 import asyncio, json, sys
-from poolserve.core.host import CoreConfig
-from poolserve.core.process import serve_core_process
+from poolserve.engine.host import CoreConfig
+from poolserve.engine.process import serve_core_process
 configs = [CoreConfig(**c) for c in json.loads(sys.argv[1])]
 sys.exit(asyncio.run(serve_core_process(configs, sys.argv[2])))
 """

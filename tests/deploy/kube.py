@@ -16,8 +16,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from poolserve.service.api import admin as routes_admin
-from poolserve.service.settings import ServerSettings
+from poolserve.config.settings import ServerSettings
+from poolserve.http.api import admin as routes_admin
 from tests.deploy.tools import (
     DEPLOY_DIR,
     TOOL_TIMEOUT_S,

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from poolserve.service.edge.memory import (
+from poolserve.memory import (
     ALLOCATOR_VARIABLES,
     MMAP_THRESHOLD_BYTES,
     fix_mmap_threshold,
@@ -33,10 +33,7 @@ def test_an_allocator_set_by_the_environment_is_left_alone(variable: str) -> Non
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
 def test_threshold_is_fixed_in_process_without_such_variables() -> None:
     # In a child process: the setting would otherwise stay with the test process.
-    code = (
-        "from poolserve.service.edge.memory import fix_mmap_threshold; "
-        "print(fix_mmap_threshold({}))"
-    )
+    code = "from poolserve.memory import fix_mmap_threshold; print(fix_mmap_threshold({}))"
     completed = subprocess.run(
         [sys.executable, "-c", code],
         cwd=REPO_ROOT,

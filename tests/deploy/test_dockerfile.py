@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from poolserve.service.edge.memory import MMAP_THRESHOLD_BYTES
+from poolserve.memory import MMAP_THRESHOLD_BYTES
 from tests.deploy.tools import REPO_ROOT, StubServer, free_port, require_tool, run_tool
 
 pytestmark = pytest.mark.slow

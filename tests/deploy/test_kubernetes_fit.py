@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import yaml
 
-from poolserve.scheduler.stats import EngineSnapshot
-from poolserve.service.api import admin as routes_admin
-from poolserve.service.models_config import served_models
-from poolserve.service.observability.metrics import ServiceMetrics
-from poolserve.service.settings import ServerSettings
+from poolserve.config.models_file import served_models
+from poolserve.config.settings import ServerSettings
+from poolserve.http.api import admin as routes_admin
+from poolserve.observability.metrics import ServiceMetrics
+from poolserve.types.stats import EngineSnapshot
 from tests.deploy.kube import (
     ADAPTER_VALUES,
     DEVICE_OF_OVERLAY,

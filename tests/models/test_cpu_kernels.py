@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from poolserve.models import cpu_kernels, load_model
 from poolserve.models.cpu_class import CpuClass, cpu_class
 from poolserve.models.cpu_kernels import check_speed, choose, choose_kernels
-from poolserve.models.errors import SlowerPrecisionError
 from poolserve.models.float_kernels import (
     CLOSE,
     ONEDNN,
@@ -31,6 +30,7 @@ from poolserve.models.float_kernels import (
 )
 from poolserve.models.int8_kernels import INT8_LEVELS, REDUCED_LEVELS, Int8Kernel, is_exact, kernels
 from poolserve.models.quantization import INT_MM, Int8Linear
+from poolserve.types.errors import SlowerPrecisionError
 from tests.models.driver import make_prompts, run_whole
 
 CPU = torch.device("cpu")

@@ -13,14 +13,14 @@ import torch.nn.functional as F
 import transformers
 from safetensors import safe_open
 
-from poolserve.core.host import DTYPES, resolve_device
+from poolserve.config.settings import ServerSettings
+from poolserve.engine.host import DTYPES, resolve_device
+from poolserve.frontend.state import ServiceState
+from poolserve.http.app import _start
 from poolserve.models import load_model
-from poolserve.models.errors import UnsupportedDtypeError
 from poolserve.models.loader import resolve_dtype
-from poolserve.service.app import _start
-from poolserve.service.observability.metrics import ServiceMetrics
-from poolserve.service.settings import ServerSettings
-from poolserve.service.state import ServiceState
+from poolserve.observability.metrics import ServiceMetrics
+from poolserve.types.errors import UnsupportedDtypeError
 from tests.models.driver import assert_close, make_prompts, run_chunked, run_whole
 from tests.tiny_decoders import TINY_DECODERS, build_hf_decoder, save_tiny_decoder
 from tests.tiny_encoders import TINY_ENCODERS, build_hf_encoder

@@ -12,10 +12,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from poolserve.config.scheduler import SchedulerConfig
+from poolserve.engine.loop import Engine
 from poolserve.models import LoadedModel, load_model
-from poolserve.pooling.params import PoolingParams, PoolingTask
-from poolserve.scheduler.config import SchedulerConfig
-from poolserve.scheduler.engine import Engine
+from poolserve.types.params import PoolingParams
+from poolserve.types.tasks import PoolingTask
 from tests.models.driver import assert_close
 from tests.tiny_decoders import save_tiny_decoder
 

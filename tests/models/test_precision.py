@@ -26,9 +26,9 @@ from poolserve.models import quantization as quantization_module
 from poolserve.models.attention_cpu import ReferenceAttention
 from poolserve.models.cpu_class import cpu_lacks_native
 from poolserve.models.encoder_embeddings import layer_norm
-from poolserve.models.errors import UnsupportedQuantizationError
 from poolserve.models.layers import rms_norm
 from poolserve.models.quantization import Int8Linear, check_quantization
+from poolserve.types.errors import UnsupportedQuantizationError
 from tests.models.driver import make_prompts, run_chunked, run_whole
 from tests.tiny_models import minilm_path
 
@@ -306,10 +306,10 @@ def test_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_startup_names_the_quantization_flag(tmp_path: Path) -> None:
-    from poolserve.service.app import _start  # imported here: see the module docstring
-    from poolserve.service.observability.metrics import ServiceMetrics
-    from poolserve.service.settings import ServerSettings
-    from poolserve.service.state import ServiceState
+    from poolserve.config.settings import ServerSettings
+    from poolserve.frontend.state import ServiceState
+    from poolserve.http.app import _start  # imported here: see the module docstring
+    from poolserve.observability.metrics import ServiceMetrics
 
     # refused before the load: the model is never looked for
     model = str(tmp_path / "never-read")
@@ -321,7 +321,7 @@ def test_startup_names_the_quantization_flag(tmp_path: Path) -> None:
 
 
 def test_quantization_flag_and_variable(monkeypatch: pytest.MonkeyPatch) -> None:
-    from poolserve.service.cli import parse_settings  # imported here: see the module docstring
+    from poolserve.config.flags import parse_settings  # imported here: see the module docstring
 
     assert parse_settings(["serve"]).quantization is None
     assert parse_settings(["serve", "--quantization", "int8"]).quantization == "int8"

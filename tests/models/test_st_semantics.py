@@ -34,8 +34,8 @@ def _client(**settings: Any) -> Iterator[Any]:
     """A started app; imported here so the GPU check runs where the HTTP service is absent."""
     from starlette.testclient import TestClient
 
-    from poolserve.service.app import create_app
-    from poolserve.service.settings import ServerSettings
+    from poolserve.config.settings import ServerSettings
+    from poolserve.http.app import create_app
 
     with TestClient(create_app(ServerSettings(**settings))) as client:
         yield client

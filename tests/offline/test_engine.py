@@ -21,8 +21,7 @@ from sentence_transformers import SentenceTransformer, util
 
 from poolserve.offline import AsyncPoolingEngine, PoolingEngine
 from poolserve.offline.engine import PIECE_INPUTS
-from poolserve.pooling.errors import InvalidPoolingParamsError
-from poolserve.service.errors import APIError
+from poolserve.types.errors import APIError, InvalidPoolingParamsError
 from tests.service.conftest import hf_logits
 
 TEXTS = [
@@ -168,7 +167,7 @@ def test_a_cancelled_call_frees_its_work(minilm_dir: Path) -> None:
 def test_several_models_are_called_by_name(tmp_path: Path, minilm_dir: Path) -> None:
     from sentence_transformers import CrossEncoder
 
-    from poolserve.service.errors import ModelNotFoundError
+    from poolserve.types.errors import ModelNotFoundError
     from tests.tiny_rerankers import save_cross_encoder
 
     reranker = save_cross_encoder("bert_cls", tmp_path / "reranker")

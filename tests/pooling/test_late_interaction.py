@@ -11,21 +11,20 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoTokenizer
 
-from poolserve.kinds import HeadKind
-from poolserve.models.errors import ModelLoadError
 from poolserve.models.heads import build_heads
 from poolserve.models.late_interaction import check_plain_prompts, colbert_projection
 from poolserve.models.loader import load_model
 from poolserve.models.registry import ArchitectureEntry, Backbone
 from poolserve.models.spec import ModelHeads
 from poolserve.models.weights import load_state_dict
-from poolserve.pooling.errors import UnsupportedTaskError
-from poolserve.pooling.model_info import PoolingModelInfo, get_supported_tasks
-from poolserve.pooling.params import PoolingParams, PoolingTask
 from poolserve.pooling.pooler import ChunkInput, pool_step
-from poolserve.pooling.scorers import PairMode, maxsim_score, scorer_plan
 from poolserve.pooling.stats import CloneStats
 from poolserve.pooling.tasks import build_pooler
+from poolserve.types.errors import ModelLoadError, UnsupportedTaskError
+from poolserve.types.model_info import PoolingModelInfo, get_supported_tasks
+from poolserve.types.params import PoolingParams
+from poolserve.types.scoring import PairMode, maxsim_score, scorer_plan
+from poolserve.types.tasks import HeadKind, PoolingTask
 from tests.models.driver import run_whole
 from tests.tiny_encoders import build_hf_encoder, save_tiny_encoder
 
@@ -169,8 +168,8 @@ def test_marker_and_augmentation_configs_are_refused(tmp_path: Path) -> None:
 def test_colbert_checkpoint_served_through_score_and_rerank(colbert_dir: Path) -> None:
     from starlette.testclient import TestClient
 
-    from poolserve.service.app import create_app
-    from poolserve.service.settings import ServerSettings
+    from poolserve.config.settings import ServerSettings
+    from poolserve.http.app import create_app
 
     settings = ServerSettings(model=str(colbert_dir), served_model_name="colbert")
     with TestClient(create_app(settings)) as client:

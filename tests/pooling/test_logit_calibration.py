@@ -20,12 +20,13 @@ import torch
 from starlette.testclient import TestClient
 from transformers import AutoTokenizer
 
-from poolserve.core.client import EngineClient
-from poolserve.core.host import CoreThread
-from poolserve.pooling.params import PoolingParams, PoolingTask
-from poolserve.service.app import core_config, create_app
-from poolserve.service.frontend.jobs import parse_pooler_config
-from poolserve.service.settings import ServerSettings
+from poolserve.config.settings import ServerSettings
+from poolserve.engine.host import CoreThread
+from poolserve.frontend.client import EngineClient
+from poolserve.frontend.jobs import parse_pooler_config
+from poolserve.http.app import core_config, create_app
+from poolserve.types.params import PoolingParams
+from poolserve.types.tasks import PoolingTask
 from tests.service.conftest import assert_close
 from tests.tiny_encoders import build_hf_encoder, encoder_dirs
 from tests.tiny_rerankers import build_cross_encoder, save_cross_encoder

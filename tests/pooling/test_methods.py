@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from poolserve.pooling import PoolingStateError
-from poolserve.pooling.params import PoolingType
 from poolserve.pooling.stats import CloneStats
+from poolserve.types.tasks import PoolingType
 from tests.pooling.util import (
     CHUNK_SIZES,
     SimRequest,

@@ -8,8 +8,8 @@ from torch import nn
 
 from poolserve.pooling import CloneStats, PoolingModelInfo, PoolingParams, PoolingTask, build_pooler
 from poolserve.pooling import methods as pooling_methods
-from poolserve.pooling.params import PoolingType
 from poolserve.pooling.pooler import RequestPooler
+from poolserve.types.tasks import PoolingType
 from tests.pooling.util import (
     CHUNK_SIZES,
     GARBAGE,

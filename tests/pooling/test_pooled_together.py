@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from poolserve.pooling import CloneStats, PoolingModelInfo, PoolingParams, PoolingTask, build_pooler
-from poolserve.pooling.params import PoolingType
 from poolserve.pooling.pooler import ChunkInput, RequestPooler, pool_chunks
+from poolserve.types.tasks import PoolingType
 from tests.pooling.util import assert_close
 
 HIDDEN = 16

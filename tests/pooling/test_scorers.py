@@ -7,13 +7,14 @@ import pytest
 import torch
 from torch import nn
 
-from poolserve.pooling.errors import InvalidPoolingParamsError, UnsupportedTaskError
-from poolserve.pooling.model_info import PoolingModelInfo, ScoreActivation, get_supported_tasks
-from poolserve.pooling.params import PoolingParams, PoolingTask, PoolingType
 from poolserve.pooling.pooler import ChunkInput, pool_step
-from poolserve.pooling.scorers import PairMode, cosine_score, scorer_plan
 from poolserve.pooling.stats import CloneStats
 from poolserve.pooling.tasks import build_pooler
+from poolserve.types.errors import InvalidPoolingParamsError, UnsupportedTaskError
+from poolserve.types.model_info import PoolingModelInfo, ScoreActivation, get_supported_tasks
+from poolserve.types.params import PoolingParams
+from poolserve.types.scoring import PairMode, cosine_score, scorer_plan
+from poolserve.types.tasks import PoolingTask, PoolingType
 
 HIDDEN = 16
 T = PoolingTask

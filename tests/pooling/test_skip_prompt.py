@@ -7,9 +7,9 @@ import torch
 
 from poolserve.pooling.heads import TokenEmbeddingHead
 from poolserve.pooling.methods import build_method
-from poolserve.pooling.params import PoolingType
 from poolserve.pooling.pooler import RequestPooler
 from poolserve.pooling.stats import CloneStats
+from poolserve.types.tasks import PoolingType
 from tests.pooling.util import CHUNK_SIZES, assert_close, feed_chunked
 
 NUM_TOKENS = 20

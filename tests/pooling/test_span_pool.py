@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from poolserve.core import protocol
+from poolserve.engine.loop import Engine
+from poolserve.engine.sched.prefix_cache import CacheUse
 from poolserve.models.loader import load_model
 from poolserve.models.spec import LoadedModel
 from poolserve.pooling import (
@@ -31,9 +32,8 @@ from poolserve.pooling import (
 from poolserve.pooling.heads import TokenEmbeddingHead
 from poolserve.pooling.methods import SpanMeanPool, build_method
 from poolserve.pooling.pooler import RequestPooler
-from poolserve.pooling.validation import prompt_params, request_spans
-from poolserve.scheduler.engine import Engine
-from poolserve.scheduler.prefix_cache import CacheUse
+from poolserve.types import protocol
+from poolserve.types.validation import prompt_params, request_spans
 from tests.pooling.util import CHUNK_SIZES, SimRequest, assert_close, feed_chunked, run_steps
 from tests.scheduler.test_engine import CPU, _config
 from tests.tiny_models import build_hf_model

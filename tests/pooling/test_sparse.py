@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from poolserve.engine.bridge import pooling_info_from
 from poolserve.models import LoadedModel, build_attention_metadata, load_model
 from poolserve.pooling import (
     CloneStats,
@@ -26,7 +27,6 @@ from poolserve.pooling import (
 from poolserve.pooling import sparse as pooling_sparse
 from poolserve.pooling.pooler import ChunkInput
 from poolserve.pooling.sparse import kept_runs
-from poolserve.scheduler.bridge import pooling_info_from
 from tests.pooling.util import CHUNK_SIZES, SimRequest, assert_close, feed_chunked, run_steps
 from tests.tiny_encoders import build_hf_encoder, save_tiny_encoder
 from tests.tiny_models import SPECIAL_TOKENS

@@ -9,9 +9,9 @@ import torch
 
 from poolserve.pooling.heads import TokenEmbeddingHead
 from poolserve.pooling.methods import build_method
-from poolserve.pooling.params import PoolingType
 from poolserve.pooling.pooler import ChunkInput, RequestPooler, pool_step
 from poolserve.pooling.stats import CloneStats
+from poolserve.types.tasks import PoolingType
 
 CHUNK_SIZES = (1, 7, 64, None)  # None: the whole prompt in one chunk
 GARBAGE = 12345.0  # what "the next step" writes over the persistent buffer

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from poolserve.scheduler.config import SchedulerConfig
-from poolserve.scheduler.kv_blocks import BlockAllocator
-from poolserve.scheduler.planner import BatchPlan, PlannerSeq, ScheduledChunk, plan_step
+from poolserve.config.scheduler import SchedulerConfig
+from poolserve.engine.sched.kv_blocks import BlockAllocator
+from poolserve.engine.sched.planner import BatchPlan, PlannerSeq, ScheduledChunk, plan_step
 
 
 @dataclass(frozen=True)

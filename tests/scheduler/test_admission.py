@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from poolserve.scheduler.admission import AdmissionControl, AdmissionSnapshot, OverloadReason
-from poolserve.scheduler.config import SchedulerConfig
-from poolserve.scheduler.errors import OverloadedError, RequestTooLargeError
+from poolserve.config.scheduler import SchedulerConfig
+from poolserve.types.admission import AdmissionControl, AdmissionSnapshot, OverloadReason
+from poolserve.types.errors import OverloadedError, RequestTooLargeError
 
 Q = OverloadReason.QUEUE_FULL
 T = OverloadReason.TOKENS_FULL

@@ -12,13 +12,14 @@ import pytest
 import torch
 import transformers
 
-import poolserve.scheduler.cpu_threads as cpu_threads
+import poolserve.engine.cpu_threads as cpu_threads
+from poolserve.config.scheduler import SchedulerConfig
+from poolserve.engine.cpu_threads import StepThreads, matmul_flops_per_token
+from poolserve.engine.loop import Engine
 from poolserve.models.loader import load_model
 from poolserve.models.spec import LoadedModel
-from poolserve.pooling.params import PoolingParams, PoolingTask
-from poolserve.scheduler.config import SchedulerConfig
-from poolserve.scheduler.cpu_threads import StepThreads, matmul_flops_per_token
-from poolserve.scheduler.engine import Engine
+from poolserve.types.params import PoolingParams
+from poolserve.types.tasks import PoolingTask
 
 CPU = torch.device("cpu")
 EMBED = PoolingParams(task=PoolingTask.EMBED)

@@ -11,17 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from poolserve.models.errors import InvalidTokenIdError
+from poolserve.config.scheduler import SchedulerConfig
+from poolserve.engine.loop import Engine
+from poolserve.engine.runner import PreparedStep, StepResult
 from poolserve.models.loader import load_model
 from poolserve.models.spec import LoadedModel
+from poolserve.observability.metrics import ServiceMetrics
 from poolserve.pooling.methods import AllPool
-from poolserve.pooling.params import PoolingParams, PoolingTask
-from poolserve.scheduler.config import SchedulerConfig
-from poolserve.scheduler.engine import Engine
-from poolserve.scheduler.errors import StepFailedError
-from poolserve.scheduler.request import PoolingOutput
-from poolserve.scheduler.runner import PreparedStep, StepResult
-from poolserve.service.observability.metrics import ServiceMetrics
+from poolserve.types.errors import InvalidTokenIdError, StepFailedError
+from poolserve.types.outputs import PoolingOutput
+from poolserve.types.params import PoolingParams
+from poolserve.types.tasks import PoolingTask
 from tests.scheduler.test_engine import CPU, _close, _config, _run_all
 
 EMBED = PoolingParams(task=PoolingTask.EMBED)

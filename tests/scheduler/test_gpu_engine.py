@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 import torch
 
+from poolserve.config.scheduler import SchedulerConfig
+from poolserve.engine.loop import Engine
 from poolserve.models.loader import load_model
-from poolserve.pooling.params import PoolingParams, PoolingTask
-from poolserve.scheduler.config import SchedulerConfig
-from poolserve.scheduler.engine import Engine
-from poolserve.scheduler.request import PoolingOutput
+from poolserve.types.outputs import PoolingOutput
+from poolserve.types.params import PoolingParams
+from poolserve.types.tasks import PoolingTask
 from tests.models.test_gpu import bf16_bound, hf_bf16_hidden, relative_errors
 from tests.tiny_models import build_hf_model
 

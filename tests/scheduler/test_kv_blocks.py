@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from poolserve.scheduler.errors import BlockFreeError, NoFreeBlocksError
-from poolserve.scheduler.kv_blocks import BlockAllocator
+from poolserve.engine.sched.kv_blocks import BlockAllocator
+from poolserve.types.errors import BlockFreeError, NoFreeBlocksError
 
 
 def test_fresh_pool_counts_and_allocate() -> None:

@@ -6,9 +6,8 @@ import random
 
 import pytest
 
-from poolserve.scheduler.config import SchedulerConfig
-from poolserve.scheduler.errors import PromptTooLongError
-from poolserve.scheduler.planner import (
+from poolserve.config.scheduler import SchedulerConfig
+from poolserve.engine.sched.planner import (
     BatchPlan,
     PlannerSeq,
     ScheduledChunk,
@@ -16,6 +15,7 @@ from poolserve.scheduler.planner import (
     max_prompt_tokens,
     plan_step,
 )
+from poolserve.types.errors import PromptTooLongError
 from tests.scheduler.planner_harness import Arrival, Harness, run_steps
 
 C = ScheduledChunk  # expected chunks read as C(request_id, start, num_tokens, is_last, new_blocks)

@@ -5,16 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from poolserve.scheduler.config import SchedulerConfig
-from poolserve.scheduler.errors import BlockFreeError, NoFreeBlocksError
-from poolserve.scheduler.planner import (
+from poolserve.config.scheduler import SchedulerConfig
+from poolserve.engine.sched.planner import (
     PlannerSeq,
     ScheduledChunk,
     max_hit_blocks,
     num_cacheable_blocks,
     plan_step,
 )
-from poolserve.scheduler.prefix_cache import PrefixCache, extend_block_hashes
+from poolserve.engine.sched.prefix_cache import PrefixCache, extend_block_hashes
+from poolserve.types.errors import BlockFreeError, NoFreeBlocksError
 
 C = ScheduledChunk  # C(request_id, start, num_tokens, is_last, new_blocks, donated_tokens)
 

@@ -10,14 +10,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from poolserve.engine.loop import Engine
+from poolserve.engine.sched.prefix_cache import CacheUse
 from poolserve.models.loader import load_model
 from poolserve.models.spec import LoadedModel
-from poolserve.pooling.params import PoolingParams, PoolingTask, PoolingType
-from poolserve.scheduler.engine import Engine
-from poolserve.scheduler.errors import StepFailedError
-from poolserve.scheduler.prefix_cache import CacheUse
-from poolserve.scheduler.request import PoolingOutput
-from poolserve.service.observability.metrics import ServiceMetrics
+from poolserve.observability.metrics import ServiceMetrics
+from poolserve.types.errors import StepFailedError
+from poolserve.types.outputs import PoolingOutput
+from poolserve.types.params import PoolingParams
+from poolserve.types.tasks import PoolingTask, PoolingType
 from tests.scheduler.test_engine import CPU, _close, _config
 from tests.scheduler.test_faults import StepFaults, assert_idle, nth_step_holding, wait_idle
 

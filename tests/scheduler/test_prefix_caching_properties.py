@@ -19,14 +19,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from poolserve.engine.loop import Engine
+from poolserve.engine.sched.planner import blocks_needed
 from poolserve.models.loader import load_model
 from poolserve.models.spec import LoadedModel
 from poolserve.pooling.methods import AllPool
-from poolserve.pooling.params import PoolingParams, PoolingTask
-from poolserve.scheduler.engine import Engine
-from poolserve.scheduler.errors import StepFailedError
-from poolserve.scheduler.planner import blocks_needed
-from poolserve.scheduler.request import PoolingOutput
+from poolserve.types.errors import StepFailedError
+from poolserve.types.outputs import PoolingOutput
+from poolserve.types.params import PoolingParams
+from poolserve.types.tasks import PoolingTask
 from tests.scheduler.test_engine import CPU, _close, _config, _run_all
 from tests.scheduler.test_engine_properties import _poisoned_add_chunk
 from tests.scheduler.test_faults import POISON, StepFaults, wait_idle

@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from poolserve.config.scheduler import SchedulerConfig
+from poolserve.engine.loop import Engine
 from poolserve.models.loader import load_model
 from poolserve.models.spec import LoadedModel
-from poolserve.pooling.params import PoolingParams, PoolingTask
-from poolserve.scheduler.config import SchedulerConfig
-from poolserve.scheduler.engine import Engine
-from poolserve.scheduler.request import PoolingOutput
+from poolserve.types.outputs import PoolingOutput
+from poolserve.types.params import PoolingParams
+from poolserve.types.tasks import PoolingTask
 
 CPU = torch.device("cpu")
 BUDGET = 64

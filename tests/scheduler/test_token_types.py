@@ -12,13 +12,14 @@ import pytest
 import torch
 import transformers
 
-from poolserve.models.errors import InvalidTokenTypeError
+from poolserve.config.scheduler import SchedulerConfig
+from poolserve.engine.loop import Engine
 from poolserve.models.loader import load_model
 from poolserve.models.spec import LoadedModel
-from poolserve.pooling.params import PoolingParams, PoolingTask
-from poolserve.scheduler.config import SchedulerConfig
-from poolserve.scheduler.engine import Engine
-from poolserve.scheduler.request import PoolingOutput
+from poolserve.types.errors import InvalidTokenTypeError
+from poolserve.types.outputs import PoolingOutput
+from poolserve.types.params import PoolingParams
+from poolserve.types.tasks import PoolingTask
 from tests.models.driver import assert_close
 
 CPU = torch.device("cpu")

@@ -15,7 +15,7 @@ from unittest import mock
 
 import pytest
 
-from poolserve.scheduler.turns import DeviceTurns, Seat
+from poolserve.engine.turns import DeviceTurns, Seat
 
 
 def _until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:

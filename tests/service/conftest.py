@@ -15,8 +15,8 @@ import pytest
 import torch
 from starlette.testclient import TestClient
 
-from poolserve.service.app import create_app
-from poolserve.service.settings import ServerSettings
+from poolserve.config.settings import ServerSettings
+from poolserve.http.app import create_app
 from tests.tiny_models import build_hf_model
 
 ClientFactory = Callable[..., "contextmanager[TestClient]"]

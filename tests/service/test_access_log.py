@@ -12,8 +12,8 @@ import pytest
 from starlette.testclient import TestClient
 from transformers import AutoTokenizer
 
-from poolserve.service.cli import parse_settings
-from poolserve.service.observability.logs import (
+from poolserve.config.flags import parse_settings
+from poolserve.observability.logs import (
     ACCESS_LOGGER,
     FIELDS_ATTR,
     JSONFormatter,

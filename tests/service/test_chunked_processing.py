@@ -24,16 +24,17 @@ import torch
 from starlette.testclient import TestClient
 from transformers import AutoModel, AutoTokenizer, PreTrainedTokenizerBase
 
+from poolserve.config.settings import ServerSettings
+from poolserve.frontend.chunked import cut, slice_params
+from poolserve.frontend.jobs import MAX_EMBED_LEN, TextJob, parse_pooler_config
+from poolserve.frontend.pipeline import as_completed, gather, submit_job
+from poolserve.frontend.state import TextLimits
+from poolserve.http.app import create_app
+from poolserve.observability.tracing import NO_TRACE
 from poolserve.offline import AsyncPoolingEngine, PoolingEngine
-from poolserve.pooling.params import PoolingParams, PoolingTask
-from poolserve.service.app import create_app
-from poolserve.service.errors import ClientDisconnectedError, InvalidRequestError
-from poolserve.service.frontend.chunked import cut, slice_params
-from poolserve.service.frontend.jobs import MAX_EMBED_LEN, TextJob, parse_pooler_config
-from poolserve.service.frontend.pipeline import as_completed, gather, submit_job
-from poolserve.service.observability.tracing import NO_TRACE
-from poolserve.service.settings import ServerSettings
-from poolserve.service.state import TextLimits
+from poolserve.types.errors import ClientDisconnectedError, InvalidRequestError
+from poolserve.types.params import PoolingParams
+from poolserve.types.tasks import PoolingTask
 from tests.service.conftest import assert_close
 from tests.tiny_decoders import build_hf_decoder, decoder_dirs
 from tests.tiny_models import minilm_path

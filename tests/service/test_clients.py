@@ -18,7 +18,7 @@ import pytest
 from langchain_openai import OpenAIEmbeddings
 from sentence_transformers import SentenceTransformer, quantize_embeddings
 
-from poolserve.service.settings import DEFAULT_MODEL_ID
+from poolserve.config.settings import DEFAULT_MODEL_ID
 from tests.deploy.live import LiveProcess, poolserve_server
 from tests.tiny_models import MINILM_DIR
 

@@ -21,8 +21,8 @@ import pytest
 from sentence_transformers import SentenceTransformer, quantize_embeddings
 from starlette.testclient import TestClient
 
-from poolserve.service.app import create_app
-from poolserve.service.settings import ServerSettings
+from poolserve.config.settings import ServerSettings
+from poolserve.http.app import create_app
 from tests.service.conftest import assert_close
 from tests.tiny_models import minilm_path
 

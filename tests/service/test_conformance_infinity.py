@@ -25,8 +25,8 @@ from pydantic import BaseModel, ConfigDict
 from sentence_transformers import CrossEncoder, SentenceTransformer
 from starlette.testclient import TestClient
 
-from poolserve.service.app import create_app
-from poolserve.service.settings import ServerSettings
+from poolserve.config.settings import ServerSettings
+from poolserve.http.app import create_app
 from tests.service.conftest import assert_close, minilm_client
 from tests.tiny_models import minilm_path, write_st_modules
 from tests.tiny_rerankers import save_cross_encoder

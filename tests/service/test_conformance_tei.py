@@ -23,8 +23,8 @@ import transformers
 from starlette.testclient import TestClient
 from tokenizers import Tokenizer
 
-from poolserve.service.app import create_app
-from poolserve.service.settings import ServerSettings
+from poolserve.config.settings import ServerSettings
+from poolserve.http.app import create_app
 from tests.service.conftest import minilm_client, queue_taken
 from tests.tiny_encoders import (
     TINY_ENCODERS,

@@ -23,8 +23,8 @@ from sentence_transformers import CrossEncoder, SentenceTransformer
 from starlette.testclient import TestClient
 from transformers import AutoTokenizer
 
-from poolserve.service.app import create_app
-from poolserve.service.settings import ServerSettings
+from poolserve.config.settings import ServerSettings
+from poolserve.http.app import create_app
 from tests.service.conftest import minilm_client
 from tests.tiny_models import MINILM_DIR
 from tests.tiny_rerankers import build_cross_encoder, save_cross_encoder

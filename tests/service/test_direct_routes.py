@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from starlette.testclient import TestClient
 
-from poolserve.service.app import create_app
-from poolserve.service.frontend.routing import DirectRoutes
-from poolserve.service.settings import ServerSettings
+from poolserve.config.settings import ServerSettings
+from poolserve.http.app import create_app
+from poolserve.http.edge.routing import DirectRoutes
 
 JSON = {"content-type": "application/json"}
 # (path, raw body, headers): answers, every kind of refusal, and TEI's error family

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from poolserve.service.errors import MAX_MESSAGE_CHARS
+from poolserve.http.errors import MAX_MESSAGE_CHARS
 from tests.service.test_server_process import free_port, start_server
 
 KEY = "edge-key"
@@ -146,7 +146,7 @@ def test_malformed_bodies_get_a_code(
 def test_echoed_client_text_is_bounded(client: Any, caplog: pytest.LogCaptureFixture) -> None:
     long_name = "f" * 100_000
     # an unknown field is accepted (as vLLM does); the warning naming it is clipped
-    with caplog.at_level(logging.WARNING, logger="poolserve.service.frontend.bodies"):
+    with caplog.at_level(logging.WARNING, logger="poolserve.frontend.bodies"):
         assert client.post("/v1/embeddings", json={"input": "a", long_name: 1}).status_code == 200
     assert caplog.records and all(len(r.getMessage()) < 1000 for r in caplog.records)
     error = _error(client.post("/v1/embeddings", json={"input": "a", "messages": 1}), 400)
@@ -300,7 +300,7 @@ def test_no_server_header(server: int) -> None:
 
 
 def test_served_name_of_a_local_directory_is_its_folder_name(tmp_path: Path) -> None:
-    from poolserve.service.models_config import default_name as _default_name
+    from poolserve.config.models_file import default_name as _default_name
 
     model_dir = tmp_path / "my-embedder"
     model_dir.mkdir()

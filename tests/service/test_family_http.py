@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from starlette.testclient import TestClient
 
-from poolserve.service.app import create_app
-from poolserve.service.settings import ServerSettings
+from poolserve.config.settings import ServerSettings
+from poolserve.http.app import create_app
 from tests.service.conftest import assert_close
 from tests.tiny_decoders import build_hf_decoder, decoder_dirs
 from tests.tiny_encoders import build_hf_encoder, encoder_dirs

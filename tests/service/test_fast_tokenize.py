@@ -18,20 +18,20 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 from transformers.models.bert.tokenization_bert_legacy import BertTokenizerLegacy
 from transformers.models.nllb.tokenization_nllb import NllbTokenizer
 
-from poolserve.models.loader import load_model
-from poolserve.service.frontend.texts import (
+from poolserve.frontend.texts import (
     NO_SPECIALS,
     InputTooLongError,
     Truncation,
     encode_texts,
 )
-from poolserve.service.frontend.truncation import (
+from poolserve.frontend.truncation import (
     POOLED_CHARS,
     backend_of,
     encode_batch,
     runs_backend_directly,
     special_tokens,
 )
+from poolserve.models.loader import load_model
 from tests.service.conftest import assert_close
 from tests.tiny_models import minilm_path, save_tiny_model, write_st_modules
 

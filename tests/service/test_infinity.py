@@ -12,9 +12,9 @@ import torch
 from sentence_transformers import CrossEncoder
 from starlette.testclient import TestClient
 
-from poolserve.service.app import create_app
-from poolserve.service.compat.infinity import UNNAMED_MODEL
-from poolserve.service.settings import ServerSettings
+from poolserve.config.settings import ServerSettings
+from poolserve.http.app import create_app
+from poolserve.http.compat.infinity import UNNAMED_MODEL
 from tests.tiny_rerankers import save_cross_encoder
 
 TEXTS = ["hello world", "the cat sat on the mat", "poolserve serves pooled outputs"]

@@ -18,13 +18,13 @@ from starlette.testclient import TestClient
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from poolserve.scheduler.admission import CharBudget
-from poolserve.scheduler.errors import OverloadedError, RequestTooLargeError
-from poolserve.service.app import create_app
-from poolserve.service.cli import parse_settings
-from poolserve.service.frontend.truncation import content_windows, special_tokens
-from poolserve.service.settings import ServerSettings
-from poolserve.service.state import TextLimits
+from poolserve.config.flags import parse_settings
+from poolserve.config.settings import ServerSettings
+from poolserve.frontend.state import TextLimits
+from poolserve.frontend.truncation import content_windows, special_tokens
+from poolserve.http.app import create_app
+from poolserve.types.admission import CharBudget
+from poolserve.types.errors import OverloadedError, RequestTooLargeError
 from tests.service.conftest import assert_close
 from tests.tiny_models import MINILM_DIR
 

@@ -24,11 +24,11 @@ import torch
 from pydantic import ValidationError
 from transformers import AutoModel, AutoTokenizer, PreTrainedTokenizerBase
 
+from poolserve.frontend.spans import LateChunking, check_inputs, tokenize_documents
+from poolserve.frontend.state import ModelHandle
+from poolserve.frontend.texts import RawInputs, Truncation, encode_texts, tokenize
 from poolserve.offline import PoolingEngine
-from poolserve.service.errors import InvalidRequestError
-from poolserve.service.frontend.spans import LateChunking, check_inputs, tokenize_documents
-from poolserve.service.frontend.texts import RawInputs, Truncation, encode_texts, tokenize
-from poolserve.service.state import ModelHandle
+from poolserve.types.errors import InvalidRequestError
 from tests.tiny_decoders import build_hf_decoder, decoder_dirs
 from tests.tiny_models import minilm_path
 

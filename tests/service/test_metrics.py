@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import values
 from prometheus_client.parser import text_string_to_metric_families
 
-from poolserve.service.observability.metrics import (
+from poolserve.observability.metrics import (
     MULTIPROCESS_DIR,
     ServiceMetrics,
     fix_process_identity,

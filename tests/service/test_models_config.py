@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from poolserve.service.cli import parse_settings
-from poolserve.service.models_config import ModelsConfigError, served_models
-from poolserve.service.settings import ServerSettings
+from poolserve.config.flags import parse_settings
+from poolserve.config.models_file import ModelsConfigError, served_models
+from poolserve.config.settings import ServerSettings
 
 
 def _file(tmp_path: Path, text: str) -> str:

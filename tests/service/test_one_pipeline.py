@@ -18,10 +18,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 from starlette.types import Scope
 
-from poolserve.service.app import create_app
-from poolserve.service.observability.logs import ACCESS_LOGGER, FIELDS_ATTR
-from poolserve.service.observability.tracing import SpanRecord
-from poolserve.service.settings import ServerSettings
+from poolserve.config.settings import ServerSettings
+from poolserve.http.app import create_app
+from poolserve.observability.logs import ACCESS_LOGGER, FIELDS_ATTR
+from poolserve.observability.tracing import SpanRecord
 from tests.tiny_encoders import encoder_dirs
 
 A, B, C = "a query about pooling", "a passage on pooling services", "unrelated words here"

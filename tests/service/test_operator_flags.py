@@ -19,9 +19,9 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
+from poolserve.frontend.jobs import Truncate
+from poolserve.frontend.texts import Truncation, truncation_for
 from poolserve.models.resolve import resolve_model_path
-from poolserve.service.frontend.jobs import Truncate
-from poolserve.service.frontend.texts import Truncation, truncation_for
 from tests.deploy.live import (
     SERVER_READY_TIMEOUT_S,
     LiveProcess,
@@ -183,7 +183,7 @@ def test_version_route_and_flag_report_the_package_version(tls_server: TLSServer
     answer = httpx.get(tls_server.base_url + "/version", verify=tls_server.trusting)  # open
     assert answer.json() == {"version": version("poolserve")}
     printed = subprocess.run(
-        [sys.executable, "-m", "poolserve.service.cli", "--version"],
+        [sys.executable, "-m", "poolserve.config.flags", "--version"],
         capture_output=True,
         text=True,
         check=True,

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from poolserve.pooling.params import PoolingParams, PoolingTask
-from poolserve.service.frontend.jobs import PoolerDefaults, Requested, merge
+from poolserve.frontend.jobs import PoolerDefaults, Requested, merge
+from poolserve.types.params import PoolingParams
+from poolserve.types.tasks import PoolingTask
 
 DEFAULTS = PoolerDefaults(normalize=False, use_activation=False, dimensions=16, step_tag_id=7)
 

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from starlette.testclient import TestClient
 
-from poolserve.service.app import create_app
-from poolserve.service.settings import ServerSettings
+from poolserve.config.settings import ServerSettings
+from poolserve.http.app import create_app
 from tests.tiny_models import write_st_modules
 
 PROMPTS = {"query": "query: ", "passage": "passage: ", "empty": ""}

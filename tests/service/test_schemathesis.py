@@ -16,8 +16,8 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 
-from poolserve.service.app import create_app
-from poolserve.service.settings import ServerSettings
+from poolserve.config.settings import ServerSettings
+from poolserve.http.app import create_app
 
 # The schema does not depend on the model (it loads in the lifespan), so operations are listed at
 # collection from an app that never starts, and each (operation, mode) is its own test.

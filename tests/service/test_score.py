@@ -16,14 +16,14 @@ from sentence_transformers import CrossEncoder, SentenceTransformer
 from starlette.testclient import TestClient
 from transformers import AutoTokenizer
 
-from poolserve.models.errors import ModelLoadError
+from poolserve.config.settings import ServerSettings
+from poolserve.engine.bridge import _score_activation
+from poolserve.frontend.jobs import ScoreJob
+from poolserve.frontend.pairs import PairTruncation, PromptMode, _prompts
+from poolserve.http.app import create_app
 from poolserve.models.loader import load_model
-from poolserve.pooling.model_info import ScoreActivation
-from poolserve.scheduler.bridge import _score_activation
-from poolserve.service.app import create_app
-from poolserve.service.frontend.jobs import ScoreJob
-from poolserve.service.frontend.pairs import PairTruncation, PromptMode, _prompts
-from poolserve.service.settings import ServerSettings
+from poolserve.types.errors import ModelLoadError
+from poolserve.types.model_info import ScoreActivation
 from tests.tiny_decoders import build_hf_decoder, save_tiny_decoder
 from tests.tiny_models import MINILM_DIR, build_hf_model, save_tiny_model
 from tests.tiny_rerankers import (
@@ -372,7 +372,7 @@ def test_pair_template_probe_finds_the_tokenizers_layout(tiny_model_dir: Any) ->
     """The layout probed once at start lays out pairs exactly as tokenizer(a, b) does."""
     from transformers import AutoTokenizer
 
-    from poolserve.service.frontend.pair_template import probe_pair_template
+    from poolserve.frontend.pair_template import probe_pair_template
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir("bert"))
     layout = probe_pair_template(tokenizer)

@@ -22,9 +22,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from sentence_transformers import CrossEncoder, SentenceTransformer
 from starlette.testclient import TestClient
 
-from poolserve.service.app import create_app
-from poolserve.service.observability.logs import ACCESS_LOGGER, FIELDS_ATTR
-from poolserve.service.settings import ServerSettings
+from poolserve.config.settings import ServerSettings
+from poolserve.http.app import create_app
+from poolserve.observability.logs import ACCESS_LOGGER, FIELDS_ATTR
 from tests.service.conftest import live_server, queue_taken
 from tests.tiny_models import MINILM_DIR
 from tests.tiny_rerankers import save_cross_encoder

@@ -12,8 +12,8 @@ import pytest
 import torch
 from starlette.testclient import TestClient
 
-from poolserve.service.app import create_app
-from poolserve.service.settings import ServerSettings
+from poolserve.config.settings import ServerSettings
+from poolserve.http.app import create_app
 from tests.service.conftest import assert_close
 from tests.tiny_encoders import build_hf_encoder, encoder_dirs
 from tests.tiny_models import SPECIAL_TOKENS, VOCAB_SIZE

@@ -17,8 +17,8 @@ import transformers
 from starlette.testclient import TestClient
 from tokenizers import Tokenizer
 
-from poolserve.service.app import create_app
-from poolserve.service.settings import ServerSettings
+from poolserve.config.settings import ServerSettings
+from poolserve.http.app import create_app
 from tests.tiny_encoders import TINY_ENCODERS, _perturb, save_tiny_encoder
 from tests.tiny_rerankers import build_cross_encoder, save_cross_encoder
 

@@ -27,7 +27,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from transformers import AutoTokenizer
 
-from poolserve.service.cli import parse_settings
+from poolserve.config.flags import parse_settings
 from tests.deploy.live import (
     SERVER_READY_TIMEOUT_S,
     LiveProcess,
@@ -278,7 +278,7 @@ def test_the_flag_without_the_packages_is_a_clear_startup_error(
 ) -> None:
     # None in sys.modules makes the import fail as if the package were not installed
     monkeypatch.setitem(sys.modules, "opentelemetry.sdk.trace", None)
-    monkeypatch.delitem(sys.modules, "poolserve.service.observability.otel", raising=False)
+    monkeypatch.delitem(sys.modules, "poolserve.observability.otel", raising=False)
     with pytest.raises(SystemExit) as exited:
         parse_settings(["serve", "--otlp-traces-endpoint", "http://localhost:4318"])
     assert exited.value.code == 2

@@ -12,7 +12,7 @@ import pytest
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from poolserve.service.frontend.truncation import content_windows
+from poolserve.frontend.truncation import content_windows
 from tests.service.conftest import assert_close
 from tests.tiny_models import minilm_path
 

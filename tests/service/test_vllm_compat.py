@@ -22,10 +22,10 @@ import torch
 from starlette.testclient import TestClient
 from transformers import AutoTokenizer
 
-from poolserve.service.api.schemas import EmbeddingRequest, PoolingRequestBody
-from poolserve.service.app import create_app
-from poolserve.service.frontend.bodies import IGNORED_FIELDS
-from poolserve.service.settings import ServerSettings
+from poolserve.config.settings import ServerSettings
+from poolserve.frontend.bodies import IGNORED_FIELDS
+from poolserve.http.api.schemas import EmbeddingRequest, PoolingRequestBody
+from poolserve.http.app import create_app
 from tests.service.conftest import assert_close, hf_hidden
 
 TEXT = "hello there general pooling"
@@ -161,7 +161,7 @@ def test_every_field_at_once_is_answered(client: TestClient, path: str) -> None:
 def test_unknown_fields_are_accepted_with_a_warning(
     client: TestClient, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="poolserve.service.frontend.bodies"):
+    with caplog.at_level(logging.WARNING, logger="poolserve.frontend.bodies"):
         got = _vec(client, input=TEXT, not_a_field=1, another={"x": 2})
     assert_close(got, _vec(client, input=TEXT))
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -178,7 +178,7 @@ def test_ignored_vllm_fields_are_logged_and_change_nothing(
     client: TestClient, caplog: pytest.LogCaptureFixture
 ) -> None:
     ignored = {k: VLLM_FIELDS[k] for k in IGNORED_FIELDS}
-    with caplog.at_level(logging.INFO, logger="poolserve.service.frontend.bodies"):
+    with caplog.at_level(logging.INFO, logger="poolserve.frontend.bodies"):
         got = _vec(client, input=TEXT, **ignored)
     assert_close(got, _vec(client, input=TEXT))
     logged = " ".join(r.getMessage() for r in caplog.records)

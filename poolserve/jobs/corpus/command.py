@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from poolserve.service.cli import add_settings_flags, settings_from_args
-from poolserve.service.observability.logs import configure_logging
-from poolserve.service.settings import ServerSettings
+from poolserve.config.flags import add_settings_flags, settings_from_args
+from poolserve.config.settings import ServerSettings
+from poolserve.observability.logs import configure_logging
 
 if TYPE_CHECKING:  # argparse's class takes a type argument only for type checkers
     Commands = argparse._SubParsersAction[argparse.ArgumentParser]
@@ -186,8 +186,8 @@ async def _run(job: EmbedJob, settings: ServerSettings) -> Outcome:
     """The job with an engine started only if rows are left to embed."""
     from poolserve.jobs.corpus.errors import JobError
     from poolserve.jobs.corpus.run import run_job
-    from poolserve.models.errors import ModelError
     from poolserve.offline import AsyncPoolingEngine
+    from poolserve.types.errors import ModelError
 
     engine: AsyncPoolingEngine | None = None
 

@@ -18,6 +18,15 @@ from typing import Any
 
 import pyarrow as pa
 
+from poolserve.frontend.jobs import Truncate
+from poolserve.frontend.prompts import prepend
+from poolserve.frontend.texts import (
+    InputTooLongError,
+    Truncation,
+    encode_texts,
+    truncation_for,
+)
+from poolserve.http.errors import ERROR_TABLE
 from poolserve.jobs.arrow import output_table
 from poolserve.jobs.corpus.errors import JobError, row_name
 from poolserve.jobs.corpus.files import InputSpec, count_rows, fingerprint
@@ -25,15 +34,7 @@ from poolserve.jobs.corpus.progress import Progress, Totals
 from poolserve.jobs.corpus.reader import CorpusReader, Rows
 from poolserve.jobs.corpus.state import JobFolder, Resume, Stage
 from poolserve.offline import AsyncPoolingEngine, Pooled
-from poolserve.service.errors import ERROR_TABLE, APIError
-from poolserve.service.frontend.jobs import Truncate
-from poolserve.service.frontend.prompts import prepend
-from poolserve.service.frontend.texts import (
-    InputTooLongError,
-    Truncation,
-    encode_texts,
-    truncation_for,
-)
+from poolserve.types.errors import APIError
 
 # Batches waiting in the engine at once: with the API's pieces of 128 inputs, enough that the
 # engine's slots never empty while one batch's result is turned into Arrow and written.

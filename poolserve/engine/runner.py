@@ -1,0 +1,237 @@
+"""Turns a plan into a packed forward: persistent buffers, model forward, pooling, D2H."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import cast
+
+import numpy as np
+import torch
+
+from poolserve.engine.cpu_threads import StepThreads, matmul_flops_per_token
+from poolserve.models.attention import build_attention_metadata
+from poolserve.models.kv_cache import PagedKVCache
+from poolserve.models.spec import LoadedModel
+from poolserve.pooling.pooler import ChunkInput, RequestPooler, pool_chunks
+
+
+@dataclass(frozen=True)
+class ChunkWork:
+    """One request's chunk in a step, with everything the worker needs to run it."""
+
+    request_id: int
+    token_ids: np.ndarray  # [num_tokens] int64, a view of the prompt
+    context_len: int  # tokens of this prompt already in the KV cache
+    is_last: bool
+    block_ids: tuple[int, ...]
+    pooler: RequestPooler
+    num_kv_tokens: int  # leading tokens whose keys and values the chunk stores in its blocks
+    token_type_ids: np.ndarray | None = None  # [num_tokens] int64, a view; None: all type 0
+
+
+@dataclass(frozen=True)
+class PreparedStep:
+    """A step's packed inputs in one slot of the persistent host buffers."""
+
+    step_index: int
+    chunks: tuple[ChunkWork, ...]
+    num_tokens: int
+    slot: int
+    has_token_types: bool  # the slot's type buffer holds this step's types
+
+
+@dataclass(frozen=True)
+class PoolingFailure:
+    """One request whose pooling raised in a step: it fails alone, the step's others do not."""
+
+    request_id: int
+    error: Exception
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What a step produced: finished outputs (host-bound), pooling failures, forward time."""
+
+    step_index: int
+    # (request_id, output) of finished requests: numpy views of host memory, made on the model
+    # thread so that the loop's thread never calls into torch for them (on CUDA, valid once
+    # copy_done has fired)
+    outputs: tuple[tuple[int, np.ndarray], ...]
+    failures: tuple[PoolingFailure, ...]  # requests whose pooling raised: each fails alone
+    copy_done: torch.cuda.Event | None  # set when the D2H copy has landed (CUDA only)
+    num_tokens: int
+    duration_s: float
+    started_at: float  # time.monotonic() when the forward began
+
+
+class Runner:
+    """Owns the persistent buffers and the KV cache; `execute` runs only on the worker thread."""
+
+    NUM_SLOTS = 2  # ping-pong: step N+1 is prepared while step N's inputs are still in use
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        max_num_tokens: int,
+        num_kv_blocks: int,
+        block_size: int,
+        device: torch.device,
+        async_scheduling: bool,
+    ) -> None:
+        self.loaded = loaded
+        self.device = device
+        self.block_size = block_size
+        self.async_scheduling = async_scheduling
+        self.is_cuda = device.type == "cuda"
+        spec = loaded.spec
+        pin = self.is_cuda
+        self.host_ids = torch.zeros(
+            self.NUM_SLOTS, max_num_tokens, dtype=torch.long, pin_memory=pin
+        )
+        self.host_pos = torch.zeros(
+            self.NUM_SLOTS, max_num_tokens, dtype=torch.long, pin_memory=pin
+        )
+        # Token type ids, filled only for steps where some request has them (BERT pairs).
+        self.host_types = torch.zeros(
+            self.NUM_SLOTS, max_num_tokens, dtype=torch.long, pin_memory=pin
+        )
+        self.dev_ids = torch.zeros(self.NUM_SLOTS, max_num_tokens, dtype=torch.long, device=device)
+        self.dev_pos = torch.zeros(self.NUM_SLOTS, max_num_tokens, dtype=torch.long, device=device)
+        self.dev_types = torch.zeros(
+            self.NUM_SLOTS, max_num_tokens, dtype=torch.long, device=device
+        )
+        # The next step overwrites this buffer: outputs viewing it must own their storage first.
+        self.hidden = torch.empty(max_num_tokens, spec.hidden_size, dtype=spec.dtype, device=device)
+        self.kv_cache = (
+            PagedKVCache(spec, num_kv_blocks, block_size, device, spec.dtype)
+            if spec.is_causal
+            else None
+        )
+        self.copy_stream = torch.cuda.Stream(device) if self.is_cuda else None
+        # CPU forwards: as many threads as the step has work for (scheduler/cpu_threads.py)
+        self.step_threads = (
+            None
+            if self.is_cuda
+            else StepThreads(matmul_flops_per_token(loaded.model), torch.get_num_threads())
+        )
+
+    def prepare(self, step_index: int, chunks: Sequence[ChunkWork]) -> PreparedStep:
+        """Fill the host slot of this step with token ids, positions and types (loop thread)."""
+        slot = step_index % self.NUM_SLOTS
+        ids = np.concatenate([c.token_ids for c in chunks])  # [num_tokens]
+        positions = np.concatenate(
+            [np.arange(c.context_len, c.context_len + len(c.token_ids)) for c in chunks]
+        )  # [num_tokens]
+        num_tokens = len(ids)
+        self.host_ids[slot, :num_tokens].copy_(torch.from_numpy(ids))
+        self.host_pos[slot, :num_tokens].copy_(torch.from_numpy(positions))
+        has_types = any(c.token_type_ids is not None for c in chunks)
+        if has_types:
+            types = np.concatenate([_types_or_zeros(c) for c in chunks])  # [num_tokens]
+            self.host_types[slot, :num_tokens].copy_(torch.from_numpy(types))
+        return PreparedStep(step_index, tuple(chunks), num_tokens, slot, has_types)
+
+    def execute(self, step: PreparedStep) -> StepResult:
+        """Forward, pool and start the D2H copy of finished outputs (worker thread)."""
+        started_at = time.monotonic()
+        start = time.perf_counter()
+        try:
+            if self.step_threads is not None:
+                self.step_threads.apply(step.num_tokens)
+            with torch.inference_mode():
+                hidden = self._forward(step)  # [num_tokens, hidden]
+                pooled = pool_chunks(hidden, _chunk_inputs(step), [c.pooler for c in step.chunks])
+                finished = [
+                    (c.request_id, p.output)
+                    for c, p in zip(step.chunks, pooled, strict=True)
+                    if p.output is not None
+                ]
+                outputs, copy_done = self._to_host(finished)
+        except BaseException:
+            # The step's requests fail: their chunks already planned into the next step must be
+            # skipped, and this thread runs that step next, so mark them here, before it starts.
+            for chunk in step.chunks:
+                chunk.pooler.abandon()
+            raise
+        failures = tuple(
+            PoolingFailure(c.request_id, p.error)
+            for c, p in zip(step.chunks, pooled, strict=True)
+            if p.error is not None
+        )
+        return StepResult(
+            step.step_index,
+            outputs,
+            failures,
+            copy_done,
+            step.num_tokens,
+            time.perf_counter() - start,
+            started_at,
+        )
+
+    def _forward(self, step: PreparedStep) -> torch.Tensor:
+        """Copy inputs to the device, build attention metadata, run the model."""
+        n, slot = step.num_tokens, step.slot
+        ids = self.dev_ids[slot, :n]
+        pos = self.dev_pos[slot, :n]
+        ids.copy_(self.host_ids[slot, :n], non_blocking=True)
+        pos.copy_(self.host_pos[slot, :n], non_blocking=True)
+        types = None
+        if step.has_token_types:
+            types = self.dev_types[slot, :n]
+            types.copy_(self.host_types[slot, :n], non_blocking=True)
+        attn = build_attention_metadata(
+            seq_lens_q=[len(c.token_ids) for c in step.chunks],
+            context_lens=[c.context_len for c in step.chunks],
+            write_kv=[c.num_kv_tokens > 0 for c in step.chunks],
+            block_tables=[c.block_ids for c in step.chunks],
+            num_write_tokens=[c.num_kv_tokens for c in step.chunks],
+            block_size=self.block_size,
+            device=self.device,
+            causal=self.loaded.spec.is_causal,
+        )
+        return self.loaded.model(
+            ids, pos, attn, self.kv_cache, out=self.hidden, token_type_ids=types
+        )
+
+    def _to_host(
+        self, finished: list[tuple[int, torch.Tensor]]
+    ) -> tuple[tuple[tuple[int, np.ndarray], ...], torch.cuda.Event | None]:
+        """Move finished outputs to host memory the next step cannot overwrite."""
+        if self.copy_stream is None:
+            # CPU: a hand-off to the loop. Under async scheduling the pooler already cloned views
+            # of the hidden buffer; without it, the next step starts only after this copy.
+            return tuple((rid, self._owned_on_cpu(out).numpy()) for rid, out in finished), None
+        compute = torch.cuda.current_stream(self.device)
+        self.copy_stream.wait_stream(compute)
+        with torch.cuda.stream(self.copy_stream):
+            host = tuple((rid, out.to("cpu", non_blocking=True).numpy()) for rid, out in finished)
+            for _, out in finished:
+                out.record_stream(self.copy_stream)  # keep device memory alive until copied
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        if not self.async_scheduling:
+            event.synchronize()  # views were handed out: copy before the next step may run
+        return host, event
+
+    def _owned_on_cpu(self, out: torch.Tensor) -> torch.Tensor:
+        """The output itself, or a copy when it still views the hidden buffer without async."""
+        shares = out.untyped_storage().data_ptr() == self.hidden.untyped_storage().data_ptr()
+        return out.clone() if shares and not self.async_scheduling else out
+
+
+def _chunk_inputs(step: PreparedStep) -> list[ChunkInput]:
+    """What pooling needs of each chunk (an int64 array serves as a sequence of ints)."""
+    return [
+        ChunkInput(len(c.token_ids), cast("Sequence[int]", c.token_ids), c.is_last)
+        for c in step.chunks
+    ]
+
+
+def _types_or_zeros(chunk: ChunkWork) -> np.ndarray:
+    """The chunk's token type ids, or type 0 for each of its tokens."""
+    if chunk.token_type_ids is not None:
+        return chunk.token_type_ids
+    return np.zeros(len(chunk.token_ids), dtype=np.int64)  # [num_tokens]

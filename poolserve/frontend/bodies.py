@@ -1,0 +1,80 @@
+"""What every request body shares, native or compat: strict fields, unknown ones logged."""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated, Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
+
+from poolserve.types.errors import clip
+
+logger = logging.getLogger(__name__)
+
+# No vocabulary has more ids than int32 holds; bounding here keeps huge ids out of int64 arrays.
+MAX_TOKEN_ID = 2**31 - 1
+TokenId = Annotated[StrictInt, Field(ge=0, le=MAX_TOKEN_ID)]
+TokenIds = list[TokenId]
+# string | list of strings | token ids | list of token-id lists
+Input = StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
+
+
+# Unknown fields named in one warning line at most; a body may carry thousands.
+MAX_LOGGED_FIELDS = 8
+# Fields vLLM's pooling requests define that have no meaning here: accepted, logged, not used.
+IGNORED_FIELDS: dict[str, str] = {
+    "padding": "prompts are packed without padding; no model here was trained on fixed lengths",
+    "cache_salt": "the prefix cache serves last-token pooling only and is not salted per tenant",
+    "mm_processor_kwargs": "no multimodal processor: text and token ids only",
+    "media_io_kwargs": "no multimodal inputs",
+}
+
+
+class RequestBody(BaseModel):
+    """Fields nobody defines are accepted and named in a warning, as vLLM does."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    @model_validator(mode="after")
+    def _log_unused(self) -> Self:
+        """One warning naming unknown fields; one info line naming vLLM's ignored ones."""
+        extra = self.model_extra or {}
+        if extra:
+            names = ", ".join(clip(name, 64) for name in list(extra)[:MAX_LOGGED_FIELDS])
+            more = len(extra) - MAX_LOGGED_FIELDS
+            logger.warning(
+                "%s: ignored unknown fields %s%s",
+                type(self).__name__,
+                names,
+                f" (and {more} more)" if more > 0 else "",
+            )
+        ignored = [n for n in IGNORED_FIELDS if getattr(self, n, None) is not None]
+        if ignored:
+            logger.info(
+                "%s: accepted and ignored %s",
+                type(self).__name__,
+                "; ".join(f"{n} ({IGNORED_FIELDS[n]})" for n in ignored),
+            )
+        return self
+
+
+# What the x-request-id header may carry; a body's request_id is held to the same rule.
+REQUEST_ID_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"
+
+
+class TextPart(BaseModel):
+    """One text part of a chat message's content (OpenAI's content-part list)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    """One chat message; other keys (name, ...) are handed to the chat template as sent."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    role: StrictStr
+    content: StrictStr | list[TextPart] | None = None

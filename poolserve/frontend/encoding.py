@@ -1,0 +1,198 @@
+"""JSON out: answers from numpy buffers (orjson, base64, bytes), encoded on or off the loop."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import sys
+import time
+from collections.abc import (
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import orjson
+import torch
+from fastapi import Request
+from starlette.responses import Response
+
+from poolserve.frontend.callers import routed_model
+from poolserve.frontend.pipeline import service_state
+from poolserve.observability.tracing import NO_TRACE, SpanRecord, trace_of
+from poolserve.types.outputs import PoolingOutput
+
+OPTIONS = orjson.OPT_SERIALIZE_NUMPY
+JSON = "application/json"
+ROWS_PER_PIECE = 256  # rows of a token-level output encoded at once when streaming
+# An answer of at most this many output values is encoded on the event loop, not in a thread.
+# Measured on 2 cores (docs/benchmarks.md "Per-request CPU: the fast path"): a one-embedding
+# answer took ~85 us less CPU per request without the thread hop (executor queue, a thread
+# wake-up, the result handed back to the loop), while orjson writes a float32 in ~16 ns and
+# base64 in ~4 ns; 16384 values, ~0.25 ms of float JSON, hold the loop no longer than inline
+# tokenization may (frontend/texts.py INLINE_CHARS).
+INLINE_VALUES = 16384
+
+
+# embed_dtype -> (torch dtype, integer view numpy can reorder); numpy has no bfloat16 or fp8
+TORCH_DTYPES: dict[str, tuple[torch.dtype, torch.dtype]] = {
+    "bfloat16": (torch.bfloat16, torch.int16),
+    "fp8_e4m3": (torch.float8_e4m3fn, torch.uint8),
+    "fp8_e5m2": (torch.float8_e5m2, torch.uint8),
+}
+# endianness -> numpy byte order; native is this host's, as vLLM's
+BYTE_ORDERS: dict[str, Literal["<", ">"]] = {
+    "little": "<",
+    "big": ">",
+    "native": "<" if sys.byteorder == "little" else ">",
+}
+
+
+def to_dtype_bytes(data: np.ndarray, embed_dtype: str, endianness: str = "little") -> bytes:
+    """Bytes of data in the requested dtype and byte order (one-byte dtypes have none)."""
+    order = BYTE_ORDERS[endianness]
+    if embed_dtype in TORCH_DTYPES:
+        dtype, view = TORCH_DTYPES[embed_dtype]
+        as_dtype = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).to(dtype)
+        raw = as_dtype.view(view).numpy()
+        return raw.astype(raw.dtype.newbyteorder(order)).tobytes()
+    return np.ascontiguousarray(data, dtype=np.dtype(embed_dtype).newbyteorder(order)).tobytes()
+
+
+def binary_parts(
+    outputs: Iterable[np.ndarray], embed_dtype: str, endianness: str
+) -> tuple[list[bytes], list[dict[str, object]]]:
+    """vLLM's `bytes` format: each output's raw bytes and its metadata item (offsets, shape)."""
+    parts: list[bytes] = []
+    items: list[dict[str, object]] = []
+    offset = 0
+    for index, data in enumerate(outputs):
+        raw = to_dtype_bytes(data, embed_dtype, endianness)
+        items.append(
+            {
+                "index": index,
+                "embed_dtype": embed_dtype,
+                "endianness": endianness,
+                "start": offset,
+                "end": offset + len(raw),
+                "shape": list(data.shape),
+            }
+        )
+        parts.append(raw)
+        offset += len(raw)
+    return parts, items
+
+
+def dumps(document: object) -> bytes:
+    """Serialize a response document (numpy arrays included)."""
+    return orjson.dumps(document, option=OPTIONS)
+
+
+def _open(fields: Mapping[str, object]) -> bytes:
+    """`{"a":1,"b":2,` ready for one more key (or `{` when there are no fields)."""
+    head = dumps(fields)[:-1]
+    return head + b"," if fields else head
+
+
+def _key(key: str) -> bytes:
+    return orjson.dumps(key) + b":"
+
+
+def encode_item(
+    fields: Mapping[str, object],
+    key: str,
+    data: np.ndarray,
+    encoding_format: str,
+    embed_dtype: str = "float32",
+    endianness: str = "little",
+) -> bytes:
+    """One output object: its fields plus `key` holding the nested floats or the base64 text.
+
+    Base64 text needs no JSON escaping, so its bytes are spliced in as they are: no str
+    round trip and no second pass over a payload that can be tens of megabytes.
+    """
+    if encoding_format == "base64":
+        raw = base64.b64encode(to_dtype_bytes(data, embed_dtype, endianness))
+        return b"".join((_open(fields), _key(key), b'"', raw, b'"}'))  # one copy of the payload
+    return b"".join((_open(fields), _key(key), dumps(as_float32(data)), b"}"))
+
+
+def as_float32(data: np.ndarray) -> np.ndarray:
+    """The output as orjson writes float32 lists: contiguous float32 (a view when it already is)."""
+    return np.ascontiguousarray(data, dtype=np.float32)
+
+
+def sparse_parts(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A sparse output `[2, nnz]` as its int64 vocabulary ids and float32 weights."""
+    # the ids travel as float32 next to the weights: exact, vocabularies stay below 2**24
+    return data[0].astype(np.int64), np.ascontiguousarray(data[1], dtype=np.float32)
+
+
+def document(fields: Mapping[str, object], key: str, items: Iterable[bytes]) -> bytes:
+    """A response document: its fields plus `key` holding the already-encoded items."""
+    return b"".join((_open(fields), _key(key), b"[", b",".join(items), b"]}"))
+
+
+def stream_item(
+    fields: Mapping[str, object], data: np.ndarray, key: str = "data"
+) -> Iterator[bytes]:
+    """One NDJSON line of float output, in pieces of ROWS_PER_PIECE rows: never one giant blob."""
+    if data.ndim < 2 or data.shape[0] <= ROWS_PER_PIECE:
+        yield encode_item(fields, key, data, "float") + b"\n"
+        return
+    yield _open(fields) + _key(key) + b"["
+    for start in range(0, data.shape[0], ROWS_PER_PIECE):
+        rows = dumps(np.ascontiguousarray(data[start : start + ROWS_PER_PIECE]))[1:-1]
+        yield (b"," if start else b"") + rows
+    yield b"]}\n"
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A reply body that is not JSON (vLLM's bytes formats), with headers of its own."""
+
+    body: bytes
+    media_type: str
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+async def answer(
+    request: Request,
+    outputs: Sequence[PoolingOutput],
+    work: Callable[[], bytes | Encoded],
+    *,
+    inline: bool = False,
+) -> Response:
+    """The reply encoded (its `encode` span), its bytes counted, timing headers.
+
+    A caller whose document is about as large as its outputs (no echoed texts) may ask for it
+    `inline`: up to INLINE_VALUES output values are then encoded on the loop, more in a thread.
+    """
+    started = time.monotonic()
+    if inline and sum(o.data.size for o in outputs) <= INLINE_VALUES:
+        made = work()
+    else:
+        made = await asyncio.to_thread(work)
+    reply = made if isinstance(made, Encoded) else Encoded(made, JSON)
+    trace = trace_of(request)
+    if trace is not NO_TRACE:  # no span to build when tracing is off
+        attributes = {"poolserve.output_bytes": len(reply.body)}
+        trace.record(SpanRecord("encode", started, time.monotonic(), attributes))
+    service_state(request).metrics.add_output_bytes(routed_model(request), len(reply.body))
+    headers = {**timing_headers(outputs), **reply.headers}
+    return Response(reply.body, media_type=reply.media_type, headers=headers)
+
+
+def timing_headers(outputs: Sequence[PoolingOutput]) -> dict[str, str]:
+    """x-queue-time and x-inference-time: the slowest input's, in seconds."""
+    if not outputs:
+        return {}
+    return {
+        "x-queue-time": f"{max(o.queue_time_s for o in outputs):.6f}",
+        "x-inference-time": f"{max(o.inference_time_s for o in outputs):.6f}",
+    }

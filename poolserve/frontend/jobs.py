@@ -1,0 +1,207 @@
+"""The front end's jobs: what every route, native or compat, hands to the one submit pipeline.
+
+A route translates its body into one of these frozen records; `pipeline.submit` does the rest
+(serving checks, parameters, admission, tokenization, submission, accounting), whatever the
+route and client family. A job's pooling parameters resolve in one place, `merge`: the
+request's own, then the server's `--pooler-config`, then the model's.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    FiniteFloat,
+    StrictInt,
+    ValidationError,
+    model_validator,
+)
+
+from poolserve.frontend.bodies import ChatMessage
+from poolserve.types.params import LogitCalibration, PoolingParams
+from poolserve.types.tasks import PoolingTask, PoolingType
+from poolserve.types.validation import FIELD_TASKS
+
+if TYPE_CHECKING:  # spans.py reads the job records: only the type is needed here
+    from poolserve.frontend.spans import LateChunking
+
+logger = logging.getLogger(__name__)
+
+TruncationSide = Literal["left", "right"]
+# The most tokens --pooler-config's max_embed_len may allow one embedding input (2^24, about
+# 64 MiB of int32 ids): a larger value is refused at start, whatever the other flags say.
+MAX_EMBED_LEN = 1 << 24
+
+
+@dataclass(frozen=True)
+class Truncate:
+    """What a request asked of truncation, before the model's limits apply."""
+
+    tokens: int | None = None  # keep this many tokens (-1: the model's limit); None: none asked
+    side: TruncationSide | None = None  # None: the tokenizer's own side
+    auto: bool | None = None  # TEI's yes/no: None follows --auto-truncate, False refuses
+
+
+@dataclass(frozen=True)
+class Requested:
+    """A request's own pooling parameters; None: unset (then --pooler-config, then the model)."""
+
+    dimensions: int | None = None
+    normalize: bool | None = None
+    use_activation: bool | None = None
+    step_tag_id: int | None = None
+    returned_token_ids: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Chat:
+    """vLLM's chat form: one conversation rendered with the model's chat template."""
+
+    messages: tuple[ChatMessage, ...]
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+
+
+@dataclass(frozen=True)
+class TextJob:
+    """Inputs pooled one prompt each: texts, token ids, or one chat conversation."""
+
+    task: PoolingTask
+    inputs: object = None  # str | list[str] | token ids | list of token-id lists (schema-checked)
+    chats: tuple[Chat, ...] | None = None  # one prompt per conversation (vLLM's chat forms)
+    requested: Requested = field(default_factory=Requested)
+    model: str | None = None
+    prompt_name: str | None = None  # sentence-transformers prompts (literal `prompt` wins)
+    prompt: str | None = None
+    truncate: Truncate = field(default_factory=Truncate)
+    add_special_tokens: bool | None = None  # None: true for inputs, false for a chat template's
+    priority: int = 0
+    late_chunking: LateChunking | None = None  # one embedding per span of each text (spans.py)
+
+
+@dataclass(frozen=True)
+class ScoreJob:
+    """Text pairs scored (or classified) together, whichever client family sent them."""
+
+    queries: tuple[str, ...]
+    documents: tuple[str, ...]
+    pairs: tuple[tuple[int, int], ...]  # (query index, document index), in answer order
+    query_field: str  # the request's names for the two sides, for error messages
+    document_field: str
+    model: str | None = None
+    truncate: Truncate = field(default_factory=Truncate)
+    max_tokens_per_doc: int | None = None  # documents' own cap, before the pair's
+    max_tokens_per_query: int | None = None  # queries' own cap, before the pair's
+    use_activation: bool | None = None
+    priority: int = 0
+    # SCORE: the model's scorer (cross-encoder, yes/no, cosine, MaxSim); CLASSIFY: each pair laid
+    # out as one prompt and classified (TEI's /predict of pairs)
+    task: PoolingTask = PoolingTask.SCORE
+
+    @classmethod
+    def one_query(
+        cls, query: str, documents: Sequence[str], document_field: str, **options: Any
+    ) -> ScoreJob:
+        """A rerank job: the query (field `query`) paired with each document in turn."""
+        pairs = tuple((0, index) for index in range(len(documents)))
+        return cls((query,), tuple(documents), pairs, "query", document_field, **options)
+
+
+Job = TextJob | ScoreJob
+
+
+class PoolerDefaults(BaseModel):
+    """--pooler-config: defaults applied before a request's own fields, and vLLM's model-level
+    pooler settings (chunked processing of long embed inputs, logit calibration)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pooling_type: Literal["CLS", "LAST", "MEAN"] | None = None
+    normalize: bool | None = None
+    use_activation: bool | None = None
+    dimensions: StrictInt | None = None
+    step_tag_id: StrictInt | None = None
+    returned_token_ids: tuple[StrictInt, ...] | None = None
+    # vLLM's: embed inputs longer than the model pooled in slices (frontend/chunked.py), and
+    # the most tokens one embed input may have (None: the model's length)
+    enable_chunked_processing: bool = False
+    max_embed_len: StrictInt | None = Field(default=None, ge=1, le=MAX_EMBED_LEN)
+    # vLLM's classifier calibration, `activation((logit - logit_mean) / logit_sigma)`, and its
+    # deprecated spellings (logit_bias = logit_mean, logit_scale = 1 / logit_sigma)
+    logit_mean: FiniteFloat | None = None
+    logit_sigma: FiniteFloat | None = None
+    logit_bias: FiniteFloat | None = None
+    logit_scale: FiniteFloat | None = None
+
+    @model_validator(mode="after")
+    def _calibration(self) -> PoolerDefaults:
+        """vLLM's refusals: a new name with its deprecated one, a zero divisor."""
+        for old, new in (("logit_bias", "logit_mean"), ("logit_scale", "logit_sigma")):
+            if getattr(self, old) is None:
+                continue
+            if getattr(self, new) is not None:
+                raise ValueError(f"Cannot set both `{old}` and `{new}`; use `{new}` only")
+            logger.warning("--pooler-config: `%s` is deprecated; use `%s`", old, new)
+        if self.logit_scale == 0:
+            raise ValueError("logit_scale cannot be 0 (division by zero)")
+        if self.logit_scale is not None and not math.isfinite(1.0 / self.logit_scale):
+            raise ValueError(
+                f"logit_scale {self.logit_scale} is too small: 1 / logit_scale overflows"
+            )
+        if self.logit_sigma == 0:
+            raise ValueError("logit_sigma cannot be 0 (division by zero)")
+        return self
+
+    @property
+    def embed_pooling(self) -> PoolingType | None:
+        """The embed pooling override."""
+        return PoolingType[self.pooling_type] if self.pooling_type else None
+
+    @property
+    def calibration(self) -> LogitCalibration:
+        """logit_mean and logit_sigma, from the deprecated names when those are given."""
+        mean = self.logit_mean if self.logit_mean is not None else self.logit_bias
+        sigma = self.logit_sigma
+        if sigma is None and self.logit_scale is not None:
+            sigma = 1.0 / self.logit_scale
+        return LogitCalibration(mean, sigma)
+
+
+def parse_pooler_config(text: str | None) -> PoolerDefaults:
+    """Parse the JSON flag (empty means no overrides); raises ValueError naming the problem."""
+    if not text:
+        return PoolerDefaults()
+    try:
+        return PoolerDefaults.model_validate_json(text)
+    except ValidationError as exc:
+        problems = "; ".join(_problem(error["loc"], error["msg"]) for error in exc.errors())
+        raise ValueError(f"--pooler-config: {problems}") from None
+
+
+def _problem(loc: tuple[int | str, ...], message: str) -> str:
+    """One problem of the flag's JSON, naming its key (none for checks across keys)."""
+    message = message.removeprefix("Value error, ")
+    return f"{'.'.join(map(str, loc))}: {message}" if loc else message
+
+
+def merge(task: PoolingTask, requested: Requested, defaults: PoolerDefaults) -> PoolingParams:
+    """The request's value where set, else --pooler-config's where the task takes that field.
+
+    Whatever is still None the model decides (its head, its sentence-transformers config).
+    """
+    merged = {
+        name: value
+        if value is not None or task not in FIELD_TASKS[name]
+        else getattr(defaults, name)
+        for name, value in ((f.name, getattr(requested, f.name)) for f in fields(requested))
+    }
+    return PoolingParams(task=task, **merged)

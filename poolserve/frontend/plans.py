@@ -1,0 +1,182 @@
+"""A job checked before any work and how it becomes prompts: one planner per job kind.
+
+A `Plan` holds what `submit_job` checks before admission (the parameters, the prompt count) and
+the tokenization to run once admitted, which yields a `Batch` of token ids: one prompt per text
+input or conversation (a sentence-transformers prompt prepended; late chunking's spans in the
+parameters), or one per pair (laid out as the model was trained) or per text to compare.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
+
+from poolserve.frontend.chat import render_conversations
+from poolserve.frontend.client import EngineClient
+from poolserve.frontend.jobs import Requested, ScoreJob, TextJob, merge
+from poolserve.frontend.pairs import PairTruncation, PromptMode, check_pairs, tokenize_job
+from poolserve.frontend.prompts import prepend, prompt_length
+from poolserve.frontend.spans import CharSpans, LatePlan, check_late, late_prompts
+from poolserve.frontend.state import ModelHandle, ServiceState
+from poolserve.frontend.texts import (
+    RawInputs,
+    check_batch_size,
+    check_prompt,
+    run_budgeted,
+    split_input,
+    tokenize,
+    truncation_for,
+)
+from poolserve.types.params import PoolingParams
+from poolserve.types.scoring import PairMode, scorer_plan
+from poolserve.types.tasks import PoolingTask
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A job's prompts as token ids, with the parameters they run under."""
+
+    params: PoolingParams
+    token_ids: list[list[int]]
+    token_type_ids: Sequence[Sequence[int] | None] | None = None  # None: no prompt has types
+    char_spans: CharSpans | None = None  # late chunking: each prompt's spans, in characters
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A job checked before any work: its parameters, its prompt count, how to tokenize it."""
+
+    params: PoolingParams
+    num_prompts: int
+    tokenize: Callable[[], Awaitable[Batch]]
+
+
+def plan_texts(job: TextJob, engine: EngineClient, model: ModelHandle, state: ServiceState) -> Plan:
+    """One prompt per input (a sentence-transformers prompt prepended), or per conversation;
+    with late chunking each input's spans ride in the parameters (spans.py)."""
+    on_reject = state.metrics.model(model.served_name).on_reject
+    chats = job.chats
+    limit = model.settings.max_client_batch_size
+    if chats is not None:
+        check_batch_size(len(chats), limit, "messages")
+    raw = None if chats is not None else split_input(job.inputs, limit)
+    if job.late_chunking is not None:
+        check_late(job, raw, model, engine.max_model_len, limit)
+    prompt = None
+    if raw is not None:
+        prompt = model.prompts.resolve(job.prompt_name, job.prompt, texts=raw.texts is not None)
+    if raw is not None and prompt is not None:
+        check_prompt(prompt, len(raw), model)
+        raw = RawInputs(prepend(prompt, raw.texts or ()), None)
+    params = merge(job.task, job.requested, model.defaults)
+    # vLLM's defaults: special tokens added to input, not on top of a chat template's
+    specials = job.add_special_tokens if job.add_special_tokens is not None else chats is None
+    if job.late_chunking is not None and raw is not None:
+        late = LatePlan(job.late_chunking, raw.texts or (), len(prompt or ""), specials)
+        return Plan(params, len(raw), lambda: _late_batch(late, params, engine, model, state))
+    truncation = truncation_for(job.truncate, model)
+
+    async def run() -> Batch:
+        inputs = raw
+        if chats is not None:  # vLLM's chat forms: their template adds the special tokens
+            trusted = model.settings.trust_request_chat_template
+            texts = await render_conversations(chats, model, trusted, on_reject)
+            inputs = RawInputs(tuple(texts), None)
+        assert inputs is not None
+        pooled = params
+        if prompt is not None:
+            pooled = await _prompt_params(model, prompt, params, specials, on_reject)
+        return Batch(pooled, await tokenize(inputs, model, truncation, on_reject, specials))
+
+    return Plan(params, len(chats) if chats is not None else len(raw or ()), run)
+
+
+async def _late_batch(
+    plan: LatePlan,
+    params: PoolingParams,
+    engine: EngineClient,
+    model: ModelHandle,
+    state: ServiceState,
+) -> Batch:
+    """Each text whole, its spans as token ranges in the parameters (one entry per prompt)."""
+    limit = model.settings.max_client_batch_size
+    on_reject = state.metrics.model(model.served_name).on_reject
+    ids, spans, chars = await late_prompts(plan, model, engine.max_model_len, limit, on_reject)
+    return Batch(replace(params, token_spans=spans), ids, char_spans=chars)
+
+
+async def _prompt_params(
+    model: ModelHandle,
+    prompt: str,
+    params: PoolingParams,
+    add_special_tokens: bool,
+    on_reject: Callable[[str], None],
+) -> PoolingParams:
+    """With include_prompt: false, an embedding pools past the prompt's tokens."""
+    if model.prompts.include_prompt or params.task is not PoolingTask.EMBED:
+        return params
+    count = await run_budgeted(
+        model,
+        len(prompt),
+        on_reject,
+        prompt_length,
+        model.tokenizer,
+        prompt,
+        add_special_tokens,
+        inline=True,
+    )
+    return replace(params, prompt_tokens=count)
+
+
+def plan_pairs(
+    job: ScoreJob, engine: EngineClient, model: ModelHandle, state: ServiceState
+) -> Plan:
+    """One prompt per pair (laid out as the model was trained), or one per text to compare."""
+    check_pairs(job, model.settings.max_client_batch_size)
+    task, joint = job.task, True
+    if task is PoolingTask.SCORE:
+        scorer = scorer_plan(engine.pooling_info)
+        task, joint = scorer.task, scorer.mode is PairMode.JOINT
+    if not joint and job.use_activation is not None:
+        logger.debug("use_activation ignored: %s compares embeddings", model.served_name)
+    requested = Requested(use_activation=job.use_activation if joint else None)
+    params = merge(task, requested, model.defaults)
+    truncation = truncation_for(job.truncate, model)
+    cuts = PairTruncation(
+        truncation.keep,
+        truncation.side,
+        job.max_tokens_per_doc,
+        job.max_tokens_per_query,
+        truncation.most(model),
+    )
+    mode = _joint_mode(model, engine.pooling_info.is_decoder) if joint else PromptMode.SEPARATE
+    # decoders take no token type ids, whatever the tokenizer's pair template gives
+    typed_model = model.card.num_token_types > 0
+
+    async def run() -> Batch:
+        on_reject = state.metrics.model(model.served_name).on_reject
+        prompts = await tokenize_job(job, model, mode, cuts, on_reject)
+        types = [p.token_type_ids for p in prompts]
+        typed = typed_model and any(t is not None for t in types)
+        return Batch(params, [p.token_ids for p in prompts], types if typed else None)
+
+    count = len(job.pairs) if joint else len(job.queries) + len(job.documents)
+    return Plan(params, count, run)
+
+
+def _joint_mode(model: ModelHandle, is_decoder: bool) -> PromptMode:
+    """vLLM's layout of a pair (use_sep_token): the tokenizer's pair template, or, for an LLM
+    read through LM-head rows, the two texts as one; a decoder tokenizer without a pair
+    template joins the two texts too, as tokenizer(query, document) then does."""
+    if not model.card.spec.pair_separator:
+        return PromptMode.CONCATENATE
+    if is_decoder and model.pair_template is None:
+        return PromptMode.CONCATENATE
+    return PromptMode.TEMPLATE
+
+
+# job kind -> how it is checked and tokenized; everything else is the same for every job
+PLANNERS: dict[type, Callable[..., Plan]] = {TextJob: plan_texts, ScoreJob: plan_pairs}

@@ -1,0 +1,118 @@
+"""Paths two client families share: the body's shape picks the family's handler.
+
+`POST /` is TEI's main route (huggingface_hub's InferenceClient calls it): the body decides where
+it can (`query` + `texts`: rerank; `inputs.source_sentence`: similarity), else the model's first
+task among sparse embed (an MLM head is SPLADE), embed and classify (predict), as TEI picks by
+model type (the default model's: TEI's routes name no model); its errors answer in TEI's
+shape.
+`POST /rerank` takes vLLM's, TEI's (`texts`) and Infinity's (`raw_scores`) bodies, and
+`POST /tokenize` vLLM's (`prompt`) and TEI's (`inputs`). Only the app factory imports this
+module; native routes and compat translators never import each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any, TypeVar
+
+from fastapi import APIRouter, Body, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+from starlette.responses import Response
+
+from poolserve.frontend.pipeline import check_serving, service_state
+from poolserve.http.api import admin, retrieval
+from poolserve.http.api.schemas import RerankRequestBody, TokenizeRequest
+from poolserve.http.compat import infinity, tei_embed, tei_predict, tei_rerank, tei_tokens
+from poolserve.http.compat.tei_common import TEIRoute, mark
+from poolserve.http.edge.routing import StrictJSONRoute
+from poolserve.types.errors import InvalidRequestError
+from poolserve.types.tasks import PoolingTask
+
+router = APIRouter(route_class=StrictJSONRoute)
+# paths where a TEI body is answered (errors included) in TEI's shape, beside other families'
+SHARED_WITH_TEI = frozenset({"/rerank", "/tokenize"})
+B = TypeVar("B", bound=BaseModel)
+Handler = Callable[[Any, Request], Awaitable[Response]]
+Payload = Annotated[dict[str, Any], Body()]
+
+
+def validated(model: type[B], payload: dict[str, Any]) -> B:
+    """The body as `model`; its problems answer 400 through the usual validation handler."""
+    try:
+        return model.model_validate(payload)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors(include_url=False), body=payload) from None
+
+
+def body_schema(*models: type[BaseModel]) -> dict[str, Any]:
+    """An OpenAPI request body that is any one of the models (none of them nests another)."""
+    schemas = [m.model_json_schema() for m in models]
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"anyOf": schemas}}},
+        }
+    }
+
+
+RERANK_BODIES = (RerankRequestBody, tei_rerank.TEIRerankRequest, infinity.InfinityRerankRequest)
+
+
+@router.post("/rerank", openapi_extra=body_schema(*RERANK_BODIES))
+async def rerank(payload: Payload, request: Request) -> Response:
+    """vLLM/Jina/Cohere rerank; TEI's when the body has `texts`, Infinity's with `raw_scores`."""
+    if "texts" in payload and "documents" not in payload:
+        mark(request)  # TEI's body: its errors, validation included, in TEI's shape
+        return await tei_rerank.rerank(validated(tei_rerank.TEIRerankRequest, payload), request)
+    if "raw_scores" in payload:  # Infinity's clients always send it; vLLM's body has no such field
+        return await infinity.rerank(validated(infinity.InfinityRerankRequest, payload), request)
+    return await retrieval.rerank(validated(RerankRequestBody, payload), request)
+
+
+@router.post("/tokenize", openapi_extra=body_schema(TokenizeRequest, tei_tokens.TokenizeRequest))
+async def tokenize(payload: Payload, request: Request) -> Response:
+    """vLLM's tokenize (`prompt`), or TEI's when the body has `inputs`."""
+    if "inputs" in payload and "prompt" not in payload:
+        mark(request)  # TEI's body: its errors, validation included, in TEI's shape
+        return await tei_tokens.tokenize(validated(tei_tokens.TokenizeRequest, payload), request)
+    return await admin.tokenize(validated(TokenizeRequest, payload), request)
+
+
+# the model's main task -> (TEI body, handler), first supported wins; a model with an MLM head
+# answers sparse, as TEI serves a `*ForMaskedLM` under `--pooling splade`
+MAIN_TASKS: tuple[tuple[PoolingTask, type[BaseModel], Handler], ...] = (
+    (PoolingTask.EMBED_SPARSE, tei_embed.EmbedSparseRequest, tei_embed.embed_sparse),
+    (PoolingTask.EMBED, tei_embed.EmbedRequest, tei_embed.embed),
+    (PoolingTask.CLASSIFY, tei_predict.PredictRequest, tei_predict.predict),
+)
+
+
+async def main_task(payload: Payload, request: Request) -> Response:
+    """The body's route when its shape says, else the model's main task."""
+    if "query" in payload and "texts" in payload:
+        return await rerank(payload, request)
+    if isinstance(payload.get("inputs"), dict):
+        body = validated(tei_embed.SimilarityRequest, payload)
+        return await tei_embed.similarity(body, request)
+    _, served = check_serving(service_state(request), None)  # TEI's routes: the default model
+    for task, model, handler in MAIN_TASKS:
+        if task in served.card.supported_tasks:
+            return await handler(validated(model, payload), request)
+    supported = ", ".join(t.value for t in served.supported_tasks)
+    raise InvalidRequestError(
+        f"POST / serves embed, classify or embed_sparse models; this model serves {supported}",
+        None,
+        "unsupported_task",
+    )
+
+
+# TEI's route only: its errors, body errors included, answer in TEI's shape
+router.add_api_route(
+    "/",
+    main_task,
+    methods=["POST"],
+    route_class_override=TEIRoute,
+    # the flat bodies only: a nested model's $defs would not resolve inside an inline schema
+    openapi_extra=body_schema(tei_embed.EmbedRequest, tei_predict.PredictRequest),
+)

@@ -1,1 +1,0 @@
-"""Request lifecycle: requests, admission, KV blocks, batch planner, engine loop, runner."""

@@ -1,0 +1,319 @@
+"""`--api-server-count N`: one engine-core process and N front-end processes on one port.
+
+This process is the supervisor: it binds the port (the front ends inherit the socket and the
+kernel spreads connections over them), starts the engine core and the front ends, and watches
+them. SIGTERM (or SIGINT) drains: every front end drains as a single server does, then the
+core finishes what is left and stops; exit 0. Any child that exits on its own takes the server
+down, loudly and non-zero: a lost engine core first turns every front end's answers into 503
+(its connection closes), a lost front end stops the rest; a model that cannot start is said in
+one line and stops everything at once (exit 3). Restarting is the orchestrator's job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+
+from poolserve.config.models_file import ServedModels, served_models
+from poolserve.config.settings import ServerSettings
+from poolserve.engine.host import ModelStartError
+from poolserve.engine.process import serve_core_process
+from poolserve.http.app import CORE_LOST_SIGNAL, core_configs
+from poolserve.memory import fix_mmap_threshold
+from poolserve.observability.logs import configure_logging
+from poolserve.observability.metrics import (
+    MULTIPROCESS_DIR,
+    ServiceMetrics,
+    fix_process_identity,
+)
+from poolserve.types.errors import ModelError
+from poolserve.types.observer import EngineObserver
+
+logger = logging.getLogger(__name__)
+
+# After the engine core is lost, front ends keep answering 503 this long before they stop.
+LOST_CORE_GRACE_S = 1.0
+# How often the supervisor looks at its children.
+WATCH_INTERVAL_S = 0.1
+# Tells a child which process supervises it.
+SUPERVISOR_PID = "POOLSERVE_SUPERVISOR_PID"
+# Linux prctl option: the signal a child gets when its parent dies.
+PR_SET_PDEATHSIG = 1
+# What a child gets beyond --shutdown-timeout to exit after SIGTERM before it is killed.
+EXIT_GRACE_S = 5.0
+# The engine core's exit code when a model could not start (said in one line): the front ends,
+# which have served nothing, are stopped at once and the server exits with it.
+START_FAILED_EXIT = 3
+# Start failures that are the operator's to fix (a path, a flag, a precision): one line, no
+# traceback; anything else is a bug and keeps its traceback.
+OPERATOR_ERRORS = (ModelError, ValueError, OSError)
+
+
+def run_processes(settings: ServerSettings) -> int:
+    """Serve with an engine-core process and N front ends until drained; the exit code."""
+    workdir = Path(tempfile.mkdtemp(prefix="poolserve-"))
+    metrics_dir = workdir / "metrics"
+    metrics_dir.mkdir()
+    settings_file = workdir / "settings.json"
+    settings_file.write_text(settings.model_dump_json())
+    # each child's prometheus-client reads it when first imported
+    env = {**os.environ, MULTIPROCESS_DIR: str(metrics_dir), SUPERVISOR_PID: str(os.getpid())}
+    # model i's engine core listens on socket_path(address, i)
+    address = str(workdir / "cores")
+    os.mkdir(address)
+    listeners = _bind(settings, settings.api_server_count)
+    supervisor = _Supervisor(settings)
+    try:
+        supervisor.core = _spawn(["core", str(settings_file), address], env)
+        supervisor.front_ends = [
+            _spawn(["api", str(settings_file), address, str(listener.fileno())], env, listener)
+            for listener in listeners
+        ]
+        for listener in listeners:
+            listener.close()  # the front ends hold them now
+        return supervisor.watch()
+    finally:
+        supervisor.kill_all()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _spawn(
+    args: list[str], env: dict[str, str], listener: socket.socket | None = None
+) -> subprocess.Popen[bytes]:
+    """A child in its own process group: a terminal's Ctrl-C reaches the supervisor only,
+    which turns it into one orderly drain."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "poolserve.supervisor", *args],
+        env=env,
+        pass_fds=() if listener is None else (listener.fileno(),),
+        process_group=0,
+    )
+
+
+class _Supervisor:
+    """Watches the children; forwards the first exit signal as a drain."""
+
+    def __init__(self, settings: ServerSettings) -> None:
+        self.settings = settings
+        self.core: subprocess.Popen[bytes] | None = None
+        self.front_ends: list[subprocess.Popen[bytes]] = []
+        self.stopping = False
+        self.deadline = float("inf")  # once stopping: when whatever still runs is killed
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, sig: int, frame: FrameType | None) -> None:
+        # a second signal reaches the front ends as their second one: they exit at once
+        logger.info(
+            "signal %d: %s %d front end(s)",
+            sig,
+            "stopping" if self.stopping else "draining",
+            len(self.front_ends),
+        )
+        if not self.stopping:
+            # a front end still starting (its core loading) cannot drain: it is killed then
+            self.deadline = time.monotonic() + self.settings.shutdown_timeout + EXIT_GRACE_S
+        self.stopping = True
+        for front_end in self.front_ends:
+            _signal(front_end, signal.SIGTERM)
+
+    def watch(self) -> int:
+        """Block until the server has stopped; 0 after a clean drain."""
+        assert self.core is not None
+        while True:
+            gone = [p for p in self.front_ends if p.poll() is not None]
+            if self.core.poll() is not None:
+                return self._core_gone()
+            if gone and not self.stopping:
+                return self._front_end_gone(gone)
+            if self.stopping and len(gone) == len(self.front_ends):
+                return self._drained()
+            if time.monotonic() > self.deadline:
+                logger.error("front ends still running at the shutdown deadline: killed")
+                for front_end in self.front_ends:
+                    if front_end.poll() is None:
+                        front_end.kill()
+                        front_end.wait()
+            time.sleep(WATCH_INTERVAL_S)
+
+    def _core_gone(self) -> int:
+        assert self.core is not None
+        code = self.core.returncode
+        if self.stopping and all(p.poll() is not None for p in self.front_ends):
+            return 0 if code == 0 else 1
+        if code == START_FAILED_EXIT:  # the core said why; nothing was served, nothing drains
+            for front_end in self.front_ends:
+                if front_end.poll() is None:
+                    front_end.kill()
+                    front_end.wait()
+            return code
+        logger.error("the engine core exited (code %s): stopping the server", code)
+        for front_end in self.front_ends:
+            _signal(front_end, CORE_LOST_SIGNAL)  # its requests answer 503 now
+        time.sleep(LOST_CORE_GRACE_S)  # front ends answer 503 meanwhile
+        self._stop(self.front_ends)
+        return 1
+
+    def _front_end_gone(self, gone: list[subprocess.Popen[bytes]]) -> int:
+        assert self.core is not None
+        for front_end in gone:
+            logger.error(
+                "front end %d exited (code %s): stopping the server",
+                front_end.pid,
+                front_end.returncode,
+            )
+        self._stop([*self.front_ends, self.core])
+        return 1
+
+    def _drained(self) -> int:
+        """Every front end is done; nobody waits for the core's work any more: stop it."""
+        assert self.core is not None
+        codes = [p.returncode for p in self.front_ends]
+        self._stop([self.core])
+        logger.info("drained: front ends exited %s, engine core %s", codes, self.core.returncode)
+        clean = all(code == 0 for code in [*codes, self.core.returncode])
+        return 0 if clean else 1
+
+    def _stop(self, processes: list[subprocess.Popen[bytes]]) -> None:
+        """SIGTERM, then SIGKILL what has not exited within the shutdown timeout."""
+        for process in processes:
+            _signal(process, signal.SIGTERM)
+        deadline = time.monotonic() + self.settings.shutdown_timeout + EXIT_GRACE_S
+        for process in processes:
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+    def kill_all(self) -> None:
+        """Nothing outlives the supervisor."""
+        for process in [*self.front_ends, *([self.core] if self.core else [])]:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+def _signal(process: subprocess.Popen[bytes], sig: int) -> None:
+    if process.poll() is None:
+        process.send_signal(sig)
+
+
+def _bind(settings: ServerSettings, count: int) -> list[socket.socket]:
+    """The listening sockets of the front ends: one each, on the same port.
+
+    Where the kernel offers SO_REUSEPORT, each front end listens on its own socket and the
+    kernel spreads new connections over them evenly. On one shared socket the front end that
+    wakes first accepts a whole burst of connections (each accepts in a loop), and keep-alive
+    clients then load one front end while another idles. Elsewhere they share one socket.
+    """
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    spread = count > 1 and hasattr(socket, "SO_REUSEPORT")
+    listeners: list[socket.socket] = []
+    for _ in range(count if spread else 1):
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if spread:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        # port 0: the others join the port the first one was given
+        port = listeners[0].getsockname()[1] if listeners else settings.port
+        listener.bind((settings.host, port))
+        listener.listen(2048)
+        listener.set_inheritable(True)
+        listeners.append(listener)
+    return listeners if spread else listeners * count
+
+
+def _child_of_supervisor(parent: int, grace_s: float) -> None:
+    """The child stops when the supervisor dies, however it dies.
+
+    The kernel sends SIGTERM (a drain); a child that cannot drain (a front end still waiting
+    for its engine core) exits anyway once `grace_s` has passed: nothing outlives the server.
+    """
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(WATCH_INTERVAL_S * 5)
+        time.sleep(grace_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="poolserve-parent-watch", daemon=True).start()
+
+
+def _core_main(settings: ServerSettings, address: str) -> None:
+    """The engine-core process: load every model, serve each on its socket in `address`, exit
+    with the core's code."""
+    configure_logging(settings.log_level, settings.log_format)
+    fix_mmap_threshold()
+    served = served_models(settings)
+    serving = serve_core_process(core_configs(served), address, _observers(served))
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        try:
+            code = runner.run(serving)
+        except ModelStartError as exc:
+            bug = not isinstance(exc.__cause__, OPERATOR_ERRORS)
+            logger.error("could not start: %s", exc, exc_info=bug)
+            code = START_FAILED_EXIT
+    logging.shutdown()
+    os._exit(code)
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop where it is installed, as uvicorn picks for the front ends: the core's loop turns
+    once or more per step and per message, and uvloop's turn costs a fraction of asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
+
+
+def _observers(served: ServedModels) -> list[EngineObserver]:
+    """Each model's engine observer: its model-labelled children of this process's metrics."""
+    metrics = ServiceMetrics()
+    return [metrics.model(m.name) for m in served.models]
+
+
+def _front_end_main(settings: ServerSettings, address: str, listener: socket.socket) -> None:
+    """A front-end process: the app on the shared socket, served until drained; it reaches each
+    model's engine in the core's socket directory `address` (model i: `socket_path(address, i)`)."""
+    configure_logging(settings.log_level, settings.log_format)
+    fix_mmap_threshold()
+    from poolserve.http.edge.server import run_server  # after the malloc setting
+
+    run_server(settings, core_address=address, sockets=[listener])
+    logging.shutdown()
+    os._exit(0)
+
+
+def main(argv: list[str]) -> None:
+    """A child's entry: `core SETTINGS ADDRESS` or `api SETTINGS ADDRESS FD` (ADDRESS: the
+    directory of the engine core's sockets)."""
+    role, settings_file, address, *fd = argv
+    settings = ServerSettings.model_validate_json(Path(settings_file).read_text())
+    _child_of_supervisor(int(os.environ[SUPERVISOR_PID]), settings.shutdown_timeout + EXIT_GRACE_S)
+    fix_process_identity()
+    if role == "core":
+        _core_main(settings, address)
+    else:
+        _front_end_main(settings, address, socket.socket(fileno=int(fd[0])))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

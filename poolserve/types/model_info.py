@@ -1,0 +1,138 @@
+"""What pooling needs to know about a model: its heads, sizes and sentence-transformers config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from functools import cached_property
+
+from torch import nn
+
+from poolserve.types.errors import PoolingConfigError
+from poolserve.types.tasks import SUPPORTED_TASKS, HeadKind, PoolingTask, PoolingType, head_tasks
+
+
+class ScoreActivation(Enum):
+    """What a cross-encoder applies to its one logit by default (sentence-transformers' choice)."""
+
+    SIGMOID = "sigmoid"
+    IDENTITY = "identity"
+    TANH = "tanh"
+
+
+# sentence-transformers pooling mode -> pooling type (modes we can reproduce exactly).
+ST_POOLING_MODES: dict[str, PoolingType] = {
+    "cls": PoolingType.CLS,
+    "mean": PoolingType.MEAN,
+    "lasttoken": PoolingType.LAST,
+}
+
+
+@dataclass(frozen=True, eq=False)
+class PoolingModelInfo:
+    """A model as pooling sees it; built once per loaded model by the scheduler's runner.
+
+    Head modules map hidden states `[..., hidden_size]` to outputs `[..., out]` and are shared by
+    every request (pooling never mutates them). Give them in float32: heads compute in float32,
+    and a half-precision module is run with float32 copies of its weights on every call.
+    `embed_projection` is the sentence-transformers Dense chain as a plain tensor -> tensor module.
+    """
+
+    # Decoders (causal or bidirectional) pool their last token by default; encoders their first.
+    is_decoder: bool
+    hidden_size: int
+    seq_classifier: nn.Module | None = None
+    token_classifier: nn.Module | None = None
+    process_reward_head: nn.Module | None = None
+    token_reward_head: nn.Module | None = None
+    num_labels: int | None = None
+    labels: tuple[str, ...] = ()
+    embed_projection: nn.Module | None = None
+    embed_output_size: int | None = None
+    st_pooling_mode: str | None = None
+    supports_matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] | None = None
+    # Overrides the embed pooling type derived from st_pooling_mode / is_decoder.
+    default_pooling_type: PoolingType | None = None
+    # Overrides the sequence classifier's pooling when the checkpoint's config names one.
+    classifier_pooling_type: PoolingType | None = None
+    # Step tag a process reward model uses when a request names none (e.g. the id of "<extra_0>").
+    default_step_tag_id: int | None = None
+    # The one-label classifier's default activation when it scores pairs (its saved CrossEncoder
+    # config); a request's use_activation false gives the raw logit instead.
+    score_activation: ScoreActivation = ScoreActivation.SIGMOID
+    # A *ForMaskedLM head `[..., hidden] -> [..., vocab]` (sparse embeddings), and the token ids
+    # (the tokenizer's CLS, SEP, PAD...) whose positions sparse pooling skips.
+    mlm_head: nn.Module | None = None
+    sparse_excluded_ids: frozenset[int] = frozenset()
+    # A ColBERT projection `[..., hidden] -> [..., dim]` applied to every token (late interaction).
+    token_projection: nn.Module | None = None
+
+    def __post_init__(self) -> None:
+        heads = [
+            h
+            for h in (
+                self.seq_classifier,
+                self.token_classifier,
+                self.process_reward_head,
+                self.token_reward_head,
+            )
+            if h is not None
+        ]
+        extra = (self.mlm_head is not None) + (self.token_projection is not None)
+        if len(heads) + extra > 1:
+            raise PoolingConfigError("a model carries at most one task head")
+        if self.hidden_size <= 0:
+            raise PoolingConfigError(f"hidden_size must be positive, got {self.hidden_size}")
+        if self.st_pooling_mode is not None and self.st_pooling_mode not in ST_POOLING_MODES:
+            known = ", ".join(sorted(ST_POOLING_MODES))
+            raise PoolingConfigError(
+                f"sentence-transformers pooling mode {self.st_pooling_mode!r} is not supported "
+                f"(known: {known})"
+            )
+        if heads and (self.num_labels is None or self.num_labels <= 0):
+            raise PoolingConfigError("a classifier or reward head needs a positive num_labels")
+
+    @cached_property  # asked per request; the heads never change
+    def head_kind(self) -> HeadKind:
+        """The kind of task head this model carries."""
+        by_field = {
+            HeadKind.SEQUENCE_CLASSIFIER: self.seq_classifier,
+            HeadKind.TOKEN_CLASSIFIER: self.token_classifier,
+            HeadKind.PROCESS_REWARD: self.process_reward_head,
+            HeadKind.TOKEN_REWARD: self.token_reward_head,
+            HeadKind.MASKED_LM: self.mlm_head,
+            HeadKind.LATE_INTERACTION: self.token_projection,
+        }
+        return next((kind for kind, head in by_field.items() if head is not None), HeadKind.NONE)
+
+    @cached_property  # asked per request
+    def supported_tasks(self) -> frozenset[PoolingTask]:
+        """Tasks this model serves: the tasks its heads allow, intersected with SUPPORTED."""
+        return head_tasks(self.head_kind, self.num_labels) & SUPPORTED_TASKS
+
+    @property
+    def embedding_size(self) -> int:
+        """Length of the embed output before Matryoshka truncation."""
+        return self.embed_output_size if self.embed_output_size is not None else self.hidden_size
+
+    @property
+    def embed_pooling_type(self) -> PoolingType:
+        """Default pooling for embed: override, then sentence-transformers config, then LAST/CLS."""
+        if self.default_pooling_type is not None:
+            return self.default_pooling_type
+        if self.st_pooling_mode is not None:
+            return ST_POOLING_MODES[self.st_pooling_mode]
+        return PoolingType.LAST if self.is_decoder else PoolingType.CLS
+
+    @property
+    def sequence_pooling_type(self) -> PoolingType:
+        """Pooling the checkpoint's sequence classifier was trained on."""
+        if self.classifier_pooling_type is not None:
+            return self.classifier_pooling_type
+        return PoolingType.LAST if self.is_decoder else PoolingType.CLS
+
+
+def get_supported_tasks(info: PoolingModelInfo) -> frozenset[PoolingTask]:
+    """Tasks this model serves: the tasks its heads allow, intersected with SUPPORTED."""
+    return info.supported_tasks

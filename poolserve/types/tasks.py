@@ -1,0 +1,173 @@
+"""The task vocabulary: every pooling task declared once, with what it needs and what it gives.
+
+Each `TaskDecl` says which heads serve the task, which optional request fields it takes, the
+shape of its output and how the front ends offer it. Every other table of tasks in the project
+(supported tasks, a model's tasks by its head, the fields each task accepts, token-level and
+calibrated tasks, the default task order, Infinity's capabilities) is derived from `TASKS`;
+tests/types/test_tasks.py fails when a list of task names is written anywhere else.
+Torch-free: the front ends, the engine and the Python API all import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum, StrEnum
+
+
+class PoolingTask(StrEnum):
+    """What a request asks the model to produce; values are the wire names."""
+
+    EMBED = "embed"
+    CLASSIFY = "classify"
+    TOKEN_EMBED = "token_embed"
+    TOKEN_CLASSIFY = "token_classify"
+    EMBED_TOKEN_CLASSIFY = "embed&token_classify"
+    REWARD = "reward"
+    SCORE = "score"  # one relevance score per (query, document) prompt
+    EMBED_SPARSE = "embed_sparse"  # SPLADE over the MLM head: vocabulary ids and weights
+
+
+class PoolingType(Enum):
+    """How the hidden states of one request are reduced before the head."""
+
+    CLS = "cls"
+    LAST = "last"
+    MEAN = "mean"
+    ALL = "all"
+    STEP = "step"
+    SPARSE = "sparse"  # running max of MLM-head logits over non-special tokens (SPLADE)
+
+
+class HeadKind(Enum):
+    """Which head the checkpoint carries on top of its backbone."""
+
+    NONE = "none"
+    SEQUENCE_CLASSIFIER = "sequence_classifier"
+    TOKEN_CLASSIFIER = "token_classifier"
+    PROCESS_REWARD = "process_reward"
+    TOKEN_REWARD = "token_reward"
+    MASKED_LM = "masked_lm"  # *ForMaskedLM: transform + vocabulary decoder (sparse embeddings)
+    LATE_INTERACTION = "late_interaction"  # ColBERT: a projection of every token (MaxSim)
+
+
+class Output(Enum):
+    """The shape of one prompt's output."""
+
+    VECTOR = "vector"  # [dim]: an embedding, a class distribution, a score
+    PER_TOKEN = "per_token"  # [num_tokens, dim]: grows with the prompt
+    STEPS = "steps"  # [num_step_tags, num_labels] or [num_tokens]: a reward per step or token
+    SPARSE = "sparse"  # [2, nnz]: vocabulary ids and weights
+
+
+@dataclass(frozen=True)
+class TaskDecl:
+    """One task: the heads that serve it, the request fields it takes, what it returns."""
+
+    heads: frozenset[HeadKind]
+    output: Output
+    # optional PoolingParams fields a request of this task may set (any other is refused)
+    params: frozenset[str] = frozenset()
+    # heads that serve it only when they have one label (a reward or a score is one number)
+    one_label_heads: frozenset[HeadKind] = frozenset()
+    # --pooler-config's logit_mean/logit_sigma calibrate its classifier logits (as vLLM's)
+    calibrated: bool = False
+    # the order in which /v1/pooling picks a request's task when it names none (None: never)
+    default_rank: int | None = None
+    # the capability Infinity's /models lists it under (None: not offered there)
+    capability: str | None = None
+
+
+def _heads(*kinds: HeadKind) -> frozenset[HeadKind]:
+    return frozenset(kinds)
+
+
+def _fields(*names: str) -> frozenset[str]:
+    return frozenset(names)
+
+
+_EMBEDDERS = _heads(HeadKind.NONE, HeadKind.MASKED_LM)
+
+TASKS: dict[PoolingTask, TaskDecl] = {
+    PoolingTask.EMBED: TaskDecl(
+        _EMBEDDERS,
+        Output.VECTOR,
+        _fields("dimensions", "normalize", "prompt_tokens", "token_spans"),
+        default_rank=0,
+        capability="embed",
+    ),
+    PoolingTask.CLASSIFY: TaskDecl(
+        _heads(HeadKind.SEQUENCE_CLASSIFIER),
+        Output.VECTOR,
+        _fields("use_activation"),
+        calibrated=True,
+        default_rank=1,
+        capability="classify",
+    ),
+    PoolingTask.REWARD: TaskDecl(
+        _heads(HeadKind.PROCESS_REWARD, HeadKind.TOKEN_REWARD),
+        Output.STEPS,
+        _fields("step_tag_id", "returned_token_ids"),
+        one_label_heads=_heads(HeadKind.SEQUENCE_CLASSIFIER),
+        default_rank=2,
+    ),
+    PoolingTask.TOKEN_CLASSIFY: TaskDecl(
+        _heads(HeadKind.TOKEN_CLASSIFIER),
+        Output.PER_TOKEN,
+        _fields("use_activation"),
+        calibrated=True,
+        default_rank=3,
+    ),
+    # a ColBERT projection is trained per token, so a pooled vector would be meaningless (vLLM)
+    PoolingTask.TOKEN_EMBED: TaskDecl(
+        _EMBEDDERS | _heads(HeadKind.LATE_INTERACTION),
+        Output.PER_TOKEN,
+        _fields("normalize"),
+        default_rank=4,
+    ),
+    PoolingTask.EMBED_TOKEN_CLASSIFY: TaskDecl(
+        _heads(HeadKind.TOKEN_CLASSIFIER),
+        Output.PER_TOKEN,
+        _fields("dimensions", "normalize", "use_activation"),
+        calibrated=True,
+        default_rank=5,
+    ),
+    PoolingTask.SCORE: TaskDecl(
+        frozenset(),
+        Output.VECTOR,
+        _fields("use_activation"),
+        one_label_heads=_heads(HeadKind.SEQUENCE_CLASSIFIER),
+        calibrated=True,
+        capability="rerank",
+    ),
+    PoolingTask.EMBED_SPARSE: TaskDecl(_heads(HeadKind.MASKED_LM), Output.SPARSE),
+}
+
+# What follows is derived from TASKS: edit the declarations above, never these.
+
+SUPPORTED_TASKS: frozenset[PoolingTask] = frozenset(TASKS)
+TOKEN_LEVEL_TASKS = frozenset(t for t, d in TASKS.items() if d.output is Output.PER_TOKEN)
+CALIBRATED_TASKS = frozenset(t for t, d in TASKS.items() if d.calibrated)
+# Heads whose logits --pooler-config's calibration applies to.
+CLASSIFIER_HEADS = frozenset(k for d in TASKS.values() if d.calibrated for k in d.heads)
+# Tasks whose head's activation is L2 normalisation: vLLM's use_activation means normalize there.
+NORMALIZING_TASKS = frozenset(
+    t for t, d in TASKS.items() if "normalize" in d.params and "use_activation" not in d.params
+)
+# The task /v1/pooling runs when a request names none: the first the model supports.
+DEFAULT_TASK_ORDER = tuple(
+    sorted(
+        (t for t, d in TASKS.items() if d.default_rank is not None),
+        key=lambda t: TASKS[t].default_rank or 0,
+    )
+)
+CAPABILITIES: dict[PoolingTask, str] = {
+    t: d.capability for t, d in TASKS.items() if d.capability is not None
+}
+
+
+def head_tasks(kind: HeadKind, num_labels: int | None) -> frozenset[PoolingTask]:
+    """The tasks a model with this head (and this many labels) can serve."""
+    one_label = num_labels == 1
+    return frozenset(
+        t for t, d in TASKS.items() if kind in d.heads or (one_label and kind in d.one_label_heads)
+    )
