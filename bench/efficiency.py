@@ -142,9 +142,9 @@ def profile_engine_steps(
     """torch.profiler table of the first steps' forwards, run in this thread (loop not started)."""
     import asyncio
 
-    from poolserve.config.scheduler import SchedulerConfig
     from poolserve.engine.loop import Engine
     from poolserve.models.loader import load_model
+    from poolserve.types.limits import SchedulerConfig
     from poolserve.types.params import PoolingParams
     from poolserve.types.tasks import PoolingTask
 

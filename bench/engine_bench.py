@@ -28,12 +28,12 @@ import torch
 import transformers
 
 from bench.corpus import build_workload
-from poolserve.config.scheduler import SchedulerConfig
 from poolserve.engine.loop import Engine
 from poolserve.engine.runner import PreparedStep, StepResult
 from poolserve.models.loader import load_model
 from poolserve.models.spec import LoadedModel
 from poolserve.pooling.tasks import PoolingTask
+from poolserve.types.limits import SchedulerConfig
 from poolserve.types.params import PoolingParams
 
 logger = logging.getLogger(__name__)

@@ -82,7 +82,7 @@ class Replica:
         command = [
             sys.executable,
             "-m",
-            "poolserve.config.flags",
+            "poolserve",
             "serve",
             "--host",
             "127.0.0.1",

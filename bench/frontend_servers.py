@@ -67,7 +67,7 @@ def build_model(directory: Path) -> Path:
 def poolserve_command() -> list[str]:
     """The `poolserve` script of this interpreter's environment (the module where it is absent)."""
     script = Path(sys.executable).parent / "poolserve"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "poolserve.config.flags"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "poolserve"]
 
 
 def has_front_end_flag() -> bool:

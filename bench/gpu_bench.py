@@ -37,10 +37,10 @@ from bench.efficiency import (
 )
 from bench.engine_bench import TOKENIZER_FILES
 from bench.peers import PeerJob, run_in_child
-from poolserve.config.scheduler import SchedulerConfig
 from poolserve.engine.loop import Engine
 from poolserve.models.loader import load_model
 from poolserve.models.spec import LoadedModel
+from poolserve.types.limits import SchedulerConfig
 from poolserve.types.params import PoolingParams
 from poolserve.types.tasks import PoolingTask
 

@@ -82,8 +82,8 @@ Runner = Callable[[list[str]], np.ndarray]
 
 def _poolserve(job: PeerJob) -> Runner:
     """poolserve's engine: tokenize the batch, submit everything at once, await every output."""
-    from poolserve.config.scheduler import SchedulerConfig
     from poolserve.models.loader import load_model
+    from poolserve.types.limits import SchedulerConfig
 
     device = torch.device(job.device)
     loaded = load_model(job.model_dir, device=device, dtype=getattr(torch, job.dtype))

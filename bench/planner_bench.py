@@ -11,8 +11,8 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from poolserve.config.scheduler import SchedulerConfig
 from poolserve.engine.sched.planner import PlannerSeq, blocks_needed, plan_step
+from poolserve.types.limits import SchedulerConfig
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,6 @@ import numpy as np
 import torch
 
 from bench.offline import build_texts
-from poolserve.config.scheduler import SchedulerConfig
 from poolserve.engine.loop import Engine
 from poolserve.models import loader
 from poolserve.models.cpu_class import cpu_class
@@ -35,6 +34,7 @@ from poolserve.models.float_kernels import TORCH
 from poolserve.models.loader import load_model
 from poolserve.models.quantization import quantize_linears
 from poolserve.models.spec import LoadedModel
+from poolserve.types.limits import SchedulerConfig
 from poolserve.types.params import PoolingParams
 from poolserve.types.tasks import PoolingTask
 

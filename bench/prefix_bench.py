@@ -26,10 +26,10 @@ import numpy as np
 import torch
 
 from bench.engine_bench import CPU, EMBED, save_decoder
-from poolserve.config.scheduler import SchedulerConfig
 from poolserve.engine.loop import Engine
 from poolserve.models.loader import load_model
 from poolserve.models.spec import LoadedModel
+from poolserve.types.limits import SchedulerConfig
 
 logger = logging.getLogger(__name__)
 

@@ -104,7 +104,7 @@ class ServerCase:
                 sys.executable,
                 *served_offline.profile_prefix(self.name, port),
                 "-m",
-                "poolserve.config.flags",
+                "poolserve",
                 "serve",
                 "--model",
                 str(model.directory),

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 
-from poolserve.config.scheduler import SchedulerConfig
 from poolserve.engine.loop import Engine
 from poolserve.models.attention import build_attention_metadata
 from poolserve.models.loader import load_model
 from poolserve.models.spec import LoadedModel
 from poolserve.pooling.tasks import PoolingTask
+from poolserve.types.limits import SchedulerConfig
 from poolserve.types.params import PoolingParams
 
 CPU = torch.device("cpu")

@@ -122,7 +122,7 @@ def server(args: argparse.Namespace, port: int, log: Path) -> Iterator[subproces
     env = {k: v for k, v in os.environ.items() if k not in unset}
     env.update(malloc_env(args.malloc))
     env.update({"HF_HUB_OFFLINE": env.get("HF_HUB_OFFLINE", "1"), "PYTHONPATH": str(ROOT)})
-    launcher = IN_PROCESS_PREFIX if args.malloc == "inproc" else ("-m", "poolserve.config.flags")
+    launcher = IN_PROCESS_PREFIX if args.malloc == "inproc" else ("-m", "poolserve")
     command = [
         sys.executable,
         *launcher,

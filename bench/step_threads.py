@@ -28,10 +28,10 @@ import torch
 
 import poolserve.engine.cpu_threads as cpu_threads
 from bench.frontend_servers import build_model
-from poolserve.config.scheduler import SchedulerConfig
 from poolserve.engine.loop import Engine
 from poolserve.models.loader import load_model
 from poolserve.models.spec import LoadedModel
+from poolserve.types.limits import SchedulerConfig
 from poolserve.types.params import PoolingParams
 from poolserve.types.tasks import PoolingTask
 

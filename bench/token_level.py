@@ -91,7 +91,7 @@ class ServerProcess:
             [
                 sys.executable,
                 "-m",
-                "poolserve.config.flags",
+                "poolserve",
                 "serve",
                 "--port",
                 str(self.port),

@@ -8,13 +8,18 @@ settings are flags of every command, as `poolserve serve` takes them
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from poolserve.config.flags import add_serve_command, package_version, serve, settings_from_args
+from poolserve.config.flags import add_serve_command, package_version, settings_from_args
+from poolserve.config.settings import ServerSettings
 from poolserve.jobs.corpus.command import add_embed_command
 from poolserve.jobs.run_batch import add_run_batch
+from poolserve.memory import fix_mmap_threshold
+from poolserve.observability.logs import configure_logging
 
 if TYPE_CHECKING:  # argparse's class takes a type argument only for type checkers
     Commands = argparse._SubParsersAction[argparse.ArgumentParser]
@@ -41,6 +46,34 @@ def build_parser() -> argparse.ArgumentParser:
     for add in COMMANDS:
         add(commands)
     return parser
+
+
+def serve(settings: ServerSettings) -> None:
+    """Serve with these settings until SIGTERM/SIGINT, drain, then end the process."""
+    configure_logging(settings.log_level, settings.log_format)
+    # Before torch loads and threads start: allocations after this follow the fixed threshold.
+    fix_mmap_threshold()
+    # Idle OpenMP threads sleep instead of spinning, so the forward's thread team does not take
+    # the cores the HTTP work needs between steps (docs/benchmarks.md, "Front end: per-request
+    # cost": 2-3x the requests on 2 cores); an operator's value wins. Children inherit it.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    code = 0
+    if settings.api_server_count == 0:
+        from poolserve.http.edge.server import (
+            run_server,  # imported late: loading torch is slow for --help
+        )
+
+        run_server(settings)
+    else:
+        from poolserve.supervisor import run_processes
+
+        code = run_processes(settings)
+    # Drained and closed: skip the interpreter's teardown of torch and friends, which takes
+    # seconds on a busy machine and would push the exit past --shutdown-timeout.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -27,11 +27,9 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
+from poolserve.config.core import core_configs
 from poolserve.config.models_file import ServedModels, served_models
 from poolserve.config.settings import ServerSettings
-from poolserve.engine.host import ModelStartError
-from poolserve.engine.process import serve_core_process
-from poolserve.http.app import CORE_LOST_SIGNAL, core_configs
 from poolserve.memory import fix_mmap_threshold
 from poolserve.observability.logs import configure_logging
 from poolserve.observability.metrics import (
@@ -39,8 +37,9 @@ from poolserve.observability.metrics import (
     ServiceMetrics,
     fix_process_identity,
 )
-from poolserve.types.errors import ModelError
+from poolserve.types.errors import ModelError, ModelStartError
 from poolserve.types.observer import EngineObserver
+from poolserve.types.protocol import CORE_LOST_SIGNAL
 
 logger = logging.getLogger(__name__)
 
@@ -260,6 +259,8 @@ def _core_main(settings: ServerSettings, address: str) -> None:
     with the core's code."""
     configure_logging(settings.log_level, settings.log_format)
     fix_mmap_threshold()
+    from poolserve.engine.process import serve_core_process  # torch, in this process only
+
     served = served_models(settings)
     serving = serve_core_process(core_configs(served), address, _observers(served))
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:

@@ -4,7 +4,7 @@
 `config` builds the settings on it. The engine-core process runs `engine` on `models` and
 `pooling` (which never import each other). Front-end processes run `http` on `frontend`, which
 import neither the engine nor the model code (tests/test_process_imports.py checks what a front
-end actually loads). `offline` (the Python API) stands on `frontend`, `jobs` on `offline`.
+end actually loads). `offline` (the Python API) runs the app in process, `jobs` on `offline`.
 Inside http: api and compat never import each other; only the app factory imports dispatch.
 """
 
@@ -40,8 +40,9 @@ ALLOWED = {
     "observability": {"types", "config"},
     "frontend": {"types", "config", "observability"},
     "http": {"types", "config", "observability", "frontend", "memory"},
-    "offline": {"types", "config", "observability", "frontend"},
-    "jobs": {"types", "config", "observability", "frontend", "offline"},
+    # request() answers a raw HTTP request in process (run-batch replays request bodies)
+    "offline": {"types", "config", "observability", "frontend", "http"},
+    "jobs": {"types", "config", "observability", "frontend", "offline", "http"},
 }
 
 
@@ -58,13 +59,23 @@ def _imported_modules(path: Path, *, top_level_only: bool = False) -> set[str]:
     return names
 
 
-def _subpackages(path: Path) -> set[str]:
+def _subpackages(path: Path, *, top_level_only: bool = False) -> set[str]:
     """The poolserve subpackages and top-level modules a file imports (poolserve.X -> X)."""
     return {
         name.split(".")[1]
-        for name in _imported_modules(path)
+        for name in _imported_modules(path, top_level_only=top_level_only)
         if name.startswith("poolserve.") and name.count(".") >= 1
     }
+
+
+# (file, package) imports made inside a function, where the one process that needs them runs
+LAZY = {
+    # --api-server-count 0 and the Python API run the engine core on the front end's loop
+    ("poolserve/frontend/startup.py", "engine"),
+    ("poolserve/frontend/state.py", "engine"),  # its type only (TYPE_CHECKING)
+    # --otlp-traces-endpoint: the OpenTelemetry extra is checked where the flags are parsed
+    ("poolserve/config/flags.py", "observability"),
+}
 
 
 def test_every_package_has_its_rule() -> None:
@@ -77,11 +88,20 @@ def test_every_package_has_its_rule() -> None:
 @pytest.mark.parametrize("package", sorted(ALLOWED))
 def test_no_back_edges(package: str) -> None:
     allowed = ALLOWED[package] | {package}
-    offenders = {
-        str(path.relative_to(ROOT)): sorted(_subpackages(path) - allowed)
-        for path in (PACKAGE / package).rglob("*.py")
-    }
-    assert {k: v for k, v in offenders.items() if v} == {}
+    offenders = {}
+    for path in (PACKAGE / package).rglob("*.py"):
+        name = path.relative_to(ROOT).as_posix()
+        eager = _subpackages(path, top_level_only=True) - allowed
+        lazy = _subpackages(path) - allowed - {p for f, p in LAZY if f == name}
+        if eager | lazy:
+            offenders[name] = sorted(eager | lazy)
+    assert offenders == {}
+
+
+def test_lazy_imports_stay_inside_functions() -> None:
+    for name, package in LAZY:
+        assert package not in _subpackages(ROOT / name, top_level_only=True)
+        assert package in _subpackages(ROOT / name)
 
 
 def test_no_relative_or_bare_imports() -> None:
@@ -97,13 +117,20 @@ def test_no_relative_or_bare_imports() -> None:
     assert offenders == {}
 
 
-def test_supervisor_imports_no_process_code_at_module_level() -> None:
-    """The supervisor starts the engine core and the front ends; their code loads in them only."""
-    heavy = {"engine", "models", "pooling", "frontend", "http", "offline", "jobs"}
-    for module in ("supervisor.py", "cli.py"):
-        names = _imported_modules(PACKAGE / module, top_level_only=True)
-        imported = {n.split(".")[1] for n in names if n.startswith("poolserve.")}
-        assert imported & heavy == set(), module
+# top-level module -> what it loads only inside the function that needs it (the CLI's commands
+# add their parsers from jobs' light modules; tests/test_process_imports.py checks what loads)
+LATE = {
+    "supervisor.py": {"engine", "models", "pooling", "frontend", "http", "offline", "jobs"},
+    "cli.py": {"engine", "models", "pooling", "frontend", "http", "offline"},
+}
+
+
+@pytest.mark.parametrize("module", sorted(LATE))
+def test_process_code_loads_late(module: str) -> None:
+    """The supervisor starts the engine core and the front ends; their code loads in them."""
+    names = _imported_modules(PACKAGE / module, top_level_only=True)
+    imported = {n.split(".")[1] for n in names if n.startswith("poolserve.")}
+    assert imported & LATE[module] == set()
 
 
 # http layer -> http layers it must never import

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
-import os
-import sys
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import get_args, get_origin
@@ -14,9 +11,6 @@ from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
 from poolserve.config.settings import ServerSettings
-from poolserve.memory import fix_mmap_threshold
-from poolserve.observability.logs import configure_logging
-from poolserve.observability.tracing import TracingUnavailableError, require_tracing
 
 # Flags whose presence flips a boolean setting off.
 NEGATED_FLAGS = {"async_scheduling": "--no-async-scheduling"}
@@ -138,6 +132,8 @@ def settings_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace
         if args.models is not None:
             parser.error("models are given as arguments and as --models: give one of them")
         args.models = positional[1:]
+    from poolserve.observability.tracing import TracingUnavailableError, require_tracing
+
     given = {
         name: getattr(args, name)
         for name in ServerSettings.model_fields
@@ -163,40 +159,3 @@ def _problem(loc: tuple[int | str, ...], message: str) -> str:
     if not loc:
         return message
     return f"--{str(loc[0]).replace('_', '-')}: {message}"
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    """Run the server until SIGTERM/SIGINT, then drain and exit 0."""
-    serve(parse_settings(argv))
-
-
-def serve(settings: ServerSettings) -> None:
-    """Serve with these settings until SIGTERM/SIGINT, drain, then end the process."""
-    configure_logging(settings.log_level, settings.log_format)
-    # Before torch loads and threads start: allocations after this follow the fixed threshold.
-    fix_mmap_threshold()
-    # Idle OpenMP threads sleep instead of spinning, so the forward's thread team does not take
-    # the cores the HTTP work needs between steps (docs/benchmarks.md, "Front end: per-request
-    # cost": 2-3x the requests on 2 cores); an operator's value wins. Children inherit it.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    code = 0
-    if settings.api_server_count == 0:
-        from poolserve.http.edge.server import (
-            run_server,  # imported late: loading torch is slow for --help
-        )
-
-        run_server(settings)
-    else:
-        from poolserve.supervisor import run_processes
-
-        code = run_processes(settings)
-    # Drained and closed: skip the interpreter's teardown of torch and friends, which takes
-    # seconds on a busy machine and would push the exit past --shutdown-timeout.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-if __name__ == "__main__":
-    main()

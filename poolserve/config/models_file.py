@@ -24,46 +24,16 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from poolserve.config.settings import DEFAULT_MODEL_ID, ServerSettings
+from poolserve.config.pooler import PoolerDefaults, parse_pooler_config
+from poolserve.config.settings import DEFAULT_MODEL_ID, PER_MODEL, ServerSettings
 
-# Settings a model may set for itself: what it loads, how its engine schedules, its requests'
-# defaults and bounds. The rest (the HTTP server, processes, logs, auth) are server-wide.
-PER_MODEL = frozenset(
-    {
-        "model",
-        "served_model_name",
-        "revision",
-        "dtype",
-        "quantization",
-        "allow_slower_precision",
-        "max_model_len",
-        "pooler_config",
-        "hf_overrides",
-        "default_prompt_name",
-        "matryoshka_dimensions",
-        "auto_truncate",
-        "trust_request_chat_template",
-        "max_num_batched_tokens",
-        "max_num_seqs",
-        "max_num_queued_requests",
-        "max_num_queued_tokens",
-        "long_prefill_token_threshold",
-        "num_kv_blocks",
-        "block_size",
-        "enable_prefix_caching",
-        "async_scheduling",
-        "max_client_batch_size",
-        "max_input_chars",
-        "max_request_chars",
-        "max_tokenizing_chars",
-    }
-)
 # Settings that name the models themselves: never copied into one model's settings.
 MODEL_LIST = ("models", "models_config", "default_model")
 # Settings given as JSON text on the command line, which a YAML file may give as a mapping.
@@ -102,6 +72,14 @@ class ServedModel:
     name: str  # the name responses report (the first served name)
     priority: int = 0  # among models waiting for the device, the lower steps first
     gpu_memory_fraction: float | None = None  # of the device's memory (CUDA); None: no cap
+
+    @cached_property
+    def pooler(self) -> PoolerDefaults:
+        """Its --pooler-config, parsed once (ValueError naming the model and the key)."""
+        try:
+            return parse_pooler_config(self.settings.pooler_config)
+        except ValueError as exc:
+            raise ValueError(f"model {self.name!r}: {exc}") from exc
 
     @property
     def served_names(self) -> tuple[str, ...]:

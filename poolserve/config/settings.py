@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -12,6 +13,22 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DEFAULT_MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"  # what --model none serves
+
+
+class Scope(StrEnum):
+    """Whom a setting belongs to; marked on each field, read by `scope_of`."""
+
+    SERVER = "server"  # the HTTP server, the processes, logs, auth: one value for every model
+    MODEL = "model"  # what a model loads, how its engine schedules, its requests' bounds: a
+    # --models-config entry may set its own
+
+
+# Each field's marks: its scope, and whether it shapes what is computed (a corpus job's
+# manifest records those; the rest change how the server runs, never its outputs).
+MODEL_OUTPUTS: dict[str, Any] = {"scope": Scope.MODEL.value, "shapes_outputs": True}
+MODEL: dict[str, Any] = {"scope": Scope.MODEL.value, "shapes_outputs": False}
+SERVER_OUTPUTS: dict[str, Any] = {"scope": Scope.SERVER.value, "shapes_outputs": True}
+SERVER: dict[str, Any] = {"scope": Scope.SERVER.value, "shapes_outputs": False}
 ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s]+")  # what browsers send in Origin
 
 
@@ -21,74 +38,97 @@ class ServerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="POOLSERVE_", extra="forbid", frozen=True)
 
     model: str | None = Field(
-        None, description="Local directory or Hub id; none = the embedded all-MiniLM-L6-v2."
+        None,
+        description="Local directory or Hub id; none = the embedded all-MiniLM-L6-v2.",
+        json_schema_extra=MODEL_OUTPUTS,
     )
     models: Annotated[list[str] | None, NoDecode] = Field(
         None,
         description="More models served beside --model, each under its own name, with the "
         "server's flags (`poolserve serve A B` serves A and B); --models-config sets each "
         "model's own.",
+        json_schema_extra=SERVER_OUTPUTS,
     )
     models_config: str | None = Field(
         None,
         description="YAML file of the models to serve, each with its own settings over the "
         "flags' (served names, dtype, max_model_len, pooler config, token budget share, "
         "priority; docs/deploy.md, 'Several models').",
+        json_schema_extra=SERVER_OUTPUTS,
     )
     default_model: str | None = Field(
         None,
         description="The model (a served name) of routes without a `model` field (TEI's); "
         "default: the first model.",
+        json_schema_extra=SERVER_OUTPUTS,
     )
     served_model_name: Annotated[list[str] | None, NoDecode] = Field(
         None,
         description="Names clients may use in `model`; responses report the first (default: "
         "derived from --model).",
+        json_schema_extra=MODEL,
     )
     revision: str | None = Field(
         None,
         description="Hub revision (branch, tag or commit) of a Hub model; ignored for a local "
         "directory.",
+        json_schema_extra=MODEL_OUTPUTS,
     )
     auto_truncate: bool = Field(
         False,
         description="Truncate inputs longer than the model's limit instead of refusing them "
         "(400), for requests that do not say how to truncate (TEI's flag).",
+        json_schema_extra=MODEL,
     )
     allowed_origins: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="Origins allowed by CORS ('*' for any); none = CORS headers are never sent.",
+        json_schema_extra=SERVER,
     )
     allowed_methods: Annotated[list[str], NoDecode] = Field(
-        default_factory=lambda: ["*"], description="Methods allowed by CORS."
+        default_factory=lambda: ["*"],
+        description="Methods allowed by CORS.",
+        json_schema_extra=SERVER,
     )
     allowed_headers: Annotated[list[str], NoDecode] = Field(
-        default_factory=lambda: ["*"], description="Request headers allowed by CORS."
+        default_factory=lambda: ["*"],
+        description="Request headers allowed by CORS.",
+        json_schema_extra=SERVER,
     )
     allow_credentials: bool = Field(
-        False, description="Let CORS requests carry credentials (cookies, Authorization)."
+        False,
+        description="Let CORS requests carry credentials (cookies, Authorization).",
+        json_schema_extra=SERVER,
     )
     ssl_keyfile: str | None = Field(
-        None, description="TLS private key file (PEM); with --ssl-certfile the server speaks https."
+        None,
+        description="TLS private key file (PEM); with --ssl-certfile the server speaks https.",
+        json_schema_extra=SERVER,
     )
     ssl_certfile: str | None = Field(
-        None, description="TLS certificate chain file (PEM); with --ssl-keyfile."
+        None,
+        description="TLS certificate chain file (PEM); with --ssl-keyfile.",
+        json_schema_extra=SERVER,
     )
     root_path: str = Field(
         "",
         description="Path prefix under which a proxy publishes the server (the proxy strips "
         "it), e.g. /poolserve.",
+        json_schema_extra=SERVER,
     )
-    host: str = Field("127.0.0.1", description="Address to bind.")
-    port: int = Field(8000, ge=0, le=65535, description="Port to bind.")
+    host: str = Field("127.0.0.1", description="Address to bind.", json_schema_extra=SERVER)
+    port: int = Field(8000, ge=0, le=65535, description="Port to bind.", json_schema_extra=SERVER)
     device: Literal["auto", "cpu", "cuda"] = Field(
-        "auto", description="Where the model runs; auto = cuda when available."
+        "auto",
+        description="Where the model runs; auto = cuda when available.",
+        json_schema_extra=SERVER_OUTPUTS,
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
         description="Dtype the model runs in, whatever its checkpoint stores; auto = float32 on "
         "CPU, bfloat16 on CUDA (float16 on GPUs without native bfloat16). A dtype the device "
         "cannot run is refused at startup; heads and pooling always compute in float32.",
+        json_schema_extra=MODEL_OUTPUTS,
     )
     quantization: Literal["int8", "fp8"] | None = Field(
         None,
@@ -97,68 +137,98 @@ class ServerSettings(BaseSettings):
         "fp8 weights and activations on GPUs with fp8 units (compute capability 8.9+, --dtype "
         "bfloat16). Embeddings, norms, attention and heads keep --dtype; refused at startup where "
         "the device cannot run it. Fidelity and speed: docs/models.md, Precision.",
+        json_schema_extra=MODEL_OUTPUTS,
     )
     allow_slower_precision: bool = Field(
         False,
         description="Run a --dtype or --quantization that the start-up measurement on the CPU "
         "found slower than float32 (a warning names the ratio); without it such a precision is "
         "refused at startup. docs/models.md, Precision.",
+        json_schema_extra=MODEL,
     )
     max_model_len: int | None = Field(
-        None, gt=0, description="Longest prompt in tokens (default: the model's limit)."
+        None,
+        gt=0,
+        description="Longest prompt in tokens (default: the model's limit).",
+        json_schema_extra=MODEL_OUTPUTS,
     )
-    max_num_batched_tokens: int = Field(4096, gt=0, description="Token budget of one forward step.")
-    max_num_seqs: int = Field(256, gt=0, description="Most sequences in one forward step.")
+    max_num_batched_tokens: int = Field(
+        4096, gt=0, description="Token budget of one forward step.", json_schema_extra=MODEL
+    )
+    max_num_seqs: int = Field(
+        256, gt=0, description="Most sequences in one forward step.", json_schema_extra=MODEL
+    )
     max_num_queued_requests: int = Field(
-        1024, gt=0, description="Admission bound on queued + running inputs."
+        1024,
+        gt=0,
+        description="Admission bound on queued + running inputs.",
+        json_schema_extra=MODEL,
     )
     max_num_queued_tokens: int = Field(
-        262144, gt=0, description="Admission bound on queued + running prompt tokens."
+        262144,
+        gt=0,
+        description="Admission bound on queued + running prompt tokens.",
+        json_schema_extra=MODEL,
     )
     long_prefill_token_threshold: int | None = Field(
         None,
         gt=0,
         description="Cap on one prompt's chunk per step, so long prompts cannot starve short ones.",
+        json_schema_extra=MODEL,
     )
     num_kv_blocks: int | None = Field(
         None,
         gt=0,
         description="Paged KV cache blocks for chunked prefill (default: one max_model_len prompt "
         "plus one step's budget).",
+        json_schema_extra=MODEL,
     )
-    block_size: int = Field(16, gt=0, description="Tokens per KV block.")
-    max_client_batch_size: int = Field(2048, gt=0, description="Most inputs in one request.")
+    block_size: int = Field(16, gt=0, description="Tokens per KV block.", json_schema_extra=MODEL)
+    max_client_batch_size: int = Field(
+        2048, gt=0, description="Most inputs in one request.", json_schema_extra=MODEL
+    )
     max_input_chars: int | None = Field(
         None,
         gt=0,
         description="Most characters of one text input; a longer one is refused (400) unless it "
         "is truncated, and then only this many from its kept side are tokenized (default: 64 per "
         "token of max_model_len).",
+        json_schema_extra=MODEL_OUTPUTS,
     )
     max_request_chars: int | None = Field(
         None,
         gt=0,
         description="Most characters one request may have tokenized, 413 above (default: the "
         "larger of --max-input-chars and 1048576).",
+        json_schema_extra=MODEL,
     )
     max_tokenizing_chars: int | None = Field(
         None,
         gt=0,
         description="Admission bound on characters being tokenized at once, 429 above "
         "(default: twice --max-request-chars).",
+        json_schema_extra=MODEL,
     )
     trust_request_chat_template: bool = Field(
         False,
         description="Render `messages` with a client's own `chat_template` (vLLM's flag); off, "
         "such requests get 400, since a template is a program run on the server.",
+        json_schema_extra=MODEL,
     )
     payload_limit: int = Field(
-        16 * 1024 * 1024, gt=0, description="Largest request body in bytes (413 above)."
+        16 * 1024 * 1024,
+        gt=0,
+        description="Largest request body in bytes (413 above).",
+        json_schema_extra=SERVER,
     )
     api_key: str | None = Field(
-        None, description="Require `Authorization: Bearer KEY` on inference routes."
+        None,
+        description="Require `Authorization: Bearer KEY` on inference routes.",
+        json_schema_extra=SERVER,
     )
-    async_scheduling: bool = Field(True, description="Plan step N+1 while step N runs.")
+    async_scheduling: bool = Field(
+        True, description="Plan step N+1 while step N runs.", json_schema_extra=MODEL
+    )
     enable_prefix_caching: bool = Field(
         True,
         description="Reuse the KV blocks of prompt prefixes seen before (a rerank's query, an "
@@ -166,6 +236,7 @@ class ServerSettings(BaseSettings):
         "scoring); causal decoders only: ignored for encoders and bidirectional models. Cached "
         "blocks stay resident until the pool needs them, so on CPU the KV cache grows to "
         "--num-kv-blocks.",
+        json_schema_extra=MODEL,
     )
     pooler_config: str | None = Field(
         None,
@@ -174,6 +245,7 @@ class ServerSettings(BaseSettings):
         '{"enable_chunked_processing": true, "max_embed_len": 32768} (embed inputs longer than '
         'the model, pooled in slices), {"logit_mean": 2.65, "logit_sigma": 1.0} (classifier '
         "logits calibrated before the activation; deprecated logit_bias, logit_scale).",
+        json_schema_extra=MODEL_OUTPUTS,
     )
     hf_overrides: str | None = Field(
         None,
@@ -181,18 +253,21 @@ class ServerSettings(BaseSettings):
         'flag: a causal LM reranker is scored through two LM-head rows with {"architectures": '
         '["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], '
         '"is_original_qwen3_reranker": true}.',
+        json_schema_extra=MODEL_OUTPUTS,
     )
     default_prompt_name: str | None = Field(
         None,
         description="Name of the sentence-transformers prompt (config_sentence_transformers.json "
         "`prompts`) prepended to every text a request sends without its own prompt_name or "
         "prompt; overrides the model's default_prompt_name (TEI's flag).",
+        json_schema_extra=MODEL_OUTPUTS,
     )
     matryoshka_dimensions: str | None = Field(
         None,
         description="Comma-separated output sizes the model was trained for (Matryoshka), so "
         "requests may ask for `dimensions`; the same as --hf-overrides "
         "'{\"matryoshka_dimensions\": [...]}' (e.g. 1024,512,256,128,64).",
+        json_schema_extra=MODEL_OUTPUTS,
     )
     api_server_count: int = Field(
         1,
@@ -201,18 +276,21 @@ class ServerSettings(BaseSettings):
         description="Front-end processes (HTTP, tokenization, answers) sharing the port, beside "
         "one engine-core process that owns the device (vLLM's flag); 0 runs the engine core in a "
         "thread of one process (tests, small CPU installs).",
+        json_schema_extra=SERVER,
     )
     engine_core_timeout: float = Field(
         10.0,
         gt=0,
         description="Seconds of silence after which a front end calls the engine core dead (its "
         "requests and all new ones get 503); the core sends a heartbeat twice a second.",
+        json_schema_extra=SERVER,
     )
     shutdown_timeout: float = Field(
         30.0,
         ge=0,
         description="Seconds in-flight requests get to finish on SIGTERM; then they get 503 and "
         "the process exits (within about 2 s more).",
+        json_schema_extra=SERVER,
     )
     drain_delay: float = Field(
         0.0,
@@ -221,30 +299,37 @@ class ServerSettings(BaseSettings):
         "served (each answer closes its connection), so a load balancer's health check takes the "
         "replica out before it refuses anything; set it above the balancer's check interval times "
         "its failure count. Part of --shutdown-timeout, not added to it.",
+        json_schema_extra=SERVER,
     )
     body_timeout: float = Field(
         30.0,
         gt=0,
         description="Seconds a client has to send its request head, and then its body (408 after).",
+        json_schema_extra=SERVER,
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
-        "info", description="Logging level."
+        "info",
+        description="Logging level.",
+        json_schema_extra=SERVER,
     )
     log_format: Literal["text", "json"] = Field(
         "text",
         description="Log records as text lines, or as one JSON object per line with stable keys "
         "(time, level, logger, message, plus the access log's fields).",
+        json_schema_extra=SERVER,
     )
     access_log: bool = Field(
         True,
         description="One log line per HTTP request (logger poolserve.access): method, path, "
         "route, status, latency, prompt tokens, request id; probes and scrapes at debug level.",
+        json_schema_extra=SERVER,
     )
     otlp_traces_endpoint: str | None = Field(
         None,
         description="Export OpenTelemetry traces over OTLP/HTTP (protobuf) to this URL, e.g. "
         "http://collector:4318/v1/traces (a bare host:port URL gets /v1/traces); needs the "
         "`tracing` extra. Off by default.",
+        json_schema_extra=SERVER,
     )
 
     @field_validator(
@@ -351,3 +436,31 @@ def split_list(item: object) -> list[str]:
             raise ValueError("a JSON value must be a list of strings")
         return [v.strip() for v in parsed if v.strip()]
     return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _marks(name: str) -> dict[str, Any]:
+    extra = ServerSettings.model_fields[name].json_schema_extra
+    if not isinstance(extra, dict):
+        raise TypeError(f"setting {name!r} carries no scope marks")
+    return extra
+
+
+def default_of(name: str) -> Any:
+    """A setting's default, for the records built from the settings (one definition)."""
+    return ServerSettings.model_fields[name].get_default(call_default_factory=True)
+
+
+def scope_of(name: str) -> Scope:
+    """Whether a setting is the server's or each model's own."""
+    return Scope(_marks(name)["scope"])
+
+
+def shapes_outputs(name: str) -> bool:
+    """Whether a setting changes what the model computes (not only how the server runs)."""
+    return bool(_marks(name)["shapes_outputs"])
+
+
+# Settings a --models-config entry may set for itself.
+PER_MODEL = frozenset(n for n in ServerSettings.model_fields if scope_of(n) is Scope.MODEL)
+# Settings that change how the engine runs, never what it computes: a resumed job may change them.
+RUN_ONLY_SETTINGS = frozenset(n for n in ServerSettings.model_fields if not shapes_outputs(n))

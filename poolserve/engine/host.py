@@ -10,29 +10,34 @@ paths, the sockets included. With two or more models the engines take turns on t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
-import os
 import shutil
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 
-from poolserve.config.scheduler import SchedulerConfig
+from poolserve.config.core import CoreConfig
 from poolserve.engine.loop import Engine
 from poolserve.engine.server import EngineCore
 from poolserve.engine.turns import DeviceTurns, Seat
 from poolserve.models.loader import load_model, resolve_dtype
 from poolserve.models.quantization import check_quantization
 from poolserve.models.spec import LoadedModel
-from poolserve.types.errors import UnsupportedDtypeError, UnsupportedQuantizationError
+from poolserve.types.errors import (
+    ModelStartError,
+    UnsupportedDtypeError,
+    UnsupportedQuantizationError,
+)
+from poolserve.types.limits import SchedulerConfig
 from poolserve.types.observer import EngineObserver
 from poolserve.types.params import LogitCalibration
-from poolserve.types.tasks import CLASSIFIER_HEADS, PoolingType
+from poolserve.types.protocol import socket_path
+from poolserve.types.tasks import CLASSIFIER_HEADS
 
 logger = logging.getLogger(__name__)
 
@@ -46,51 +51,6 @@ DTYPES: dict[str, torch.dtype | None] = {
     "float16": torch.float16,
 }
 GIB = 1 << 30
-
-
-@dataclass(frozen=True)
-class CoreConfig:
-    """Everything the engine core needs to load the model and build its engine."""
-
-    model: str | None
-    revision: str | None = None
-    device: str = "auto"
-    dtype: str = "auto"
-    quantization: str | None = None
-    allow_slower_precision: bool = False
-    hf_overrides: dict[str, Any] | None = None
-    max_model_len: int | None = None
-    embed_pooling: PoolingType | None = None
-    # vLLM's logit_mean/logit_sigma (--pooler-config): classifier logits calibrated in the core
-    logit_mean: float | None = None
-    logit_sigma: float | None = None
-    max_num_batched_tokens: int = 4096
-    max_num_seqs: int = 256
-    max_num_queued_requests: int = 1024
-    max_num_queued_tokens: int = 262144
-    long_prefill_token_threshold: int | None = None
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # None: the longest prompt plus one step's tokens
-    async_scheduling: bool = True
-    enable_prefix_caching: bool = True
-    record_timelines: bool = False
-    # several models on one device: among engines waiting for it the lower priority steps first
-    priority: int = 0
-    # CUDA: the most of the device's memory this model may hold (weights + KV pool); None: no cap
-    gpu_memory_fraction: float | None = None
-
-
-class ModelStartError(ValueError):
-    """One model of the core could not be loaded or built; the message names it."""
-
-    def __init__(self, model: str | None, cause: Exception) -> None:
-        super().__init__(f"model {model!r}: {cause}")
-        self.model = model
-
-
-def socket_path(directory: str, index: int) -> str:
-    """Where model `index` (in the served models' order) of the engine core listens."""
-    return os.path.join(directory, f"engine-core-{index}.sock")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -223,20 +183,18 @@ def scheduler_config(
             f"--num-kv-blocks ({num_kv_blocks}) cannot hold one prompt of max_model_len "
             f"({max_model_len}); it needs at least {blocks_for_longest}"
         )
-    return SchedulerConfig(
-        max_num_batched_tokens=budget,
-        max_num_seqs=config.max_num_seqs,
-        max_num_queued_requests=config.max_num_queued_requests,
-        max_num_queued_tokens=config.max_num_queued_tokens,
-        long_prefill_token_threshold=config.long_prefill_token_threshold,
-        block_size=config.block_size,
-        num_kv_blocks=num_kv_blocks,
-        enable_chunked_prefill=loaded.spec.is_causal,
-        async_scheduling=config.async_scheduling,
+    computed: dict[str, Any] = {
+        "num_kv_blocks": num_kv_blocks,
+        "enable_chunked_prefill": loaded.spec.is_causal,
         # bidirectional attention: a position's KV depends on later tokens, so nothing is shared
-        enable_prefix_caching=config.enable_prefix_caching and loaded.spec.is_causal,
-        record_timelines=config.record_timelines,
-    )
+        "enable_prefix_caching": config.enable_prefix_caching and loaded.spec.is_causal,
+    }
+    same = {
+        f.name: getattr(config, f.name)
+        for f in dataclasses.fields(SchedulerConfig)
+        if f.name not in computed
+    }
+    return SchedulerConfig(**same, **computed)
 
 
 class LocalCore:

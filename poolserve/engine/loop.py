@@ -14,7 +14,6 @@ from typing import cast
 import numpy as np
 import torch
 
-from poolserve.config.scheduler import SchedulerConfig
 from poolserve.engine.bridge import pooling_info_from
 from poolserve.engine.runner import PreparedStep, Runner, StepResult
 from poolserve.engine.sched.planner import max_prompt_tokens, plan_step
@@ -32,6 +31,7 @@ from poolserve.types.errors import (
     OverloadedError,
     StepFailedError,
 )
+from poolserve.types.limits import SchedulerConfig
 from poolserve.types.observer import EngineObserver, NullObserver
 from poolserve.types.outputs import PoolingOutput, StepTiming
 from poolserve.types.params import NO_CALIBRATION, LogitCalibration, PoolingParams

@@ -9,10 +9,12 @@ import os
 import signal
 from collections.abc import Sequence
 
-from poolserve.engine.host import CoreConfig, build_engines, socket_path
+from poolserve.config.core import CoreConfig
+from poolserve.engine.host import build_engines
 from poolserve.engine.loop import Engine
 from poolserve.engine.server import EngineCore
 from poolserve.types.observer import EngineObserver
+from poolserve.types.protocol import socket_path
 
 logger = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ from typing import cast
 
 import numpy as np
 
+from poolserve.engine.card import card_of
 from poolserve.engine.loop import Engine
 from poolserve.types import protocol
-from poolserve.types.card import ModelCard
 from poolserve.types.outputs import PoolingOutput
 from poolserve.types.protocol import (
     Beat,
@@ -54,7 +54,7 @@ class EngineCore:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.card = ModelCard.of(engine).dumps()
+        self.card = card_of(engine).dumps()
         self.front_ends: set[MessageStream] = set()
         self.pending: dict[Key, asyncio.Future[PoolingOutput]] = {}
         self._outbox: defaultdict[MessageStream, list[tuple[int, Done]]] = defaultdict(list)

@@ -209,7 +209,7 @@ class EngineClient:
         """
         self.precheck(len(prompts))
         card = self.card
-        ids = [checked_prompt(p, card.max_model_len, card.spec.vocab_size) for p in prompts]
+        ids = [checked_prompt(p, card.max_model_len, card.vocab_size) for p in prompts]
         types = checked_token_types(token_type_ids, ids, card.num_token_types)
         self.check_params(params)
         if not ids:

@@ -16,9 +16,9 @@ from collections.abc import (
 from dataclasses import dataclass, field
 from typing import Literal
 
+import ml_dtypes
 import numpy as np
 import orjson
-import torch
 from fastapi import Request
 from starlette.responses import Response
 
@@ -39,11 +39,14 @@ ROWS_PER_PIECE = 256  # rows of a token-level output encoded at once when stream
 INLINE_VALUES = 16384
 
 
-# embed_dtype -> (torch dtype, integer view numpy can reorder); numpy has no bfloat16 or fp8
-TORCH_DTYPES: dict[str, tuple[torch.dtype, torch.dtype]] = {
-    "bfloat16": (torch.bfloat16, torch.int16),
-    "fp8_e4m3": (torch.float8_e4m3fn, torch.uint8),
-    "fp8_e5m2": (torch.float8_e5m2, torch.uint8),
+# embed_dtype -> ml_dtypes' type for those numpy lacks, and the magnitude torch (the reference
+# vLLM's clients decode against) saturates to: fp8 e4m3fn has no infinity, so torch clamps to
+# its largest finite value where ml_dtypes would give NaN. The bytes equal torch's for every
+# non-NaN value (tests/frontend/test_encoding.py).
+NARROW_DTYPES: dict[str, tuple[type[np.generic], float | None]] = {
+    "bfloat16": (ml_dtypes.bfloat16, None),
+    "fp8_e4m3": (ml_dtypes.float8_e4m3fn, float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)),
+    "fp8_e5m2": (ml_dtypes.float8_e5m2, None),
 }
 # endianness -> numpy byte order; native is this host's, as vLLM's
 BYTE_ORDERS: dict[str, Literal["<", ">"]] = {
@@ -56,11 +59,14 @@ BYTE_ORDERS: dict[str, Literal["<", ">"]] = {
 def to_dtype_bytes(data: np.ndarray, embed_dtype: str, endianness: str = "little") -> bytes:
     """Bytes of data in the requested dtype and byte order (one-byte dtypes have none)."""
     order = BYTE_ORDERS[endianness]
-    if embed_dtype in TORCH_DTYPES:
-        dtype, view = TORCH_DTYPES[embed_dtype]
-        as_dtype = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).to(dtype)
-        raw = as_dtype.view(view).numpy()
-        return raw.astype(raw.dtype.newbyteorder(order)).tobytes()
+    if embed_dtype in NARROW_DTYPES:
+        dtype, saturate = NARROW_DTYPES[embed_dtype]
+        values = np.asarray(data, dtype=np.float32)
+        if saturate is not None:
+            values = np.clip(values, -saturate, saturate)
+        raw = values.astype(dtype)
+        bits = raw.view(np.dtype(f"u{raw.dtype.itemsize}"))  # numpy reorders integers only
+        return bits.astype(bits.dtype.newbyteorder(order)).tobytes()
     return np.ascontiguousarray(data, dtype=np.dtype(embed_dtype).newbyteorder(order)).tobytes()
 
 

@@ -171,7 +171,7 @@ def _joint_mode(model: ModelHandle, is_decoder: bool) -> PromptMode:
     """vLLM's layout of a pair (use_sep_token): the tokenizer's pair template, or, for an LLM
     read through LM-head rows, the two texts as one; a decoder tokenizer without a pair
     template joins the two texts too, as tokenizer(query, document) then does."""
-    if not model.card.spec.pair_separator:
+    if not model.card.pair_separator:
         return PromptMode.CONCATENATE
     if is_decoder and model.pair_template is None:
         return PromptMode.CONCATENATE

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from poolserve.models.spec import SentenceTransformersConfig
 from poolserve.types.errors import InvalidRequestError
+from poolserve.types.model import SentenceTransformersConfig
 
 logger = logging.getLogger(__name__)
 

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from poolserve.config.pooler import PoolerDefaults
 from poolserve.config.settings import ServerSettings
-from poolserve.engine.host import LocalCore
 from poolserve.frontend.client import EngineClient
-from poolserve.frontend.jobs import PoolerDefaults, TruncationSide
+from poolserve.frontend.jobs import TruncationSide
 from poolserve.frontend.pair_template import PairLayout
 from poolserve.frontend.prompts import Prompts
 from poolserve.observability.metrics import ServiceMetrics
@@ -18,6 +19,9 @@ from poolserve.observability.tracing import NO_TRACING, Tracing
 from poolserve.types.admission import CharBudget
 from poolserve.types.card import ModelCard
 from poolserve.types.tasks import DEFAULT_TASK_ORDER, PoolingTask
+
+if TYPE_CHECKING:  # loaded only where the engine core runs in this process
+    from poolserve.engine.host import LocalCore
 
 # Default --max-input-chars per token of max_model_len: normal text takes 3-6 characters a token,
 # so even text of long words, URLs or indentation fits a max_model_len prompt.
@@ -93,7 +97,7 @@ class ModelHandle:
 
     def label_of(self, probs: np.ndarray) -> str:
         """The best class's name: the model's id2label entry, else LABEL_<index>."""
-        labels = self.card.spec.labels
+        labels = self.card.labels
         best = int(np.argmax(probs))
         return labels[best] if best < len(labels) else f"LABEL_{best}"
 
@@ -120,7 +124,7 @@ class ModelHandle:
     @property
     def dtype(self) -> str:
         """The weights' dtype as the flag names it: float32, bfloat16, float16."""
-        return str(self.card.spec.dtype).removeprefix("torch.")
+        return self.card.dtype
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from poolserve.http.api import admin, retrieval
 from poolserve.http.api.schemas import RerankRequestBody, TokenizeRequest
 from poolserve.http.compat import infinity, tei_embed, tei_predict, tei_rerank, tei_tokens
 from poolserve.http.compat.tei_common import TEIRoute, mark
-from poolserve.http.edge.routing import StrictJSONRoute
+from poolserve.http.routing import StrictJSONRoute
 from poolserve.types.errors import InvalidRequestError
 from poolserve.types.tasks import PoolingTask
 

@@ -4,12 +4,7 @@ from poolserve.models.attention import AttentionBackend, AttentionMetadata, buil
 from poolserve.models.kv_cache import PagedKVCache
 from poolserve.models.loader import load_model
 from poolserve.models.packed import PackedModel, validate_token_ids
-from poolserve.models.spec import (
-    LoadedModel,
-    ModelHeads,
-    ModelSpec,
-    SentenceTransformersConfig,
-)
+from poolserve.models.spec import LoadedModel, ModelHeads, ModelSpec
 from poolserve.types.errors import (
     InvalidTokenIdError,
     ModelError,
@@ -17,6 +12,7 @@ from poolserve.types.errors import (
     UnsafeCheckpointError,
     UnsupportedArchitectureError,
 )
+from poolserve.types.model import SentenceTransformersConfig
 from poolserve.types.tasks import HeadKind
 
 __all__ = [

@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from poolserve.models.spec import SentenceTransformersConfig
 from poolserve.models.weights import load_state_dict
 from poolserve.types.errors import ModelLoadError
+from poolserve.types.model import SentenceTransformersConfig
 
 MODULES_FILE = "modules.json"
 # Written by sentence-transformers beside modules.json: prompts, default prompt, similarity function

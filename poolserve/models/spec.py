@@ -1,4 +1,4 @@
-"""Frozen records describing a loaded model: spec, heads, sentence-transformers config."""
+"""Frozen records describing a loaded model: spec, heads, what load_model() produces."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from poolserve.types.model import SentenceTransformersConfig
 from poolserve.types.tasks import HeadKind
 
 if TYPE_CHECKING:
@@ -42,26 +43,6 @@ class ModelSpec:
     # vLLM's use_sep_token: a text pair is laid out by the tokenizer's pair template; false: the
     # two texts are scored as one concatenated text (an LLM read through LM-head rows)
     pair_separator: bool = True
-
-
-@dataclass(frozen=True)
-class SentenceTransformersConfig:
-    """The sentence-transformers modules: input limits, then pooling, Dense, Normalize."""
-
-    pooling_mode: str | None
-    dense: torch.nn.Module | None
-    normalize: bool
-    # sentence_bert_config.json: sentence-transformers always truncates texts to max_seq_length
-    max_seq_length: int | None = None
-    do_lower_case: bool = False
-    # config_sentence_transformers.json: named prompts, the default one, the similarity function
-    # and the output size encode() truncates to (a model trained for Matryoshka dimensions)
-    prompts: tuple[tuple[str, str], ...] = ()
-    default_prompt_name: str | None = None
-    similarity_fn_name: str | None = None
-    truncate_dim: int | None = None
-    # the Pooling module's include_prompt: false drops prompt tokens from the pooled mean
-    include_prompt: bool = True
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NoReturn
 
-from poolserve.config.scheduler import SchedulerConfig
 from poolserve.types.errors import OverloadedError, OverloadReason, RequestTooLargeError
+from poolserve.types.limits import SchedulerConfig
 
 MIN_RETRY_AFTER_S = 1.0
 # a stale or tiny throughput estimate must not tell clients to go away for hours

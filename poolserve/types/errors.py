@@ -200,6 +200,14 @@ class EmptyPromptError(SchedulerError):
         super().__init__("the prompt has no tokens")
 
 
+class ModelStartError(ValueError):
+    """One model of the core could not be loaded or built; the message names it."""
+
+    def __init__(self, model: str | None, cause: Exception) -> None:
+        super().__init__(f"model {model!r}: {cause}")
+        self.model = model
+
+
 # --- front end: request errors that carry their HTTP shape ---
 
 

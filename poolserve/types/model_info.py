@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from enum import Enum
 from functools import cached_property
-
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from poolserve.types.errors import PoolingConfigError
 from poolserve.types.tasks import SUPPORTED_TASKS, HeadKind, PoolingTask, PoolingType, head_tasks
+
+if TYPE_CHECKING:  # the engine's records hold modules; a front end's card holds none
+    from torch import nn
 
 
 class ScoreActivation(Enum):
@@ -28,9 +31,20 @@ ST_POOLING_MODES: dict[str, PoolingType] = {
 }
 
 
+# The field holding each head kind's module (at most one is set; none: HeadKind.NONE).
+HEAD_FIELDS: dict[HeadKind, str] = {
+    HeadKind.SEQUENCE_CLASSIFIER: "seq_classifier",
+    HeadKind.TOKEN_CLASSIFIER: "token_classifier",
+    HeadKind.PROCESS_REWARD: "process_reward_head",
+    HeadKind.TOKEN_REWARD: "token_reward_head",
+    HeadKind.MASKED_LM: "mlm_head",
+    HeadKind.LATE_INTERACTION: "token_projection",
+}
+
+
 @dataclass(frozen=True, eq=False)
 class PoolingModelInfo:
-    """A model as pooling sees it; built once per loaded model by the scheduler's runner.
+    """A model as pooling sees it; built once per loaded model by the engine's bridge.
 
     Head modules map hidden states `[..., hidden_size]` to outputs `[..., out]` and are shared by
     every request (pooling never mutates them). Give them in float32: heads compute in float32,
@@ -67,20 +81,13 @@ class PoolingModelInfo:
     sparse_excluded_ids: frozenset[int] = frozenset()
     # A ColBERT projection `[..., hidden] -> [..., dim]` applied to every token (late interaction).
     token_projection: nn.Module | None = None
+    # The head kind when the modules are not carried (a front end's card, torch-free); None:
+    # derived from the module that is set.
+    head: HeadKind | None = None
 
     def __post_init__(self) -> None:
-        heads = [
-            h
-            for h in (
-                self.seq_classifier,
-                self.token_classifier,
-                self.process_reward_head,
-                self.token_reward_head,
-            )
-            if h is not None
-        ]
-        extra = (self.mlm_head is not None) + (self.token_projection is not None)
-        if len(heads) + extra > 1:
+        carried = [name for name in HEAD_FIELDS.values() if getattr(self, name) is not None]
+        if len(carried) > 1:
             raise PoolingConfigError("a model carries at most one task head")
         if self.hidden_size <= 0:
             raise PoolingConfigError(f"hidden_size must be positive, got {self.hidden_size}")
@@ -90,21 +97,22 @@ class PoolingModelInfo:
                 f"sentence-transformers pooling mode {self.st_pooling_mode!r} is not supported "
                 f"(known: {known})"
             )
-        if heads and (self.num_labels is None or self.num_labels <= 0):
+        labelled = carried and carried[0] not in ("mlm_head", "token_projection")
+        if labelled and (self.num_labels is None or self.num_labels <= 0):
             raise PoolingConfigError("a classifier or reward head needs a positive num_labels")
 
     @cached_property  # asked per request; the heads never change
     def head_kind(self) -> HeadKind:
         """The kind of task head this model carries."""
-        by_field = {
-            HeadKind.SEQUENCE_CLASSIFIER: self.seq_classifier,
-            HeadKind.TOKEN_CLASSIFIER: self.token_classifier,
-            HeadKind.PROCESS_REWARD: self.process_reward_head,
-            HeadKind.TOKEN_REWARD: self.token_reward_head,
-            HeadKind.MASKED_LM: self.mlm_head,
-            HeadKind.LATE_INTERACTION: self.token_projection,
-        }
-        return next((kind for kind, head in by_field.items() if head is not None), HeadKind.NONE)
+        if self.head is not None:
+            return self.head
+        kinds = (kind for kind, name in HEAD_FIELDS.items() if getattr(self, name) is not None)
+        return next(kinds, HeadKind.NONE)
+
+    def without_modules(self) -> PoolingModelInfo:
+        """The same facts without a module: what a front end's card carries (no torch needed)."""
+        modules: dict[str, Any] = dict.fromkeys((*HEAD_FIELDS.values(), "embed_projection"))
+        return dataclasses.replace(self, head=self.head_kind, **modules)
 
     @cached_property  # asked per request
     def supported_tasks(self) -> frozenset[PoolingTask]:

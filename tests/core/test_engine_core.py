@@ -18,9 +18,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
-from poolserve.engine.host import CoreConfig, CoreThread, build_engine
+from poolserve.config.core import CoreConfig
+from poolserve.engine.card import card_of
+from poolserve.engine.host import CoreThread, build_engine
 from poolserve.engine.sched.request import RequestStatus
 from poolserve.frontend.client import EngineClient
 from poolserve.types import protocol
@@ -36,8 +37,9 @@ from poolserve.types.errors import (
     StepFailedError,
     UnsupportedTaskError,
 )
+from poolserve.types.model_info import HEAD_FIELDS
 from poolserve.types.params import PoolingParams
-from poolserve.types.tasks import PoolingTask
+from poolserve.types.tasks import HeadKind, PoolingTask
 from poolserve.types.validation import validate_params
 from tests.core.waiting import until
 
@@ -266,7 +268,7 @@ def test_refusals_are_the_engines_own_errors(core: CoreThread) -> None:
             with pytest.raises(PromptTooLongError):
                 await client.submit_many([[1] * (client.max_model_len + 1)], EMBED)
             with pytest.raises(InvalidTokenIdError):
-                await client.submit_many([[client.card.spec.vocab_size]], EMBED)
+                await client.submit_many([[client.card.vocab_size]], EMBED)
             with pytest.raises(UnsupportedTaskError):
                 client.check_params(PoolingParams(task=PoolingTask.CLASSIFY))
             core.call(lambda: setattr(core.engine, "draining", True))
@@ -341,8 +343,14 @@ def test_a_front_end_that_leaves_frees_its_work(core: CoreThread) -> None:
 
 
 def test_card_carries_structure_and_no_weights(core: CoreThread) -> None:
-    card = ModelCard.loads(core.call(lambda: ModelCard.of(core.engine)).dumps())
-    assert card.spec == core.engine.loaded.spec
+    card = ModelCard.loads(core.call(lambda: card_of(core.engine)).dumps())
+    spec = core.engine.loaded.spec
+    assert (card.architecture, card.vocab_size, card.labels) == (
+        spec.architecture,
+        spec.vocab_size,
+        spec.labels,
+    )
+    assert card.dtype == str(spec.dtype).removeprefix("torch.")
     assert card.max_model_len == core.engine.max_model_len
     assert card.supported_tasks == frozenset(core.engine.supported_tasks)
     assert (
@@ -357,18 +365,19 @@ def test_card_carries_structure_and_no_weights(core: CoreThread) -> None:
         assert _outcome(card.pooling_info, params) == _outcome(core.engine.pooling_info, params)
 
 
-def test_card_of_a_headed_model_keeps_head_shapes_on_meta(
+def test_card_of_a_headed_model_carries_its_head_kind_and_no_module(
     tiny_model_dir: Callable[[str], Path],
 ) -> None:
     engine = build_engine(_config(tiny_model_dir("llama_cls3")))
-    card = ModelCard.loads(ModelCard.of(engine).dumps())
-    head = card.pooling_info.seq_classifier
-    assert head is not None and engine.pooling_info.seq_classifier is not None
-    shapes = [p.shape for p in head.parameters()]
-    assert shapes == [p.shape for p in engine.pooling_info.seq_classifier.parameters()]
-    assert all(p.device == torch.device("meta") for p in head.parameters())
+    card = ModelCard.loads(card_of(engine).dumps())
+    info = card.pooling_info
+    assert info.head_kind is engine.pooling_info.head_kind is HeadKind.SEQUENCE_CLASSIFIER
+    assert info.supported_tasks == engine.pooling_info.supported_tasks
+    assert (info.num_labels, card.labels) == (3, engine.loaded.spec.labels)
+    modules = [getattr(info, name) for name in (*HEAD_FIELDS.values(), "embed_projection")]
+    assert modules == [None] * len(modules)
     # the engine's own head keeps its weights
-    assert all(p.device.type == "cpu" for p in engine.pooling_info.seq_classifier.parameters())
+    assert engine.pooling_info.seq_classifier is not None
 
 
 def _outcome(info: object, params: PoolingParams) -> str:

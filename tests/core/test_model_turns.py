@@ -30,21 +30,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from poolserve.engine.host import (
-    GIB,
-    CoreConfig,
-    CoreThread,
-    LocalCore,
-    ModelStartError,
-    build_engine,
-    check_memory_fraction,
-    socket_path,
-)
+from poolserve.config.core import CoreConfig
+from poolserve.engine.host import GIB, CoreThread, LocalCore, build_engine, check_memory_fraction
 from poolserve.engine.loop import Engine
 from poolserve.engine.runner import PreparedStep, StepResult
 from poolserve.frontend.client import EngineClient
+from poolserve.types.errors import ModelStartError
 from poolserve.types.observer import NullObserver
 from poolserve.types.params import PoolingParams
+from poolserve.types.protocol import socket_path
 from poolserve.types.tasks import PoolingTask
 from tests.core.waiting import until
 

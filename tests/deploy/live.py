@@ -42,7 +42,7 @@ def server_command(port: int) -> list[str]:
     """`poolserve serve` from the venv's console script, else the CLI module."""
     venv_script = Path(sys.executable).parent / "poolserve"
     script = str(venv_script) if venv_script.exists() else shutil.which("poolserve")
-    start = [script] if script else [sys.executable, "-m", "poolserve.config.flags"]
+    start = [script] if script else [sys.executable, "-m", "poolserve"]
     return [*start, "serve", "--port", str(port)]
 
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from poolserve.config.scheduler import SchedulerConfig
 from poolserve.engine.loop import Engine
 from poolserve.models import LoadedModel, load_model
+from poolserve.types.limits import SchedulerConfig
 from poolserve.types.params import PoolingParams
 from poolserve.types.tasks import PoolingTask
 from tests.models.driver import assert_close

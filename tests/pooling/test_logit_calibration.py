@@ -20,11 +20,12 @@ import torch
 from starlette.testclient import TestClient
 from transformers import AutoTokenizer
 
+from poolserve.config.core import core_config
+from poolserve.config.pooler import parse_pooler_config
 from poolserve.config.settings import ServerSettings
 from poolserve.engine.host import CoreThread
 from poolserve.frontend.client import EngineClient
-from poolserve.frontend.jobs import parse_pooler_config
-from poolserve.http.app import core_config, create_app
+from poolserve.http.app import create_app
 from poolserve.types.params import PoolingParams
 from poolserve.types.tasks import PoolingTask
 from tests.service.conftest import assert_close

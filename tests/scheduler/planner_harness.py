@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from poolserve.config.scheduler import SchedulerConfig
 from poolserve.engine.sched.kv_blocks import BlockAllocator
 from poolserve.engine.sched.planner import BatchPlan, PlannerSeq, ScheduledChunk, plan_step
+from poolserve.types.limits import SchedulerConfig
 
 
 @dataclass(frozen=True)

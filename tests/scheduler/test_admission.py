@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from poolserve.config.scheduler import SchedulerConfig
 from poolserve.types.admission import AdmissionControl, AdmissionSnapshot, OverloadReason
 from poolserve.types.errors import OverloadedError, RequestTooLargeError
+from poolserve.types.limits import SchedulerConfig
 
 Q = OverloadReason.QUEUE_FULL
 T = OverloadReason.TOKENS_FULL

@@ -13,11 +13,11 @@ import torch
 import transformers
 
 import poolserve.engine.cpu_threads as cpu_threads
-from poolserve.config.scheduler import SchedulerConfig
 from poolserve.engine.cpu_threads import StepThreads, matmul_flops_per_token
 from poolserve.engine.loop import Engine
 from poolserve.models.loader import load_model
 from poolserve.models.spec import LoadedModel
+from poolserve.types.limits import SchedulerConfig
 from poolserve.types.params import PoolingParams
 from poolserve.types.tasks import PoolingTask
 

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import poolserve.pooling.methods as pooling_methods
-from poolserve.config.scheduler import SchedulerConfig
 from poolserve.engine.loop import Engine
 from poolserve.models.loader import load_model
 from poolserve.models.spec import LoadedModel
@@ -24,6 +23,7 @@ from poolserve.types.errors import (
     OverloadedError,
     StepFailedError,
 )
+from poolserve.types.limits import SchedulerConfig
 from poolserve.types.outputs import PoolingOutput
 from poolserve.types.params import PoolingParams
 from poolserve.types.tasks import PoolingTask

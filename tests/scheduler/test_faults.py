@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from poolserve.config.scheduler import SchedulerConfig
 from poolserve.engine.loop import Engine
 from poolserve.engine.runner import PreparedStep, StepResult
 from poolserve.models.loader import load_model
@@ -19,6 +18,7 @@ from poolserve.models.spec import LoadedModel
 from poolserve.observability.metrics import ServiceMetrics
 from poolserve.pooling.methods import AllPool
 from poolserve.types.errors import InvalidTokenIdError, StepFailedError
+from poolserve.types.limits import SchedulerConfig
 from poolserve.types.outputs import PoolingOutput
 from poolserve.types.params import PoolingParams
 from poolserve.types.tasks import PoolingTask

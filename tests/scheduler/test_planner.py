@@ -6,7 +6,6 @@ import random
 
 import pytest
 
-from poolserve.config.scheduler import SchedulerConfig
 from poolserve.engine.sched.planner import (
     BatchPlan,
     PlannerSeq,
@@ -16,6 +15,7 @@ from poolserve.engine.sched.planner import (
     plan_step,
 )
 from poolserve.types.errors import PromptTooLongError
+from poolserve.types.limits import SchedulerConfig
 from tests.scheduler.planner_harness import Arrival, Harness, run_steps
 
 C = ScheduledChunk  # expected chunks read as C(request_id, start, num_tokens, is_last, new_blocks)

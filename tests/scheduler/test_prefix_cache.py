@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from poolserve.config.scheduler import SchedulerConfig
 from poolserve.engine.sched.planner import (
     PlannerSeq,
     ScheduledChunk,
@@ -15,6 +14,7 @@ from poolserve.engine.sched.planner import (
 )
 from poolserve.engine.sched.prefix_cache import PrefixCache, extend_block_hashes
 from poolserve.types.errors import BlockFreeError, NoFreeBlocksError
+from poolserve.types.limits import SchedulerConfig
 
 C = ScheduledChunk  # C(request_id, start, num_tokens, is_last, new_blocks, donated_tokens)
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from poolserve.config.scheduler import SchedulerConfig
 from poolserve.engine.loop import Engine
 from poolserve.models.loader import load_model
 from poolserve.models.spec import LoadedModel
+from poolserve.types.limits import SchedulerConfig
 from poolserve.types.outputs import PoolingOutput
 from poolserve.types.params import PoolingParams
 from poolserve.types.tasks import PoolingTask

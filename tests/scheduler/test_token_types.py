@@ -12,11 +12,11 @@ import pytest
 import torch
 import transformers
 
-from poolserve.config.scheduler import SchedulerConfig
 from poolserve.engine.loop import Engine
 from poolserve.models.loader import load_model
 from poolserve.models.spec import LoadedModel
 from poolserve.types.errors import InvalidTokenTypeError
+from poolserve.types.limits import SchedulerConfig
 from poolserve.types.outputs import PoolingOutput
 from poolserve.types.params import PoolingParams
 from poolserve.types.tasks import PoolingTask

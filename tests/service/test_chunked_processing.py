@@ -24,9 +24,10 @@ import torch
 from starlette.testclient import TestClient
 from transformers import AutoModel, AutoTokenizer, PreTrainedTokenizerBase
 
+from poolserve.config.pooler import MAX_EMBED_LEN, parse_pooler_config
 from poolserve.config.settings import ServerSettings
 from poolserve.frontend.chunked import cut, slice_params
-from poolserve.frontend.jobs import MAX_EMBED_LEN, TextJob, parse_pooler_config
+from poolserve.frontend.jobs import TextJob
 from poolserve.frontend.pipeline import as_completed, gather, submit_job
 from poolserve.frontend.state import TextLimits
 from poolserve.http.app import create_app

@@ -17,7 +17,7 @@ from tests.deploy.tools import REPO_ROOT
 
 def test_help_documents_every_setting() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "poolserve.config.flags", "serve", "--help"],
+        [sys.executable, "-m", "poolserve", "serve", "--help"],
         capture_output=True,
         text=True,
         check=True,
@@ -171,7 +171,7 @@ def test_bad_operator_values_exit_2(argv: list[str]) -> None:
 
 def test_version_flag_prints_the_package_version() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "poolserve.config.flags", "--version"],
+        [sys.executable, "-m", "poolserve", "--version"],
         capture_output=True,
         text=True,
         check=True,

@@ -14,7 +14,7 @@ from starlette.testclient import TestClient
 
 from poolserve.config.settings import ServerSettings
 from poolserve.http.app import create_app
-from poolserve.http.edge.routing import DirectRoutes
+from poolserve.http.routing import DirectRoutes
 
 JSON = {"content-type": "application/json"}
 # (path, raw body, headers): answers, every kind of refusal, and TEI's error family

@@ -183,7 +183,7 @@ def test_version_route_and_flag_report_the_package_version(tls_server: TLSServer
     answer = httpx.get(tls_server.base_url + "/version", verify=tls_server.trusting)  # open
     assert answer.json() == {"version": version("poolserve")}
     printed = subprocess.run(
-        [sys.executable, "-m", "poolserve.config.flags", "--version"],
+        [sys.executable, "-m", "poolserve", "--version"],
         capture_output=True,
         text=True,
         check=True,

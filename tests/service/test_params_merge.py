@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from poolserve.frontend.jobs import PoolerDefaults, Requested, merge
+from poolserve.config.pooler import PoolerDefaults
+from poolserve.frontend.jobs import Requested, merge
 from poolserve.types.params import PoolingParams
 from poolserve.types.tasks import PoolingTask
 

@@ -50,7 +50,7 @@ def start_server(
         handle, name = tempfile.mkstemp(prefix="poolserve-", suffix=".log")
         os.close(handle)
         log = Path(name)
-    command = [sys.executable, "-m", "poolserve.config.flags", "serve", "--port", str(port), *args]
+    command = [sys.executable, "-m", "poolserve", "serve", "--port", str(port), *args]
     with log.open("wb") as sink:
         process = subprocess.Popen(
             command,

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 
-from poolserve.config.scheduler import SchedulerConfig
 from poolserve.types.errors import PromptTooLongError
+from poolserve.types.limits import SchedulerConfig
 
 QUEUE_ORDER = attrgetter("priority", "arrival_index")  # lower first; the planner admits in it
 

@@ -6,7 +6,6 @@ import asyncio
 import time
 from dataclasses import replace
 
-from poolserve.config.scheduler import SchedulerConfig
 from poolserve.engine.runner import ChunkWork
 from poolserve.engine.sched.planner import (
     QUEUE_ORDER,
@@ -18,6 +17,7 @@ from poolserve.engine.sched.planner import (
 from poolserve.engine.sched.prefix_cache import CacheUse, PrefixCache, extend_block_hashes
 from poolserve.engine.sched.request import PoolingRequest, RequestStatus
 from poolserve.types.admission import AdmissionControl
+from poolserve.types.limits import SchedulerConfig
 from poolserve.types.outputs import PoolingOutput
 
 

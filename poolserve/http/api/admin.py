@@ -21,8 +21,8 @@ from poolserve.frontend.pipeline import check_serving, service_state
 from poolserve.frontend.state import ModelHandle, ServiceState
 from poolserve.frontend.texts import tokenize_prompt
 from poolserve.http.api.schemas import DetokenizeRequest, TokenizeRequest
-from poolserve.http.edge.routing import StrictJSONRoute
 from poolserve.http.errors import error_response
+from poolserve.http.routing import StrictJSONRoute
 from poolserve.types.errors import InvalidRequestError
 from poolserve.types.tasks import PoolingTask, PoolingType
 
@@ -70,7 +70,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
 async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
     """Text of token ids."""
     model = _routed(request, service_state(request), body.model)
-    vocab_size = model.card.spec.vocab_size
+    vocab_size = model.card.vocab_size
     bad = [t for t in body.tokens if t >= vocab_size]
     if bad:
         raise InvalidRequestError(
@@ -125,7 +125,7 @@ async def info(request: Request, model: str | None = None) -> Response:
         {
             "model": handle.served_name,
             "model_source": _source(handle),
-            "architecture": handle.card.spec.architecture,
+            "architecture": handle.card.architecture,
             "tasks": [t.value for t in handle.supported_tasks],
             "dtype": handle.dtype,
             "device": handle.device,
@@ -147,14 +147,13 @@ async def info(request: Request, model: str | None = None) -> Response:
 def sentence_transformers_info(model: ModelHandle) -> dict[str, object]:
     """Prompts, the default prompt, the similarity function and Matryoshka sizes."""
     st = model.card.sentence_transformers
-    spec = model.card.spec
     return {
         "prompts": dict(model.prompts.named),
         "default_prompt_name": model.prompts.default_name,
         # sentence-transformers' own default when the model saved none
         "similarity_fn_name": (st.similarity_fn_name if st else None) or "cosine",
         "truncate_dim": st.truncate_dim if st else None,
-        "matryoshka_dimensions": spec.matryoshka_dimensions,
+        "matryoshka_dimensions": model.card.matryoshka_dimensions,
     }
 
 
@@ -187,7 +186,7 @@ TEI_POOLING = {PoolingType.CLS: "cls", PoolingType.MEAN: "mean", PoolingType.LAS
 
 def _tei_model_type(model: ModelHandle) -> dict[str, object]:
     """TEI's model_type: a classifier (one label: a reranker) with its labels, or an embedder."""
-    labels = model.card.spec.labels
+    labels = model.card.labels
     tasks = model.card.supported_tasks
     if PoolingTask.CLASSIFY in tasks and labels:
         kind = "reranker" if len(labels) == 1 else "classifier"

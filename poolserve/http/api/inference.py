@@ -41,8 +41,8 @@ from poolserve.http.api.schemas import (
     PoolingRequestBody,
 )
 from poolserve.http.api.span_items import SpanRows, span_rows
-from poolserve.http.edge.routing import StrictJSONRoute
 from poolserve.http.errors import error_line
+from poolserve.http.routing import StrictJSONRoute
 from poolserve.types.errors import InvalidRequestError
 from poolserve.types.outputs import PoolingOutput
 from poolserve.types.tasks import NORMALIZING_TASKS, PoolingTask

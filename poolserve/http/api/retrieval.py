@@ -21,7 +21,7 @@ from poolserve.frontend.jobs import ScoreJob, Truncate
 from poolserve.frontend.pipeline import check_serving, service_state
 from poolserve.frontend.scoring import Scored, best_first, score
 from poolserve.http.api.schemas import RerankRequestBody, ScoreRequestBody
-from poolserve.http.edge.routing import StrictJSONRoute
+from poolserve.http.routing import StrictJSONRoute
 from poolserve.types.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ from poolserve.frontend.jobs import Requested, TextJob, Truncate
 from poolserve.frontend.pipeline import check_serving, gather, service_state, submit
 from poolserve.frontend.state import ModelHandle
 from poolserve.frontend.texts import check_batch_size
-from poolserve.http.edge.routing import StrictJSONRoute
+from poolserve.http.routing import StrictJSONRoute
 from poolserve.types.errors import InvalidRequestError
 from poolserve.types.outputs import PoolingOutput
 from poolserve.types.tasks import PoolingTask

@@ -23,7 +23,7 @@ from poolserve.frontend.pipeline import check_serving, gather, service_state, su
 from poolserve.frontend.scoring import score
 from poolserve.frontend.state import ModelHandle, ServiceState
 from poolserve.frontend.texts import check_batch_size
-from poolserve.http.edge.routing import StrictJSONRoute
+from poolserve.http.routing import StrictJSONRoute
 from poolserve.types.errors import InvalidRequestError
 from poolserve.types.outputs import PoolingOutput
 from poolserve.types.stats import EngineSnapshot

@@ -19,8 +19,8 @@ from poolserve.frontend.encoding import JSON, Encoded, answer, dumps
 from poolserve.frontend.jobs import Job, Truncate
 from poolserve.frontend.pipeline import check_serving, gather, service_state, submit
 from poolserve.frontend.state import ModelHandle
-from poolserve.http.edge.routing import StrictJSONRoute
 from poolserve.http.errors import ERROR_FAMILY_KEY, TEI_FAMILY
+from poolserve.http.routing import StrictJSONRoute
 from poolserve.types.errors import InvalidRequestError
 from poolserve.types.outputs import PoolingOutput
 

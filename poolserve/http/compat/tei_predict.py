@@ -75,7 +75,7 @@ async def predict(body: PredictRequest, request: Request) -> Response:
     started = time.monotonic()
     sequences = parse_inputs(body.inputs)
     model = default_model(request)
-    labels = model.card.spec.labels
+    labels = model.card.labels
     check_batch_size(len(sequences.items), model.settings.max_client_batch_size, "inputs")
     if any(not "".join(item) for item in sequences.items):  # TEI's empty text or pair
         raise empty("inputs")

@@ -130,7 +130,7 @@ async def decode(body: DecodeRequest, request: Request) -> Response:
     _, model = check_serving(service_state(request), None)
     batch = _id_lists(body.ids)
     _batch(model, batch, "ids")
-    vocab_size = model.card.spec.vocab_size
+    vocab_size = model.card.vocab_size
     for ids in batch:
         bad = [t for t in ids if t >= vocab_size]
         if bad:

@@ -16,8 +16,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from poolserve.frontend.state import ServiceState
 from poolserve.http.edge.handlers import error_answer
-from poolserve.http.edge.routing import route_path
 from poolserve.http.errors import CLOSE, EdgeError, error_line, response_for
+from poolserve.http.routing import route_path
 from poolserve.observability.logs import (
     ACCESS_LOGGER,
     CLIENT_CLOSED,

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from poolserve.config.flags import add_settings_flags, settings_from_args
-from poolserve.config.settings import ServerSettings
+from poolserve.config.settings import RUN_ONLY_SETTINGS, ServerSettings
 from poolserve.observability.logs import configure_logging
 
 if TYPE_CHECKING:  # argparse's class takes a type argument only for type checkers
@@ -28,48 +28,6 @@ logger = logging.getLogger("poolserve.jobs.embed")
 # them equal; arrow.py needs pyarrow, which --help must not load)
 EMBED_DTYPES = ("float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2")
 INPUT_FORMATS = ("jsonl", "csv", "parquet")
-# Settings that change how the engine runs, never what it computes: a resumed job may change
-# them. Every other setting (model, dtype, device, pooler config, ...) is in the manifest.
-RUN_ONLY_SETTINGS = frozenset(
-    {
-        "served_model_name",
-        "auto_truncate",  # the job always asks for its own truncation
-        "allowed_origins",
-        "allowed_methods",
-        "allowed_headers",
-        "allow_credentials",
-        "ssl_keyfile",
-        "ssl_certfile",
-        "root_path",
-        "host",
-        "port",
-        "max_num_batched_tokens",
-        "max_num_seqs",
-        "max_num_queued_requests",
-        "max_num_queued_tokens",
-        "long_prefill_token_threshold",
-        "num_kv_blocks",
-        "block_size",
-        "max_client_batch_size",
-        "max_request_chars",
-        "max_tokenizing_chars",
-        "trust_request_chat_template",
-        "payload_limit",
-        "api_key",  # a secret: never written to disk
-        "async_scheduling",
-        "enable_prefix_caching",
-        "allow_slower_precision",  # which kernel runs, never what it computes
-        "api_server_count",
-        "engine_core_timeout",
-        "shutdown_timeout",
-        "drain_delay",
-        "body_timeout",
-        "log_level",
-        "log_format",
-        "access_log",
-        "otlp_traces_endpoint",
-    }
-)
 
 
 def add_embed_command(commands: Commands) -> None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields
 class SchedulerConfig:
     """Every knob of the scheduler; validated on construction."""
 
-    max_num_batched_tokens: int = 2048  # token budget of one step
+    max_num_batched_tokens: int = 4096  # token budget of one step
     max_num_seqs: int = 256  # sequences in one step
     max_num_queued_requests: int = 1024  # admission: requests waiting + running
     max_num_queued_tokens: int = 262144  # admission: prompt tokens of unfinished requests
