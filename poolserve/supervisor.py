@@ -39,7 +39,7 @@ from poolserve.observability.metrics import (
 )
 from poolserve.types.errors import ModelError, ModelStartError
 from poolserve.types.observer import EngineObserver
-from poolserve.types.protocol import CORE_LOST_SIGNAL
+from poolserve.types.process import CORE_LOST_SIGNAL
 
 logger = logging.getLogger(__name__)
 

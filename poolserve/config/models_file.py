@@ -28,7 +28,6 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from poolserve.config.pooler import PoolerDefaults, parse_pooler_config
@@ -129,6 +128,8 @@ def _read(path: str) -> _File:
         text = Path(path).read_text()
     except OSError as exc:
         raise ModelsConfigError(f"--models-config: cannot read {path!r}: {exc.strerror}") from exc
+    import yaml  # only with --models-config
+
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

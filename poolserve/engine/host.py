@@ -36,7 +36,7 @@ from poolserve.types.errors import (
 from poolserve.types.limits import SchedulerConfig
 from poolserve.types.observer import EngineObserver
 from poolserve.types.params import LogitCalibration
-from poolserve.types.protocol import socket_path
+from poolserve.types.process import socket_path
 from poolserve.types.tasks import CLASSIFIER_HEADS
 
 logger = logging.getLogger(__name__)

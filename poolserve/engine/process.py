@@ -14,7 +14,7 @@ from poolserve.engine.host import build_engines
 from poolserve.engine.loop import Engine
 from poolserve.engine.server import EngineCore
 from poolserve.types.observer import EngineObserver
-from poolserve.types.protocol import socket_path
+from poolserve.types.process import socket_path
 
 logger = logging.getLogger(__name__)
 

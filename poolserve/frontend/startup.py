@@ -9,7 +9,6 @@ stopped. The engine core is another process (its socket directory in the state),
 from __future__ import annotations
 
 import asyncio
-import copy
 import gc
 import logging
 import math
@@ -29,7 +28,7 @@ from poolserve.observability.metrics import ModelMetrics
 from poolserve.types.admission import CharBudget
 from poolserve.types.card import ModelCard
 from poolserve.types.params import PoolingParams
-from poolserve.types.protocol import CORE_LOST_SIGNAL, socket_path
+from poolserve.types.process import CORE_LOST_SIGNAL, socket_path
 
 WARMUP_TEXT = "poolserve warm-up"
 # Allocations (net of deallocations) between two collections of the youngest generation.
@@ -140,7 +139,8 @@ def _model_handle(card: ModelCard, served: ServedModel) -> ModelHandle:
     defaults = served.pooler
     max_model_len = card.max_model_len  # computed once, by the engine
     side: TruncationSide = "left" if card.tokenizer.truncation_side == "left" else "right"
-    tokenizer = copy.deepcopy(card.tokenizer)
+    # this front end's own: the card arrived pickled, so the engine's tokenizer is untouched
+    tokenizer = card.tokenizer
     # the service cuts prompts itself and refuses long ones clearly; silence the tokenizer's warning
     tokenizer.model_max_length = 1 << 30
     st = card.sentence_transformers

@@ -86,7 +86,8 @@ def choose(
     num_tokens: int,
     cpu: CpuClass,
 ) -> PrecisionChoice:
-    """The fastest candidate of the first tier with one faster than float32, else of all.
+    """The fastest candidate of the first tier with one faster than float32, else the fastest
+    of the most faithful tier (a precision slower than float32 anyway keeps its best fidelity).
 
     Tiers rank fidelity (int8: full range before 7-bit), so a precision's outputs stay the same
     from start to start on one CPU whatever the timings' noise; SlowerPrecisionError when no
@@ -98,7 +99,7 @@ def choose(
             f"{flag} cannot run on this CPU, {cpu}: none of its kernels is exact here"
         )
     fast = [tier for tier in tiers if any(s < float32_seconds for s in tier.values())]
-    pool = fast[0] if fast else every
+    pool = fast[0] if fast else next(tier for tier in tiers if tier)
     kernel = min(pool, key=pool.__getitem__)
     return PrecisionChoice(flag, kernel, _ranked(kernel, every), float32_seconds, num_tokens, cpu)
 

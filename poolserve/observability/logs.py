@@ -7,12 +7,14 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
-from starlette.types import Scope
 
 from poolserve.types.errors import clip
+
+if TYPE_CHECKING:  # the front end's ASGI scope; the supervisor logs without starlette
+    from starlette.types import Scope
 
 LogFormat = Literal["text", "json"]
 ACCESS_LOGGER = "poolserve.access"

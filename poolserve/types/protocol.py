@@ -8,9 +8,7 @@ no array is ever turned into Python lists on either side.
 from __future__ import annotations
 
 import importlib
-import os
 import pickle
-import signal
 from collections.abc import Sequence
 from itertools import accumulate
 
@@ -208,12 +206,3 @@ def _joined(arrays: Sequence[np.ndarray]) -> bytes | memoryview:
     if len(arrays) == 1:
         return np.ascontiguousarray(arrays[0], dtype=np.int64).data
     return np.concatenate(arrays).astype(np.int64, copy=False).data
-
-
-# What the process supervisor sends a front end when the engine core process has exited.
-CORE_LOST_SIGNAL = signal.SIGUSR1
-
-
-def socket_path(directory: str, index: int) -> str:
-    """Where model `index` (in the served models' order) of the engine core listens."""
-    return os.path.join(directory, f"engine-core-{index}.sock")

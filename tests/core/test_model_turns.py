@@ -38,7 +38,7 @@ from poolserve.frontend.client import EngineClient
 from poolserve.types.errors import ModelStartError
 from poolserve.types.observer import NullObserver
 from poolserve.types.params import PoolingParams
-from poolserve.types.protocol import socket_path
+from poolserve.types.process import socket_path
 from poolserve.types.tasks import PoolingTask
 from tests.core.waiting import until
 

@@ -15,8 +15,8 @@ from safetensors import safe_open
 
 from poolserve.config.settings import ServerSettings
 from poolserve.engine.host import DTYPES, resolve_device
+from poolserve.frontend.startup import start
 from poolserve.frontend.state import ServiceState
-from poolserve.http.app import _start
 from poolserve.models import load_model
 from poolserve.models.loader import resolve_dtype
 from poolserve.observability.metrics import ServiceMetrics
@@ -117,7 +117,7 @@ def test_a_half_dtype_the_cpu_kernels_lack_is_refused(monkeypatch: pytest.Monkey
 def _start_error(settings: ServerSettings) -> str:
     """The message of the error startup fails with."""
     with pytest.raises(ValueError) as caught:
-        asyncio.run(_start(ServiceState(settings=settings, metrics=ServiceMetrics())))
+        asyncio.run(start(ServiceState(settings=settings, metrics=ServiceMetrics())))
     return str(caught.value)
 
 

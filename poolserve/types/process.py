@@ -1,0 +1,14 @@
+"""How the server's processes find and tell each other: socket paths and signals."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+# What the process supervisor sends a front end when the engine core process has exited.
+CORE_LOST_SIGNAL = signal.SIGUSR1
+
+
+def socket_path(directory: str, index: int) -> str:
+    """Where model `index` (in the served models' order) of the engine core listens."""
+    return os.path.join(directory, f"engine-core-{index}.sock")
