@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerBase
 from poolserve.models.registry import ARCHITECTURES, Backbone
 from poolserve.models.spec import LoadedModel
 from poolserve.types.errors import ModelLoadError
-from poolserve.types.model_info import PoolingModelInfo, ScoreActivation
+from poolserve.types.model_info import HEAD_FIELDS, PoolingModelInfo, ScoreActivation
 from poolserve.types.tasks import HeadKind, PoolingType
 
 logger = logging.getLogger(__name__)
@@ -32,18 +32,15 @@ def pooling_info_from(
     loaded: LoadedModel, embed_pooling: PoolingType | None = None
 ) -> PoolingModelInfo:
     """Build pooling's view of a model from the loader's records (embed_pooling overrides)."""
-    spec, heads, st = loaded.spec, loaded.heads, loaded.sentence_transformers
+    spec, st = loaded.spec, loaded.sentence_transformers
     projection = st.dense if st is not None else None
+    # the loader's one head module, in the field of its kind
+    head: dict[str, Any] = {} if loaded.head is None else {HEAD_FIELDS[spec.head_kind]: loaded.head}
     return PoolingModelInfo(
         # by backbone, not attention: a bidirectional decoder's heads still read the last token
         is_decoder=ARCHITECTURES[spec.architecture].backbone is Backbone.DECODER,
         hidden_size=spec.hidden_size,
-        seq_classifier=heads.seq_classifier,
-        token_classifier=heads.token_classifier,
-        token_projection=heads.token_projection,
-        process_reward_head=heads.process_reward,
-        token_reward_head=heads.token_reward,
-        mlm_head=heads.masked_lm,
+        **head,
         sparse_excluded_ids=_sparse_excluded_ids(loaded.tokenizer),
         num_labels=spec.num_labels if spec.head_kind is not HeadKind.NONE else None,
         labels=spec.labels,

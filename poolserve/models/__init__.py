@@ -4,7 +4,7 @@ from poolserve.models.attention import AttentionBackend, AttentionMetadata, buil
 from poolserve.models.kv_cache import PagedKVCache
 from poolserve.models.loader import load_model
 from poolserve.models.packed import PackedModel, validate_token_ids
-from poolserve.models.spec import LoadedModel, ModelHeads, ModelSpec
+from poolserve.models.spec import LoadedModel, ModelSpec
 from poolserve.types.errors import (
     InvalidTokenIdError,
     ModelError,
@@ -22,7 +22,6 @@ __all__ = [
     "InvalidTokenIdError",
     "LoadedModel",
     "ModelError",
-    "ModelHeads",
     "ModelLoadError",
     "ModelSpec",
     "PackedModel",

@@ -1,4 +1,4 @@
-"""Builds the checkpoint's head modules (score, classifier, PRM, reward, MLM) in float32."""
+"""Builds the checkpoint's head module (score, classifier, PRM, reward, MLM, ColBERT) in float32."""
 
 from __future__ import annotations
 
@@ -14,10 +14,9 @@ from poolserve.models.late_interaction import colbert_projection
 from poolserve.models.layers import activation
 from poolserve.models.masked_lm import MASKED_LM_LAYOUTS, MaskedLMHead
 from poolserve.models.registry import DECODER_FAMILIES, ArchitectureEntry, HeadTransform
-from poolserve.models.spec import ModelHeads
 from poolserve.models.weights import take
 from poolserve.types.errors import ModelLoadError
-from poolserve.types.tasks import HeadKind
+from poolserve.types.tasks import LABELLED_HEADS, HeadKind
 
 logger = logging.getLogger(__name__)
 
@@ -220,49 +219,36 @@ _BUILDERS: dict[
     HeadKind.MASKED_LM: _masked_lm,
     HeadKind.LATE_INTERACTION: lambda entry, state, config: colbert_projection(state, config),
 }
-_FIELDS = {
-    HeadKind.SEQUENCE_CLASSIFIER: "seq_classifier",
-    HeadKind.TOKEN_CLASSIFIER: "token_classifier",
-    HeadKind.PROCESS_REWARD: "process_reward",
-    HeadKind.TOKEN_REWARD: "token_reward",
-    HeadKind.MASKED_LM: "masked_lm",
-    HeadKind.LATE_INTERACTION: "token_projection",
-}
 
 
-def build_heads(
+def build_head(
     entry: ArchitectureEntry,
     state: dict[str, torch.Tensor],
     device: torch.device,
     config: PretrainedConfig,
     lm_head_rows: LMHeadRows | None = None,
-) -> ModelHeads:
-    """The head modules of a checkpoint (full state dict, original key names)."""
+) -> torch.nn.Module | None:
+    """The head module of a checkpoint (full state dict, original key names), of the entry's
+    head kind; None without one."""
     if entry.head_kind is HeadKind.NONE:
-        return ModelHeads()
+        return None
     if lm_head_rows is not None:
         module = _lm_head_rows(lm_head_rows, state, config).to(device).eval()
         module.requires_grad_(False)
-        return ModelHeads(seq_classifier=module)
+        return module
     if entry.head_kind is HeadKind.MASKED_LM and _masked_lm_layout(state, config) is None:
         # a dense embedder fine-tuned from an MLM may be saved without the head (sentence-
         # transformers saves the backbone alone): it still serves embed and token_embed
         logger.warning("no MLM head weights in the checkpoint: sparse embeddings are off")
-        return ModelHeads()
+        return None
     module = _BUILDERS[entry.head_kind](entry, state, config).float().to(device).eval()
     module.requires_grad_(False)
-    return ModelHeads(**{_FIELDS[entry.head_kind]: module})
+    return module
 
 
-def head_out_features(heads: ModelHeads) -> int | None:
-    """Output width of whichever labelled head is set (the number of labels), None without."""
-    for module in (
-        heads.seq_classifier,
-        heads.token_classifier,
-        heads.process_reward,
-        heads.token_reward,
-    ):
-        if module is not None:
-            linears = [m for m in module.modules() if isinstance(m, torch.nn.Linear)]
-            return linears[-1].out_features
-    return None
+def head_out_features(head: torch.nn.Module | None, kind: HeadKind) -> int | None:
+    """A labelled head's output width (the number of labels); None for any other."""
+    if head is None or kind not in LABELLED_HEADS:
+        return None
+    linears = [m for m in head.modules() if isinstance(m, torch.nn.Linear)]
+    return linears[-1].out_features

@@ -21,7 +21,7 @@ from poolserve.models.decoder_config import decoder_head_dim, decoder_is_causal
 from poolserve.models.encoder import EncoderModel
 from poolserve.models.encoder_config import adopt_remote_nomic_fields, encoder_max_len
 from poolserve.models.float_kernels import TORCH, pack_linears
-from poolserve.models.heads import LMHeadRows, build_heads, head_out_features, lm_head_method
+from poolserve.models.heads import LMHeadRows, build_head, head_out_features, lm_head_method
 from poolserve.models.late_interaction import check_plain_prompts
 from poolserve.models.packed import PackedModel
 from poolserve.models.quantization import INT_MM, check_quantization, quantize_linears
@@ -35,7 +35,7 @@ from poolserve.models.registry import (
 )
 from poolserve.models.resolve import resolve_model_path
 from poolserve.models.sentence_transformers import read_sentence_transformers
-from poolserve.models.spec import LoadedModel, ModelHeads, ModelSpec
+from poolserve.models.spec import LoadedModel, ModelSpec
 from poolserve.models.weights import load_state_dict, strip_prefix
 from poolserve.types.errors import (
     ModelLoadError,
@@ -94,7 +94,7 @@ def load_model(
     quantized = quantize_linears(packed, quantization, device, kernel=kernels.int8_kernel or INT_MM)
     pack_linears(packed, kernels.float_kernel)
     tokenizer = _load_tokenizer(path)
-    heads = build_heads(entry, state, device, config, _lm_head_rows(entry, config, tokenizer))
+    head = build_head(entry, state, device, config, _lm_head_rows(entry, config, tokenizer))
     if entry.head_kind is HeadKind.LATE_INTERACTION:
         check_plain_prompts(path)
     st_config = read_sentence_transformers(path, device)
@@ -113,9 +113,9 @@ def load_model(
     )
     return LoadedModel(
         path=path,
-        spec=_spec(architecture, entry, config, heads, dtype, quantization),
+        spec=_spec(architecture, entry, config, head, dtype, quantization),
         model=packed,
-        heads=heads,
+        head=head,
         tokenizer=tokenizer,
         sentence_transformers=st_config,
     )
@@ -325,13 +325,13 @@ def _spec(
     architecture: str,
     entry: ArchitectureEntry,
     config: PretrainedConfig,
-    heads: ModelHeads,
+    head: torch.nn.Module | None,
     dtype: torch.dtype,
     quantization: str | None,
 ) -> ModelSpec:
     """The ModelSpec of a loaded checkpoint."""
     decoder = entry.backbone is Backbone.DECODER
-    num_labels = head_out_features(heads)
+    num_labels = head_out_features(head, entry.head_kind)
     labels: tuple[str, ...] = ()
     if entry.head_kind in CLASSIFIER_HEADS and num_labels is not None:
         id2label = getattr(config, "id2label", None) or {}

@@ -46,24 +46,13 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
-class ModelHeads:
-    """The checkpoint's head modules (float32), at most one of them set."""
-
-    seq_classifier: torch.nn.Module | None = None
-    token_classifier: torch.nn.Module | None = None
-    process_reward: torch.nn.Module | None = None
-    token_reward: torch.nn.Module | None = None
-    masked_lm: torch.nn.Module | None = None  # [..., hidden] -> [..., vocab_size] logits
-    token_projection: torch.nn.Module | None = None  # ColBERT: [..., hidden] -> [..., dim]
-
-
-@dataclass(frozen=True)
 class LoadedModel:
     """Everything load_model() produces."""
 
     path: Path
     spec: ModelSpec
     model: PackedModel
-    heads: ModelHeads
+    # the checkpoint's one head module (float32), of kind spec.head_kind; None: no head
+    head: torch.nn.Module | None
     tokenizer: PreTrainedTokenizerBase
     sentence_transformers: SentenceTransformersConfig | None

@@ -9,7 +9,14 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from poolserve.types.errors import PoolingConfigError
-from poolserve.types.tasks import SUPPORTED_TASKS, HeadKind, PoolingTask, PoolingType, head_tasks
+from poolserve.types.tasks import (
+    LABELLED_HEADS,
+    SUPPORTED_TASKS,
+    HeadKind,
+    PoolingTask,
+    PoolingType,
+    head_tasks,
+)
 
 if TYPE_CHECKING:  # the engine's records hold modules; a front end's card holds none
     from torch import nn
@@ -97,8 +104,7 @@ class PoolingModelInfo:
                 f"sentence-transformers pooling mode {self.st_pooling_mode!r} is not supported "
                 f"(known: {known})"
             )
-        labelled = carried and carried[0] not in ("mlm_head", "token_projection")
-        if labelled and (self.num_labels is None or self.num_labels <= 0):
+        if self.head_kind in LABELLED_HEADS and (self.num_labels is None or self.num_labels <= 0):
             raise PoolingConfigError("a classifier or reward head needs a positive num_labels")
 
     @cached_property  # asked per request; the heads never change

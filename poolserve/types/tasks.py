@@ -50,6 +50,17 @@ class HeadKind(Enum):
     LATE_INTERACTION = "late_interaction"  # ColBERT: a projection of every token (MaxSim)
 
 
+# Heads whose outputs are labels (a classifier's or a reward's logits): their width is num_labels.
+LABELLED_HEADS = frozenset(
+    {
+        HeadKind.SEQUENCE_CLASSIFIER,
+        HeadKind.TOKEN_CLASSIFIER,
+        HeadKind.PROCESS_REWARD,
+        HeadKind.TOKEN_REWARD,
+    }
+)
+
+
 class Output(Enum):
     """The shape of one prompt's output."""
 

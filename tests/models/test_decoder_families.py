@@ -124,7 +124,7 @@ def test_sequence_classifier_heads_equal_hf(
     prompts: list[list[int]],
 ) -> None:
     model = loaded(name)
-    head = model.heads.seq_classifier
+    head = model.head
     assert head is not None and model.spec.head_kind is HeadKind.SEQUENCE_CLASSIFIER
     assert model.spec.num_labels == hf(name).config.num_labels
     for prompt, hidden in zip(prompts, run_whole(model, prompts, CPU), strict=True):
@@ -141,7 +141,7 @@ def test_token_classifier_heads_equal_hf(
     prompts: list[list[int]],
 ) -> None:
     model = loaded(name)
-    head = model.heads.token_classifier
+    head = model.head
     assert head is not None and model.spec.head_kind is HeadKind.TOKEN_CLASSIFIER
     for prompt, hidden in zip(prompts, run_whole(model, prompts, CPU), strict=True):
         with torch.no_grad():

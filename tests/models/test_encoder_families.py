@@ -109,7 +109,7 @@ def test_sequence_classifier_heads_equal_hf(
     prompts: list[list[int]],
 ) -> None:
     model = loaded(name)
-    head = model.heads.seq_classifier
+    head = model.head
     assert head is not None and model.spec.head_kind is HeadKind.SEQUENCE_CLASSIFIER
     assert model.spec.num_labels == hf(name).config.num_labels
     mean = getattr(hf(name).config, "classifier_pooling", "cls") == "mean"
@@ -127,7 +127,7 @@ def test_token_classifier_heads_equal_hf(
     prompts: list[list[int]],
 ) -> None:
     model = loaded(name)
-    head = model.heads.token_classifier
+    head = model.head
     assert head is not None and model.spec.head_kind is HeadKind.TOKEN_CLASSIFIER
     for prompt, hidden in zip(prompts, run_packed(model, prompts), strict=True):
         with torch.no_grad():
@@ -142,7 +142,7 @@ def test_masked_lm_heads_equal_hf(
     prompts: list[list[int]],
 ) -> None:
     model = loaded(name)
-    head = model.heads.masked_lm
+    head = model.head
     assert head is not None and model.spec.head_kind is HeadKind.MASKED_LM
     assert model.spec.num_labels is None
     for prompt, hidden in zip(prompts, run_packed(model, prompts), strict=True):

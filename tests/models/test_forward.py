@@ -92,7 +92,7 @@ def test_sequence_classifier_head_matches_hf(
     loaded = loaded_tiny(name)
     assert loaded.spec.head_kind is HeadKind.SEQUENCE_CLASSIFIER
     assert loaded.spec.labels == labels and loaded.spec.num_labels == len(labels)
-    head = loaded.heads.seq_classifier
+    head = loaded.head
     assert head is not None
     for prompt, hidden in zip(prompts, run_whole(loaded, prompts, CPU), strict=True):
         with torch.no_grad():
@@ -107,7 +107,7 @@ def test_token_classifier_head_matches_hf(
 ) -> None:
     loaded = loaded_tiny("qwen2_tokcls")
     assert loaded.spec.head_kind is HeadKind.TOKEN_CLASSIFIER and loaded.spec.num_labels == 5
-    head = loaded.heads.token_classifier
+    head = loaded.head
     assert head is not None
     for prompt, hidden in zip(prompts, run_whole(loaded, prompts, CPU), strict=True):
         with torch.no_grad():
@@ -133,7 +133,7 @@ def test_reward_heads_match_reference(
 ) -> None:
     loaded = loaded_tiny(name)
     assert loaded.spec.head_kind is kind and loaded.spec.num_labels == width
-    head = getattr(loaded.heads, field)
+    head = loaded.head
     reference_head = reference_remote_head(name)
     outputs = run_whole(loaded, prompts, CPU)
     for hidden, reference_hidden in zip(outputs, hf_hidden(name), strict=True):
@@ -145,4 +145,4 @@ def test_base_models_have_no_heads(loaded_tiny: Callable[[str], LoadedModel]) ->
     for name in ("llama", "qwen3_base", "bert"):
         loaded = loaded_tiny(name)
         assert loaded.spec.head_kind is HeadKind.NONE and loaded.spec.num_labels is None
-        assert loaded.heads.seq_classifier is None and loaded.heads.token_reward is None
+        assert loaded.head is None

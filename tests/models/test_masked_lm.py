@@ -71,10 +71,10 @@ def test_mlm_layout_variants_equal_hf(
     hf_config._attn_implementation = "eager"
     hf = _perturbed(getattr(transformers, model_class)(hf_config))
     loaded, hidden = _hidden(_save(hf, tmp_path))
-    assert loaded.heads.masked_lm is not None
+    assert loaded.head is not None
     with torch.no_grad():
         want = hf(input_ids=torch.tensor([PROMPT])).logits[0]
-        assert_close(loaded.heads.masked_lm(hidden), want)
+        assert_close(loaded.head(hidden), want)
 
 
 def test_masked_lm_saved_without_its_head_serves_dense_tasks(tmp_path: Path) -> None:
@@ -86,7 +86,7 @@ def test_masked_lm_saved_without_its_head_serves_dense_tasks(tmp_path: Path) -> 
     config["architectures"] = ["RobertaForMaskedLM"]
     (directory / "config.json").write_text(json.dumps(config))
     loaded, hidden = _hidden(directory)
-    assert loaded.heads.masked_lm is None
+    assert loaded.head is None
     assert loaded.spec.head_kind is HeadKind.MASKED_LM
     with torch.no_grad():
         assert_close(hidden, hf(input_ids=torch.tensor([PROMPT])).last_hidden_state[0])

@@ -11,6 +11,7 @@ import torch
 import transformers
 
 from poolserve.models import load_model
+from poolserve.types.tasks import HeadKind
 from tests.models.driver import assert_close, make_prompts, run_chunked, run_whole
 from tests.tiny_models import MINILM_DIR, TINY_SPECS, TOKENIZER_FILES
 
@@ -99,9 +100,9 @@ def test_bert_heads_match_hf(model_class: str, tmp_path: Path) -> None:
     for prompt, hidden in zip(prompts, run_whole(loaded, prompts, CPU), strict=True):
         with torch.no_grad():
             logits = hf(input_ids=torch.tensor([prompt])).logits[0]
-            if loaded.heads.seq_classifier is not None:
-                assert_close(loaded.heads.seq_classifier(hidden[0]), logits)
+            assert loaded.head is not None
+            if loaded.spec.head_kind is HeadKind.SEQUENCE_CLASSIFIER:
+                assert_close(loaded.head(hidden[0]), logits)
             else:
-                assert loaded.heads.token_classifier is not None
-                assert_close(loaded.heads.token_classifier(hidden), logits)
+                assert_close(loaded.head(hidden), logits)
     assert loaded.spec.num_labels == 3

@@ -11,11 +11,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoTokenizer
 
-from poolserve.models.heads import build_heads
+from poolserve.models.heads import build_head
 from poolserve.models.late_interaction import check_plain_prompts, colbert_projection
 from poolserve.models.loader import load_model
 from poolserve.models.registry import ArchitectureEntry, Backbone
-from poolserve.models.spec import ModelHeads
 from poolserve.models.weights import load_state_dict
 from poolserve.pooling.pooler import ChunkInput, pool_step
 from poolserve.pooling.stats import CloneStats
@@ -58,9 +57,9 @@ def colbert_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-def _heads(directory: Path) -> ModelHeads:
+def _projection(directory: Path) -> torch.nn.Module | None:
     state = load_state_dict(directory)
-    return build_heads(
+    return build_head(
         COLBERT_ENTRY, state, torch.device("cpu"), AutoConfig.from_pretrained(directory)
     )
 
@@ -88,16 +87,16 @@ def _naive_maxsim(query: torch.Tensor, document: torch.Tensor) -> float:
 
 def test_projection_is_read_from_the_checkpoint(colbert_dir: Path) -> None:
     state = load_state_dict(colbert_dir)
-    heads = _heads(colbert_dir)
-    assert heads.token_projection is not None
-    torch.testing.assert_close(heads.token_projection.weight, state["linear.weight"])
+    projection = _projection(colbert_dir)
+    assert projection is not None
+    torch.testing.assert_close(projection.weight, state["linear.weight"])
 
 
 def test_maxsim_equals_a_naive_transformers_reference(colbert_dir: Path) -> None:
     loaded = load_model(str(colbert_dir), device=torch.device("cpu"), hf_overrides=AS_BERT)
-    heads = _heads(colbert_dir)
-    assert heads.token_projection is not None
-    info = _info(heads.token_projection, loaded.spec.hidden_size)
+    projection = _projection(colbert_dir)
+    assert projection is not None
+    info = _info(projection, loaded.spec.hidden_size)
     plan = scorer_plan(info)
     assert (plan.mode, plan.task, plan.compare) == (
         PairMode.SEPARATE,
