@@ -116,16 +116,15 @@ def test_token_classifier_head_matches_hf(
 
 
 @pytest.mark.parametrize(
-    ("name", "kind", "field", "width"),
+    ("name", "kind", "width"),
     [
-        ("qwen2_prm", HeadKind.PROCESS_REWARD, "process_reward", 2),
-        ("qwen2_rm", HeadKind.TOKEN_REWARD, "token_reward", 1),
+        ("qwen2_prm", HeadKind.PROCESS_REWARD, 2),
+        ("qwen2_rm", HeadKind.TOKEN_REWARD, 1),
     ],
 )
 def test_reward_heads_match_reference(
     name: str,
     kind: HeadKind,
-    field: str,
     width: int,
     loaded_tiny: Callable[[str], LoadedModel],
     hf_hidden: Callable[[str], list[torch.Tensor]],
