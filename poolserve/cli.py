@@ -57,17 +57,20 @@ def serve(settings: ServerSettings) -> None:
     # the cores the HTTP work needs between steps (docs/benchmarks.md, "Front end: per-request
     # cost": 2-3x the requests on 2 cores); an operator's value wins. Children inherit it.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    code = 0
-    if settings.api_server_count == 0:
-        from poolserve.http.edge.server import (
-            run_server,  # imported late: loading torch is slow for --help
-        )
+    from poolserve.supervisor import ListenError, bind_port, run_processes
 
-        run_server(settings)
-    else:
-        from poolserve.supervisor import run_processes
+    try:
+        if settings.api_server_count == 0:
+            sockets = bind_port(settings, 1)  # the port first: before the model loads
+            from poolserve.http.edge.server import run_server  # imported late: for --help
 
-        code = run_processes(settings)
+            run_server(settings, sockets=sockets)
+            code = 0
+        else:
+            code = run_processes(settings)
+    except ListenError as exc:
+        print(f"poolserve serve: error: {exc.strerror}", file=sys.stderr)
+        code = 1
     # Drained and closed: skip the interpreter's teardown of torch and friends, which takes
     # seconds on a busy machine and would push the exit past --shutdown-timeout.
     logging.shutdown()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import errno
 import logging
 import os
 import shutil
@@ -73,7 +74,7 @@ def run_processes(settings: ServerSettings) -> int:
     # model i's engine core listens on socket_path(address, i)
     address = str(workdir / "cores")
     os.mkdir(address)
-    listeners = _bind(settings, settings.api_server_count)
+    listeners = bind_port(settings, settings.api_server_count)
     supervisor = _Supervisor(settings)
     try:
         supervisor.core = _spawn(["core", str(settings_file), address], env)
@@ -211,8 +212,17 @@ def _signal(process: subprocess.Popen[bytes], sig: int) -> None:
         process.send_signal(sig)
 
 
-def _bind(settings: ServerSettings, count: int) -> list[socket.socket]:
-    """The listening sockets of the front ends: one each, on the same port.
+class ListenError(OSError):
+    """The server cannot listen on its host:port (`strerror` says why, naming the address)."""
+
+
+class PortInUseError(ListenError):
+    """Something already listens on the server's host:port."""
+
+
+def bind_port(settings: ServerSettings, count: int) -> list[socket.socket]:
+    """The listening sockets of `count` front ends: one each, on the same port; PortInUseError,
+    naming the address, when anything else listens there (before any model loads).
 
     Where the kernel offers SO_REUSEPORT, each front end listens on its own socket and the
     kernel spreads new connections over them evenly. On one shared socket the front end that
@@ -221,19 +231,38 @@ def _bind(settings: ServerSettings, count: int) -> list[socket.socket]:
     """
     family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
     spread = count > 1 and hasattr(socket, "SO_REUSEPORT")
+    if spread and settings.port != 0:
+        # SO_REUSEPORT would join another server's listener that set it too, silently sharing
+        # its traffic: a plain bind first finds anything listening there
+        _bind_one(family, settings.host, settings.port, reuse_port=False).close()
     listeners: list[socket.socket] = []
     for _ in range(count if spread else 1):
-        listener = socket.socket(family, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if spread:
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         # port 0: the others join the port the first one was given
         port = listeners[0].getsockname()[1] if listeners else settings.port
-        listener.bind((settings.host, port))
+        listener = _bind_one(family, settings.host, port, reuse_port=spread)
         listener.listen(2048)
         listener.set_inheritable(True)
         listeners.append(listener)
     return listeners if spread else listeners * count
+
+
+def _bind_one(family: int, host: str, port: int, *, reuse_port: bool) -> socket.socket:
+    """A socket bound to host:port (SO_REUSEADDR: a previous run's TIME_WAIT is no obstacle)."""
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        listener.bind((host, port))
+    except OSError as exc:
+        listener.close()
+        where = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+        if exc.errno == errno.EADDRINUSE:
+            raise PortInUseError(
+                exc.errno, f"{where} is already in use: stop what listens there or pick --port"
+            ) from None
+        raise ListenError(exc.errno, f"cannot listen on {where}: {exc.strerror}") from None
+    return listener
 
 
 def _child_of_supervisor(parent: int, grace_s: float) -> None:
