@@ -31,7 +31,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from poolserve.config.pooler import PoolerDefaults, parse_pooler_config
-from poolserve.config.settings import DEFAULT_MODEL_ID, PER_MODEL, ServerSettings
+from poolserve.config.settings import PER_MODEL, ServerSettings
+from poolserve.types.model import DEFAULT_MODEL_ID
 
 # Settings that name the models themselves: never copied into one model's settings.
 MODEL_LIST = ("models", "models_config", "default_model")

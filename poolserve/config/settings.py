@@ -12,8 +12,6 @@ from urllib.parse import urlsplit
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-DEFAULT_MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"  # what --model none serves
-
 
 class Scope(StrEnum):
     """Whom a setting belongs to; marked on each field, read by `scope_of`."""

