@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 
 def _with_argv(module: str, argv: Sequence[str]) -> None:
-    """Run a part whose main() reads sys.argv itself."""
+    """Run a part whose main() reads sys.argv itself (module: its path under bench)."""
     saved = sys.argv
     sys.argv = [f"bench.{module}", *argv]
     try:
@@ -35,38 +35,38 @@ def _with_argv(module: str, argv: Sequence[str]) -> None:
 
 
 def _with_list(module: str, argv: Sequence[str]) -> None:
-    """Run a part whose main(argv) takes its arguments."""
+    """Run a part whose main(argv) takes its arguments (module: its path under bench)."""
     importlib.import_module(f"bench.{module}").main(list(argv))
 
 
 def _planner(argv: Sequence[str]) -> None:
     """The planner micro-benchmark has no flags; --quick changes nothing there."""
-    importlib.import_module("bench.planner_bench").main()
+    importlib.import_module("bench.engine.planner").main()
 
 
 PARTS: dict[str, Callable[[Sequence[str]], None]] = {
-    "offline": lambda argv: _with_list("offline", argv),
-    "served": lambda argv: _with_list("served", argv),
-    "token": lambda argv: _with_list("token_level", argv),
-    "rerank": lambda argv: _with_list("rerank", argv),
-    "engine": lambda argv: _with_argv("engine_bench", argv),
+    "offline": lambda argv: _with_list("offline.cpu", argv),
+    "served": lambda argv: _with_list("served.embeddings", argv),
+    "token": lambda argv: _with_list("served.token_level", argv),
+    "rerank": lambda argv: _with_list("served.rerank", argv),
+    "engine": lambda argv: _with_argv("engine.loop", argv),
     "planner": _planner,
-    "prefix": lambda argv: _with_argv("prefix_bench", argv),
+    "prefix": lambda argv: _with_argv("engine.prefix_cache", argv),
 }
 # Not part of `all`: a stability run of many minutes, fleet runs (HAProxy, Ray), the precision
 # run (not comparisons with peers), and the front-end run (wrk, several server starts).
 SEPARATE: dict[str, Callable[[Sequence[str]], None]] = {
-    "soak": lambda argv: _with_list("soak", argv),
-    "fleet": lambda argv: _with_list("fleet", argv),
-    "fleet-ray": lambda argv: _with_list("fleet_ray", argv),
-    "ray-embed": lambda argv: _with_list("ray_embed", argv),
-    "precision": lambda argv: _with_list("precision", argv),
-    "cpu-peers": lambda argv: _with_list("cpu_peers", argv),
-    "frontend": lambda argv: _with_list("frontend", argv),
-    "frontend-interleaved": lambda argv: _with_list("frontend_interleaved", argv),
-    "models": lambda argv: _with_list("models", argv),
-    "embed-job": lambda argv: _with_list("embed_job", argv),
-    "step-threads": lambda argv: _with_list("step_threads", argv),
+    "soak": lambda argv: _with_list("soak.saturation", argv),
+    "fleet": lambda argv: _with_list("fleet.haproxy", argv),
+    "fleet-ray": lambda argv: _with_list("fleet.ray_serve", argv),
+    "ray-embed": lambda argv: _with_list("jobs.ray_data", argv),
+    "precision": lambda argv: _with_list("precision.fidelity", argv),
+    "cpu-peers": lambda argv: _with_list("precision.cpu_peers", argv),
+    "frontend": lambda argv: _with_list("frontend.sequential", argv),
+    "frontend-interleaved": lambda argv: _with_list("frontend.interleaved", argv),
+    "models": lambda argv: _with_list("served.models", argv),
+    "embed-job": lambda argv: _with_list("jobs.embed", argv),
+    "step-threads": lambda argv: _with_list("engine.step_threads", argv),
 }
 
 

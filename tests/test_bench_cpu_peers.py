@@ -6,8 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.cpu_peers import Row, _short, table
-from bench.cpu_runtimes import POOLS, padded
+from bench.peers.cpu_runtimes import POOLS, padded
+from bench.precision.cpu_peers import Row, _short, table
 from tests.tiny_models import minilm_path
 
 

@@ -1,7 +1,7 @@
-"""bench.wrk reads wrk's --latency output; bench.frontend_report turns points into tables.
+"""bench.common.wrk reads wrk's --latency output; bench.frontend.report turns points into tables.
 
 The texts below are real `wrk -t1 --latency -s post.lua` runs, captured on this machine against
-bench/frontend_floor.py: a normal run, one against a missing route (every answer a 404) and one
+bench/frontend/floor.py: a normal run, one against a missing route (every answer a 404) and one
 whose server was killed mid-run (socket errors).
 """
 
@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from bench import frontend_report
-from bench.frontend_interleaved import Total, markdown, summary
-from bench.wrk import WrkOutputError, parse_wrk
+from bench.common.wrk import WrkOutputError, parse_wrk
+from bench.frontend import report as frontend_report
+from bench.frontend.interleaved import Total, markdown, summary
 
-Point = dict[str, Any]  # one measured point as bench.frontend records it
+Point = dict[str, Any]  # one measured point as bench.frontend.sequential records it
 
 # wrk -t1 -c16 -d3s --latency -s post.lua http://127.0.0.1:18555/v1/embeddings
 FLOOR_RUN = """\
@@ -136,7 +136,7 @@ def test_report_names_what_did_not_run_and_leaves_its_targets_open() -> None:
             _point("poolserve", 64, KILLED_RUN, 3.0),
             _point("floor", 64, FLOOR_RUN, 2.0),
         ],
-        "not_run": {"infinity": "not installed (run bash bench/infinity_env.sh)"},
+        "not_run": {"infinity": "not installed (run bash bench/peers/infinity_env.sh)"},
         "failures": [],
         "peak_rss_mib": {"poolserve": 300.0, "floor": 50.0},
         "source": "commit abc",

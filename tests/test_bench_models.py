@@ -1,4 +1,4 @@
-"""bench.models without servers: its flags, the commands it starts, what it reads and reports.
+"""bench.served.models without servers: its flags, the commands it starts, what it reads, reports.
 
 The server command is parsed by `poolserve serve`'s own parser and models-file reader; step
 times are read from the exposition the server's own metrics render, against hand-computed
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from bench import models, models_report
+from bench.served import models, models_report
 from poolserve.config.flags import parse_settings
 from poolserve.config.models_file import served_models
 from poolserve.observability.metrics import ServiceMetrics

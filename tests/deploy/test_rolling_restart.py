@@ -10,8 +10,9 @@ import httpx
 import orjson
 import pytest
 
-from bench.fleet_load import ClosedLoop
-from bench.fleet_procs import Replica, fleet, restart, wait_for
+from bench.common.procs import wait_for
+from bench.fleet.load import ClosedLoop
+from bench.fleet.replicas import Replica, fleet, restart
 from tests.deploy.tools import require_tool, run_tool
 
 pytestmark = pytest.mark.slow

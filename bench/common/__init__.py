@@ -1,0 +1,1 @@
+"""Helpers shared by several benchmarks: the corpus, load generators, processes, models, paths."""

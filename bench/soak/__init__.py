@@ -1,0 +1,1 @@
+"""One server at saturation for minutes (`bench soak`): memory, errors and latency drift."""
