@@ -49,13 +49,14 @@ ARG TORCH_INDEX=""
 RUN index="${TORCH_INDEX:-$TORCH_INDEX_DEFAULT}" \
     && pip install --no-cache-dir ${index:+--index-url "$index"} "${TORCH_SPEC:-$TORCH_SPEC_DEFAULT}"
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY poolserve ./poolserve
 # Non-editable and without dev extras: the image carries only what the server runs, tracing
 # included (--otlp-traces-endpoint; a few MB of OpenTelemetry, imported only when it is set).
-# DL3013 asks to pin packages: this is the project itself, whose dependencies pin their ranges.
+# constraints.txt pins every runtime dependency to the version the tests ran with.
+# DL3013 asks to pin packages: this is the project itself; constraints.txt pins its dependencies.
 # hadolint ignore=DL3013
-RUN pip install --no-cache-dir ".[tracing]"
+RUN pip install --no-cache-dir -c constraints.txt ".[tracing]"
 
 FROM base AS runtime
 ARG VARIANT

@@ -14,11 +14,12 @@ SERVE_GLIBC_TUNABLES := glibc.malloc.mmap_threshold=131072
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml Makefile
+# constraints.txt pins the server's runtime dependencies (the dev tools it does not name stay free).
+$(VENV)/.installed: pyproject.toml constraints.txt Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(if $(TORCH_INDEX),--no-deps --index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
 	touch $@
 
 # install-test-tools.sh installs promtool, prometheus and docker-compose from apt when it can
@@ -46,12 +47,12 @@ gpu-check:
 
 # Benchmarks against peers (not tests); results go to docs/benchmarks.md.
 bench: install
-	$(PY) -m pip install -q -e ".[bench]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[bench]"
 	$(PY) -m bench all --quick
 
 # Ten minutes at saturation: server memory, errors and latency drift (docs/benchmarks.md).
 soak: install
-	$(PY) -m pip install -q -e ".[bench]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[bench]"
 	$(PY) -m bench soak
 
 # For maintainers with a Docker engine: build, compose up, one request, Prometheus target up.

@@ -8,21 +8,18 @@ the request skips Starlette's routing and FastAPI's request handling (`DirectRou
 
 from __future__ import annotations
 
-import inspect
 import json
-from collections.abc import Awaitable, Callable, Coroutine, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, ClassVar
 
 from fastapi import Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
-from pydantic import BaseModel
 from starlette.responses import Response
 from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from poolserve.http.errors import ERROR_FAMILY_KEY, EdgeError
+from poolserve.http.internals import DirectBody, cached_body, direct_body, enter_route
 from poolserve.types.errors import clip
 
 
@@ -79,26 +76,6 @@ def _json_typed(scope: Scope) -> bool:
     return False
 
 
-@dataclass(frozen=True)
-class DirectBody:
-    """How one JSON body model reaches its endpoint without FastAPI's dependency solving."""
-
-    route: StrictJSONRoute
-    field: Any  # FastAPI's ModelField of the body parameter
-    endpoint: Callable[..., Awaitable[Response]]
-    request_name: str | None
-
-    async def call(self, request: StrictJSONRequest, document: Any) -> Response:
-        """Validate the parsed body as FastAPI does (its TypeAdapter and errors); run the route."""
-        value, errors = self.field.validate(document, {}, loc=("body",))
-        if errors:
-            raise RequestValidationError(errors, body=document)
-        arguments = {self.field.name: value}
-        if self.request_name is not None:
-            arguments[self.request_name] = request
-        return await self.endpoint(**arguments)
-
-
 class DirectRoutes:
     """Pure ASGI, just inside the edge: the JSON POSTs of body-only routes, answered directly.
 
@@ -127,7 +104,7 @@ class DirectRoutes:
             await self.app(scope, receive, send)
             return
         route = body.route
-        scope["route"], scope["endpoint"], scope["path_params"] = route, route.endpoint, {}
+        enter_route(scope, route)
         if route.error_family is not None:
             scope.setdefault("state", {})[ERROR_FAMILY_KEY] = route.error_family
         request = StrictJSONRequest(scope, receive)
@@ -152,13 +129,14 @@ def route_path(scope: Scope) -> str:
 def _replay(request: Request, exc: Exception, receive: Receive) -> Receive:
     """A receive that gives the body read once (then the connection's own messages), or fails
     as that read did."""
-    if not hasattr(request, "_body"):
+    body = cached_body(request)
+    if body is None:
 
         async def failing() -> Message:
             raise exc
 
         return failing
-    pending: list[Message] = [{"type": "http.request", "body": request._body, "more_body": False}]
+    pending: list[Message] = [{"type": "http.request", "body": body, "more_body": False}]
 
     async def replayed() -> Message:
         return pending.pop() if pending else await receive()
@@ -166,37 +144,9 @@ def _replay(request: Request, exc: Exception, receive: Receive) -> Receive:
     return replayed
 
 
-def _direct_body(route: BaseRoute) -> DirectBody | None:
+def _direct_body(route: BaseRoute) -> DirectBody[StrictJSONRoute] | None:
     """A strict route's body model and endpoint: a POST with no path parameters, whose body
     model (and the request) is all it takes, answering a Response."""
     if not isinstance(route, StrictJSONRoute) or route.methods != {"POST"}:
         return None
-    if route.param_convertors:
-        return None
-    dependant = route.dependant
-    others = (dependant.path_params, dependant.query_params, dependant.header_params)
-    special = (
-        dependant.websocket_param_name,
-        dependant.http_connection_param_name,
-        dependant.response_param_name,
-        dependant.background_tasks_param_name,
-        dependant.security_scopes_param_name,
-    )
-    if any(others) or dependant.cookie_params or dependant.dependencies or any(special):
-        return None
-    if len(dependant.body_params) != 1 or getattr(route, "_embed_body_fields", True):
-        return None
-    field = dependant.body_params[0]
-    model = field.field_info.annotation
-    call = dependant.call
-    if not (isinstance(model, type) and issubclass(model, BaseModel)):
-        return None
-    if not inspect.iscoroutinefunction(call):
-        return None
-    try:
-        returns = inspect.signature(call, eval_str=True).return_annotation
-    except (NameError, TypeError):
-        return None
-    if not (isinstance(returns, type) and issubclass(returns, Response)):
-        return None
-    return DirectBody(route, field, call, dependant.request_param_name)
+    return direct_body(route)

@@ -119,7 +119,7 @@ def test_installs_like_the_makefile_without_dev_extras() -> None:
     assert len(pip_runs) == 2, pip_runs
     torch_run, project_run = pip_runs
     assert "TORCH_SPEC" in torch_run and "TORCH_INDEX" in torch_run
-    assert project_run.endswith('pip install --no-cache-dir ".[tracing]"')
+    assert project_run.endswith('pip install --no-cache-dir -c constraints.txt ".[tracing]"')
     assert not any(" -e " in run or "[dev]" in run for run in pip_runs)
 
 

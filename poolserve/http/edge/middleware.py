@@ -17,6 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from poolserve.frontend.state import ServiceState
 from poolserve.http.edge.handlers import error_answer
 from poolserve.http.errors import CLOSE, EdgeError, error_line, response_for
+from poolserve.http.internals import matched_route
 from poolserve.http.routing import route_path
 from poolserve.observability.logs import (
     ACCESS_LOGGER,
@@ -303,7 +304,7 @@ class EdgeMiddleware:
         self, scope: Scope, exchange: Exchange, start: float, request_id: str, trace: RequestTrace
     ) -> None:
         end = time.monotonic()
-        route: Any = scope.get("route")
+        route: Any = matched_route(scope)
         endpoint = getattr(route, "path", None) or "unmatched"
         noted = scope.get("state", {})
         task = str(noted.get("task", "none"))
