@@ -18,10 +18,10 @@ from poolserve.models.decoder_config import (
     layer_rope_types,
     layer_windows,
 )
+from poolserve.models.families.records import DecoderFamily
 from poolserve.models.kv_cache import PagedKVCache
 from poolserve.models.layers import Weight, activation, linear, norm_weight, rms_norm, to_device
 from poolserve.models.packed import PackedModel
-from poolserve.models.registry import DecoderFamily
 from poolserve.models.rope import Rotary, apply_rotary
 from poolserve.models.weights import take
 

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
+from poolserve.models.families.records import DecoderFamily
 from poolserve.models.layers import softcap
-from poolserve.models.registry import DECODER_FAMILIES, DecoderFamily
+from poolserve.models.registry import DECODER_FAMILIES
 
 
 @dataclass(frozen=True)

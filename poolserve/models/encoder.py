@@ -23,11 +23,12 @@ from poolserve.models.encoder_relative import (
     LayerBiases,
     RelativeScores,
 )
-from poolserve.models.encoder_weights import LAYOUTS, LayerNames, layer_state, layer_tensors
+from poolserve.models.encoder_weights import layer_state, layer_tensors
+from poolserve.models.families.records import EncoderFamily, LayerNames, Positions, Relative
 from poolserve.models.kv_cache import PagedKVCache
 from poolserve.models.layers import Weight, activation, linear, linear_act, to_device
 from poolserve.models.packed import PackedModel
-from poolserve.models.registry import EncoderFamily, Positions, Relative
+from poolserve.models.registry import ENCODER_LAYOUTS
 from poolserve.models.rope import Rotary, apply_rotary
 from poolserve.types.errors import ModelLoadError
 
@@ -165,7 +166,7 @@ def _layers(
     rope_index: list[int | None],
 ) -> torch.nn.ModuleList:
     """Every layer, with its window and rope."""
-    names: LayerNames = LAYOUTS[family.layout][1]
+    names: LayerNames = ENCODER_LAYOUTS[family.layout][1]
     windows = layer_windows(config)
     act = activation(getattr(config, family.activation_key))
     return torch.nn.ModuleList(
@@ -205,7 +206,8 @@ class EncoderModel(PackedModel):
         num_types = self.embeddings.token_type
         self.num_token_types = 0 if num_types is None else int(num_types.shape[0])
         self.relative = _relative_scores(config, state, family, geometry, placement)
-        final = LAYOUTS[family.layout][0].final_norm  # ModernBERT's norm after the last layer
+        # ModernBERT's norm after the last layer
+        final = ENCODER_LAYOUTS[family.layout][0].final_norm
         for slot, suffix in (("final_norm_weight", "weight"), ("final_norm_bias", "bias")):
             tensor = None if final is None else state.get(f"{final}.{suffix}")
             self.register_buffer(slot, to_device(tensor, *placement))

@@ -7,9 +7,9 @@ import torch.nn.functional as F
 from transformers import PretrainedConfig
 
 from poolserve.models.encoder_config import padding_idx, uses_position_table
-from poolserve.models.encoder_weights import LAYOUTS, EmbeddingNames
+from poolserve.models.families.records import EmbeddingNames, EncoderFamily, Positions
 from poolserve.models.layers import to_device
-from poolserve.models.registry import EncoderFamily, Positions
+from poolserve.models.registry import ENCODER_LAYOUTS
 from poolserve.models.weights import take
 
 
@@ -54,7 +54,7 @@ class EncoderEmbeddings(torch.nn.Module):
         placement: tuple[torch.device, torch.dtype],
     ) -> None:
         super().__init__()
-        names: EmbeddingNames = LAYOUTS[family.layout][0]
+        names: EmbeddingNames = ENCODER_LAYOUTS[family.layout][0]
         self.eps = eps
         self.kind = family.positions
         self.pad = padding_idx(config, family) if family.positions is Positions.OFFSET else 0

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from transformers import PretrainedConfig
 
 from poolserve.models.attention import AttentionBias
-from poolserve.models.encoder_config import deberta_score_terms
+from poolserve.models.families.deberta import deberta_score_terms
 from poolserve.models.layers import to_device
 from poolserve.models.weights import take
 

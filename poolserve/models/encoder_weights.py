@@ -1,107 +1,11 @@
-"""How each encoder layout names its tensors, and reading them under the forward's slot names."""
+"""Reading one encoder layer's tensors under the forward's slot names (names: models/families/)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from poolserve.models.registry import EncoderLayout
+from poolserve.models.families.records import LayerNames
 from poolserve.models.weights import take
-
-
-@dataclass(frozen=True)
-class LayerNames:
-    """Tensor names inside one layer (without `.weight` / `.bias`)."""
-
-    prefix: str  # "{i}" stands for the layer index
-    qkv: tuple[str, ...]  # one fused projection, or query, key, value
-    o: str
-    attn_norm: str  # post-LN: after attention; pre-LN: before it (absent on ModernBERT's first)
-    up: tuple[str, ...]  # plain: (up,); gated: one fused (activated half first) or (gate, up)
-    down: str
-    mlp_norm: str
-
-
-@dataclass(frozen=True)
-class EmbeddingNames:
-    """Tensor names outside the layers; optional ones may be absent from a checkpoint."""
-
-    word: str = "embeddings.word_embeddings"
-    position: str = "embeddings.position_embeddings"
-    token_type: str = "embeddings.token_type_embeddings"  # optional
-    projection: str = "embeddings.embed_proj"  # optional (DeBERTa's embedding_size != hidden)
-    norm: str = "embeddings.LayerNorm"
-    final_norm: str | None = None
-
-
-_BERT_MLP = (("intermediate.dense",), "output.dense", "output.LayerNorm")
-LAYOUTS: dict[EncoderLayout, tuple[EmbeddingNames, LayerNames]] = {
-    EncoderLayout.BERT: (
-        EmbeddingNames(),
-        LayerNames(
-            "encoder.layer.{i}.",
-            tuple(f"attention.self.{n}" for n in ("query", "key", "value")),
-            "attention.output.dense",
-            "attention.output.LayerNorm",
-            *_BERT_MLP,
-        ),
-    ),
-    EncoderLayout.DISTILBERT: (
-        EmbeddingNames(),
-        LayerNames(
-            "transformer.layer.{i}.",
-            tuple(f"attention.{n}_lin" for n in ("q", "k", "v")),
-            "attention.out_lin",
-            "sa_layer_norm",
-            ("ffn.lin1",),
-            "ffn.lin2",
-            "output_layer_norm",
-        ),
-    ),
-    EncoderLayout.MPNET: (
-        EmbeddingNames(),
-        LayerNames(
-            "encoder.layer.{i}.",
-            tuple(f"attention.attn.{n}" for n in ("q", "k", "v")),
-            "attention.attn.o",
-            "attention.LayerNorm",
-            *_BERT_MLP,
-        ),
-    ),
-    EncoderLayout.DEBERTA: (
-        EmbeddingNames(),
-        LayerNames(
-            "encoder.layer.{i}.",
-            tuple(f"attention.self.{n}_proj" for n in ("query", "key", "value")),
-            "attention.output.dense",
-            "attention.output.LayerNorm",
-            *_BERT_MLP,
-        ),
-    ),
-    # Wi holds GeGLU's activated half first: act(input) * gate.
-    EncoderLayout.MODERNBERT: (
-        EmbeddingNames(
-            word="embeddings.tok_embeddings", norm="embeddings.norm", final_norm="final_norm"
-        ),
-        LayerNames(
-            "layers.{i}.", ("attn.Wqkv",), "attn.Wo", "attn_norm", ("mlp.Wi",), "mlp.Wo", "mlp_norm"
-        ),
-    ),
-    # The Hub layout, which transformers also writes back: act(fc12) * fc11.
-    EncoderLayout.NOMIC: (
-        EmbeddingNames(norm="emb_ln"),
-        LayerNames(
-            "encoder.layers.{i}.",
-            ("attn.Wqkv",),
-            "attn.out_proj",
-            "norm1",
-            ("mlp.fc12", "mlp.fc11"),
-            "mlp.fc2",
-            "norm2",
-        ),
-    ),
-}
 
 
 def _fused(

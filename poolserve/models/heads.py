@@ -10,10 +10,10 @@ import torch
 from transformers import PretrainedConfig
 
 from poolserve.models.decoder_config import LogitsTransform, logits_transform
+from poolserve.models.families.records import ArchitectureEntry, HeadTransform, MaskedLMHead
 from poolserve.models.late_interaction import colbert_projection
 from poolserve.models.layers import activation
-from poolserve.models.masked_lm import MASKED_LM_LAYOUTS, MaskedLMHead
-from poolserve.models.registry import DECODER_FAMILIES, ArchitectureEntry, HeadTransform
+from poolserve.models.registry import DECODER_FAMILIES, MASKED_LM_LAYOUTS
 from poolserve.models.weights import take
 from poolserve.types.errors import ModelLoadError
 from poolserve.types.tasks import LABELLED_HEADS, HeadKind

@@ -1,4 +1,4 @@
-"""ColBERT checkpoints: the token projection stored beside the backbone, and what we refuse."""
+"""ColBERT checkpoints: reading the token projection beside the backbone, refusing what we lack."""
 
 from __future__ import annotations
 
@@ -9,26 +9,13 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
-from poolserve.types.errors import ModelLoadError
-
-# Where checkpoints keep the projection `[dim, hidden]` (no bias): Stanford ColBERT's HF_ColBERT
-# saves `linear.weight` at the root; other exports name it `colbert_linear`, some under the
-# backbone's prefix (the names vLLM's ColBERT loader accepts).
-PROJECTION_NAMES = (
-    "linear.weight",
-    "colbert_linear.weight",
-    "bert.linear.weight",
-    "bert.colbert_linear.weight",
-    "model.linear.weight",
-    "model.colbert_linear.weight",
+from poolserve.models.families.colbert import (
+    DIM_FIELDS,
+    PROJECTION_NAMES,
+    PYLATE_PROMPT_FIELDS,
+    STANFORD_METADATA,
 )
-# Config fields that may state the projection's width (checked against the weight).
-DIM_FIELDS = ("colbert_dim", "dim", "projection_dim")
-# Stanford ColBERT's training record: its presence means the model was trained with query and
-# document marker tokens, [MASK] query augmentation and punctuation masking.
-STANFORD_METADATA = "artifact.metadata"
-# PyLate's sentence-transformers config fields that change how texts become prompts.
-PYLATE_PROMPT_FIELDS = ("query_prefix", "document_prefix", "do_query_expansion")
+from poolserve.types.errors import ModelLoadError
 
 
 def colbert_projection(state: dict[str, torch.Tensor], config: PretrainedConfig) -> torch.nn.Module:

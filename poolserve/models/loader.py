@@ -19,7 +19,8 @@ from poolserve.models.cpu_kernels import CpuKernels, choose_kernels
 from poolserve.models.decoder import DecoderModel
 from poolserve.models.decoder_config import decoder_head_dim, decoder_is_causal
 from poolserve.models.encoder import EncoderModel
-from poolserve.models.encoder_config import adopt_remote_nomic_fields, encoder_max_len
+from poolserve.models.encoder_config import encoder_max_len
+from poolserve.models.families.nomic import adopt_remote_nomic_fields
 from poolserve.models.float_kernels import TORCH, pack_linears
 from poolserve.models.heads import LMHeadRows, build_head, head_out_features, lm_head_method
 from poolserve.models.late_interaction import check_plain_prompts

@@ -11,8 +11,7 @@ import torch
 import transformers
 
 from poolserve.models import HeadKind, build_attention_metadata, load_model
-from poolserve.models.masked_lm import MASKED_LM_LAYOUTS
-from poolserve.models.registry import ENCODER_FAMILIES
+from poolserve.models.registry import ENCODER_FAMILIES, MASKED_LM_LAYOUTS
 from tests.models.driver import assert_close
 from tests.tiny_encoders import _DEBERTA_V3, _ROBERTA, _encoder, write_tokenizer
 

@@ -1,0 +1,152 @@
+"""The records a family module fills: switch rows, head transforms, tensor names, MLM heads."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from poolserve.types.tasks import HeadKind
+
+
+class Backbone(enum.Enum):
+    """Which native forward runs the checkpoint."""
+
+    DECODER = "decoder"
+    ENCODER = "encoder"
+
+
+class Positions(enum.Enum):
+    """How an encoder tells its tokens' positions apart."""
+
+    ABSOLUTE = "absolute"  # learned table indexed by position
+    OFFSET = "offset"  # learned table indexed past the padding id, fairseq style (RoBERTa, MPNet)
+    ROTARY = "rotary"  # RoPE on queries and keys, no table
+
+
+class Relative(enum.Enum):
+    """Which position-dependent term an encoder adds to its attention scores."""
+
+    NONE = "none"
+    BUCKETS = "buckets"  # MPNet: learned bias per head and log-bucketed distance, shared by layers
+    DISENTANGLED = "disentangled"  # DeBERTa-v2: content-to-position and position-to-content
+
+
+class EncoderLayout(enum.Enum):
+    """How a checkpoint names its encoder tensors (each family module holds its names)."""
+
+    BERT = "bert"
+    DISTILBERT = "distilbert"
+    MPNET = "mpnet"
+    DEBERTA = "deberta"
+    MODERNBERT = "modernbert"
+    NOMIC = "nomic"
+
+
+@dataclass(frozen=True)
+class HeadTransform:
+    """Dense, activation and optional LayerNorm a classifier applies before its output Linear."""
+
+    dense_prefix: str
+    activation: str = "tanh"
+    activation_key: str | None = None  # a config field naming the activation overrides it
+    norm_prefix: str | None = None  # ModernBERT's LayerNorm after the activation
+    eps_key: str = "layer_norm_eps"  # the config field holding that norm's eps
+    eps: float | None = None  # a fixed eps instead (DistilBERT's MLM head: 1e-12)
+
+
+@dataclass(frozen=True)
+class ArchitectureEntry:
+    """How to read one architecture's checkpoint."""
+
+    backbone: Backbone
+    head_kind: HeadKind
+    backbone_prefixes: tuple[str, ...]  # tried in order; the first holding the embeddings wins
+    head_prefix: str | None = None
+    transform: HeadTransform | None = None  # applied to the pooled states before the head Linear
+
+
+@dataclass(frozen=True)
+class DecoderFamily:
+    """Per-family switches of the one decoder implementation; `classes` are its architectures."""
+
+    classes: tuple[str, ...]
+    qk_norm: bool = False  # RMSNorm over each head's queries and keys before RoPE
+    norm_offset: bool = False  # RMSNorm scales by (1 + weight), in float32
+    sandwich_norms: bool = False  # extra norms on the attention output and around the MLP
+    embed_scale: bool = False  # embeddings x sqrt(hidden_size), rounded to the model dtype
+    multipliers: bool = False  # Granite's embedding/residual/attention multipliers, logits_scaling
+    query_pre_attn_scalar: bool = False  # attention scale = query_pre_attn_scalar ** -0.5
+    attn_softcap: bool = False  # tanh soft-capping of attention logits (attn_logit_softcapping)
+    final_softcap: bool = False  # tanh soft-capping of LM-head logits (final_logit_softcapping)
+    rope_per_layer_type: bool = False  # rope_parameters per layer type (local and global theta)
+    bidirectional_flag: bool = False  # honours use_bidirectional_attention
+    activation_key: str = "hidden_act"  # the config field that names the MLP activation
+
+
+@dataclass(frozen=True)
+class EncoderFamily:
+    """Per-family switches of the one encoder implementation; `classes` are its architectures."""
+
+    classes: tuple[str, ...]
+    layout: EncoderLayout
+    prefix: str  # the backbone's weight prefix inside the head classes
+    seq_transform: HeadTransform | None  # what the sequence classifier does to the CLS state
+    seq_classifier: str = "classifier."  # the sequence classifier's output Linear
+    token_transform: HeadTransform | None = None  # ModernBERT's per-token head before its Linear
+    positions: Positions = Positions.ABSOLUTE
+    padding_idx: int | None = None  # OFFSET counts from padding_idx + 1; None: pad_token_id
+    position_flag: str | None = None  # a config field that turns absolute positions off (DeBERTa)
+    relative: Relative = Relative.NONE
+    pre_norm: bool = False  # LayerNorm before attention and MLP (ModernBERT), else after
+    gated_mlp: bool = False  # act(gate) * up (ModernBERT GeGLU, NomicBERT SwiGLU)
+    activation_key: str = "hidden_act"  # the config field that names the MLP activation
+    eps_key: str | None = "layer_norm_eps"  # None: DistilBERT's fixed 1e-12
+
+
+@dataclass(frozen=True)
+class LayerNames:
+    """Tensor names inside one encoder layer (without `.weight` / `.bias`)."""
+
+    prefix: str  # "{i}" stands for the layer index
+    qkv: tuple[str, ...]  # one fused projection, or query, key, value
+    o: str
+    attn_norm: str  # post-LN: after attention; pre-LN: before it (absent on ModernBERT's first)
+    up: tuple[str, ...]  # plain: (up,); gated: one fused (activated half first) or (gate, up)
+    down: str
+    mlp_norm: str
+
+
+@dataclass(frozen=True)
+class EmbeddingNames:
+    """Encoder tensor names outside the layers; optional ones may be absent from a checkpoint."""
+
+    word: str = "embeddings.word_embeddings"
+    position: str = "embeddings.position_embeddings"
+    token_type: str = "embeddings.token_type_embeddings"  # optional
+    projection: str = "embeddings.embed_proj"  # optional (DeBERTa's embedding_size != hidden)
+    norm: str = "embeddings.LayerNorm"
+    final_norm: str | None = None
+
+
+# One encoder layout's tensor names: outside the layers, inside each layer.
+EncoderNames = tuple[EmbeddingNames, LayerNames]
+
+
+@dataclass(frozen=True)
+class MaskedLMHead:
+    """One MLM head layout: a transform (dense, activation, LayerNorm), then the decoder."""
+
+    transform: HeadTransform
+    decoder_prefix: str  # the decoder Linear; its own weight is read only when the config unties it
+    embeddings: str  # the word embedding tensor `[vocab, hidden]` a tied decoder reuses
+    bias: str | None = None  # the head's own bias (BERT's cls.predictions.bias), before decoder's
+
+
+# The transformers class suffixes of a decoder family and of an encoder family.
+DECODER_HEADS = ("Model", "ForCausalLM", "ForSequenceClassification", "ForTokenClassification")
+ENCODER_HEADS = ("Model", "ForMaskedLM", "ForSequenceClassification", "ForTokenClassification")
+
+
+def family_classes(prefix: str, suffixes: tuple[str, ...] = DECODER_HEADS) -> tuple[str, ...]:
+    """transformers class names of one family: prefix + each suffix."""
+    return tuple(prefix + suffix for suffix in suffixes)
