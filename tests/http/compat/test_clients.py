@@ -1,0 +1,149 @@
+"""The client libraries people already run, against a real `poolserve serve` on the default model.
+
+Each answer is compared with sentence-transformers on the same texts (cosine >= 0.9999); the
+Cohere quantised types with sentence-transformers' `quantize_embeddings` of its own floats.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import cohere
+import httpx
+import numpy as np
+import openai
+import pytest
+from langchain_openai import OpenAIEmbeddings
+from sentence_transformers import SentenceTransformer, quantize_embeddings
+
+from poolserve.types.model import DEFAULT_MODEL_ID
+from tests.deploy.live import LiveProcess, poolserve_server
+from tests.tiny_models import MINILM_DIR
+
+pytestmark = pytest.mark.slow
+TEXTS = [
+    "the cat sat on the mat",
+    "poolserve serves pooled outputs of language models",
+    "Which city is the capital of France? Paris, on the Seine.",
+]
+MIN_COSINE = 0.9999
+# Components this close to a rounding edge may fall either way between two float32 runs.
+SIGN_MARGIN = 1e-4  # of the float, for the sign bit
+LEVEL_MARGIN = 0.01  # of one 8-bit level (about 8e-5 of the float)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveProcess]:
+    with poolserve_server(tmp_path_factory.mktemp("clients")) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def reference() -> np.ndarray:
+    """sentence-transformers' embeddings of TEXTS."""
+    model = SentenceTransformer(str(MINILM_DIR), device="cpu")
+    return np.asarray(model.encode(TEXTS, convert_to_numpy=True), dtype=np.float32)
+
+
+class Recorder:
+    """An httpx client whose requests' JSON bodies are kept, to see what a library sends."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        self.client = httpx.Client(event_hooks={"request": [self._keep]})
+
+    def _keep(self, request: httpx.Request) -> None:
+        self.bodies.append(json.loads(request.content))
+
+
+def assert_cosine(got: Any, want: np.ndarray) -> None:
+    vectors = np.asarray(got, dtype=np.float64)
+    assert vectors.shape == want.shape, (vectors.shape, want.shape)
+    cosine = np.sum(vectors * want, 1) / (
+        np.linalg.norm(vectors, axis=1) * np.linalg.norm(want, axis=1)
+    )
+    assert float(cosine.min()) >= MIN_COSINE, cosine
+
+
+def test_openai_default_base64_and_explicit_float(server: LiveProcess, reference: Any) -> None:
+    recorder = Recorder()
+    client = openai.OpenAI(
+        base_url=f"{server.base_url}/v1", api_key="unused", http_client=recorder.client
+    )
+    default = client.embeddings.create(model=DEFAULT_MODEL_ID, input=TEXTS)
+    floats = client.embeddings.create(model=DEFAULT_MODEL_ID, input=TEXTS, encoding_format="float")
+    assert [b.get("encoding_format") for b in recorder.bodies] == ["base64", "float"]
+    assert_cosine([d.embedding for d in default.data], reference)
+    assert_cosine([d.embedding for d in floats.data], reference)
+
+
+def test_langchain_openai_embeddings(server: LiveProcess, reference: Any) -> None:
+    recorder = Recorder()
+    # the default check_embedding_ctx_length=True sends tiktoken's cl100k token ids, which mean
+    # nothing to another tokenizer (and need tiktoken's files): OpenAI-compatible servers set False
+    embeddings = OpenAIEmbeddings(
+        model=DEFAULT_MODEL_ID,
+        base_url=f"{server.base_url}/v1",
+        api_key="unused",  # type: ignore[arg-type]
+        check_embedding_ctx_length=False,
+        http_client=recorder.client,
+    )
+    documents = embeddings.embed_documents(TEXTS)
+    query = embeddings.embed_query(TEXTS[0])
+    assert [b["input"] for b in recorder.bodies] == [TEXTS, [TEXTS[0]]]
+    assert {b["encoding_format"] for b in recorder.bodies} == {"base64"}
+    assert_cosine(documents, reference)
+    assert_cosine([query], reference[:1])
+
+
+def test_cohere_v2_embed_float(server: LiveProcess, reference: Any) -> None:
+    client = cohere.ClientV2(base_url=server.base_url, api_key="unused")
+    answer = client.embed(
+        model=DEFAULT_MODEL_ID, texts=TEXTS, input_type="search_document", embedding_types=["float"]
+    )
+    assert answer.response_type == "embeddings_by_type" and answer.texts == TEXTS
+    assert answer.meta is not None and answer.meta.billed_units is not None
+    assert answer.meta.billed_units.input_tokens is not None
+    assert answer.meta.billed_units.input_tokens > 0
+    assert_cosine(answer.embeddings.float_, reference)
+
+
+def test_cohere_v2_embed_quantised_types(server: LiveProcess, reference: Any) -> None:
+    client = cohere.ClientV2(base_url=server.base_url, api_key="unused")
+    kinds = ["int8", "uint8", "binary", "ubinary"]
+    answer = client.embed(
+        model=DEFAULT_MODEL_ID, texts=TEXTS, input_type="search_query", embedding_types=kinds
+    )
+    dim = reference.shape[1]
+    ranges = np.array([[-1.0] * dim, [1.0] * dim], dtype=np.float32)  # the documented range
+    level = (reference.astype(np.float64) + 1.0) / (2.0 / 255)  # 8-bit level before flooring
+    for kind in kinds:
+        got = np.asarray(getattr(answer.embeddings, kind))
+        want = quantize_embeddings(reference, precision=kind, ranges=ranges)  # type: ignore[arg-type]
+        assert got.shape == want.shape, kind
+        if kind.endswith("binary"):
+            # compare bit by bit wherever the sign is clear of float noise
+            clear = np.abs(reference) > SIGN_MARGIN
+            assert np.array_equal(_bits(got, kind, dim)[clear], _bits(want, kind, dim)[clear])
+        else:
+            clear = np.abs(level - np.round(level)) > LEVEL_MARGIN
+            assert np.array_equal(got[clear], want[clear]), kind
+            assert int(np.abs(got.astype(np.int16) - want.astype(np.int16)).max()) <= 1, kind
+
+
+def _bits(packed: np.ndarray, kind: str, dim: int) -> np.ndarray:
+    """The unpacked bits of a binary (offset by -128) or ubinary embedding."""
+    unsigned = packed.astype(np.int16) + (128 if kind == "binary" else 0)
+    return np.unpackbits(unsigned.astype(np.uint8), axis=1)[:, :dim]
+
+
+def test_cohere_refusals_raise_the_sdks_errors(server: LiveProcess) -> None:
+    client = cohere.ClientV2(base_url=server.base_url, api_key="unused")
+    with pytest.raises(cohere.errors.BadRequestError):
+        client.embed(
+            model=DEFAULT_MODEL_ID, input_type="image", images=["data:image/png;base64,AAAA"]
+        )
+    with pytest.raises(cohere.errors.NotFoundError):
+        client.embed(model="embed-v4.0", texts=TEXTS, input_type="search_query")

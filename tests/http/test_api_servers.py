@@ -1,0 +1,249 @@
+"""`--api-server-count`: an engine-core process and front-end processes behind one port.
+
+Real `poolserve serve` processes: outputs equal sentence-transformers' whichever front end
+answers, one /metrics for the whole server, SIGTERM drains every front end and then the core
+(exit 0), and a lost engine core or front end takes the server down non-zero, leaving nothing
+running.
+"""
+
+from __future__ import annotations
+
+import base64
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import orjson
+import psutil
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from sentence_transformers import SentenceTransformer
+
+from tests.http.test_server_process import free_port, start_server
+from tests.tiny_models import MINILM_DIR
+
+pytestmark = pytest.mark.slow
+TEXTS = [f"text {i} about {word}" for i, word in enumerate(["cats", "ships", "rain"] * 8)]
+
+
+def _children(process: subprocess.Popen[bytes]) -> tuple[psutil.Process, list[psutil.Process]]:
+    """(the engine core, the front ends) of a server: front ends hold the listening socket."""
+    children = [
+        child
+        for child in psutil.Process(process.pid).children()
+        if "resource_tracker" not in " ".join(child.cmdline())
+    ]
+    listening = {
+        child.pid
+        for child in children
+        if any(c.status == psutil.CONN_LISTEN for c in child.net_connections(kind="tcp"))
+    }
+    cores = [child for child in children if child.pid not in listening]
+    assert len(cores) == 1, children
+    return cores[0], [child for child in children if child.pid in listening]
+
+
+def _gone(processes: list[psutil.Process], timeout_s: float) -> bool:
+    _, alive = psutil.wait_procs(processes, timeout=timeout_s)
+    return not alive
+
+
+@pytest.fixture(scope="module")
+def two_front_ends() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    port = free_port()
+    process = start_server(port, "--served-model-name", "minilm", "--api-server-count", "2")
+    try:
+        yield f"http://127.0.0.1:{port}", process
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+
+
+def test_two_front_ends_and_one_core_run(
+    two_front_ends: tuple[str, subprocess.Popen[bytes]],
+) -> None:
+    core, front_ends = _children(two_front_ends[1])
+    assert len(front_ends) == 2 and core.is_running()
+
+
+def test_connections_spread_over_the_front_ends(
+    two_front_ends: tuple[str, subprocess.Popen[bytes]],
+) -> None:
+    """A burst of keep-alive connections lands on both front ends, not on whichever woke first
+    (which, on one shared socket, accepts the whole burst in one loop)."""
+    url, process = two_front_ends
+    port = int(url.rsplit(":", 1)[1])
+    _, front_ends = _children(process)
+    body = b'{"input": "a"}'
+    head = "POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+    request = f"{head}content-length: {len(body)}\r\n\r\n".encode() + body
+    # connected in a burst, as a load generator opens them: all queue before any is accepted
+    connections = [socket.create_connection(("127.0.0.1", port)) for _ in range(64)]
+    try:
+        for connection in connections:
+            connection.sendall(request)
+        for connection in connections:
+            connection.settimeout(60)
+            assert connection.recv(65536).startswith(b"HTTP/1.1 200")
+        held = [
+            sum(
+                c.status == psutil.CONN_ESTABLISHED and c.laddr.port == port
+                for c in front_end.net_connections(kind="tcp")
+            )
+            for front_end in front_ends
+        ]
+        assert sum(held) == 64 and min(held) >= 16, held  # binomial(64, 1/2) < 16: p ~ 3e-5
+    finally:
+        for connection in connections:
+            connection.close()
+
+
+def test_outputs_equal_sentence_transformers_under_concurrency(
+    two_front_ends: tuple[str, subprocess.Popen[bytes]],
+) -> None:
+    url = two_front_ends[0]
+    reference = SentenceTransformer(str(MINILM_DIR), device="cpu").encode(TEXTS)
+
+    def embed(i: int) -> tuple[int, np.ndarray]:
+        with httpx.Client(timeout=60) as client:  # a connection each: both front ends serve
+            body = {"input": TEXTS[i], "encoding_format": "base64"}
+            data = client.post(f"{url}/v1/embeddings", json=body).json()["data"][0]
+        return i, np.frombuffer(base64.b64decode(data["embedding"]), "<f4")
+
+    with ThreadPoolExecutor(12) as pool:
+        results = list(pool.map(embed, list(range(len(TEXTS))) * 3))
+    for i, got in results:
+        np.testing.assert_allclose(got, reference[i], atol=1e-5)
+
+
+def test_streamed_token_embeddings_equal_sentence_transformers(
+    two_front_ends: tuple[str, subprocess.Popen[bytes]],
+) -> None:
+    url = two_front_ends[0]
+    texts = [" ".join(f"word{i}" for i in range(120)), *TEXTS[:3]]
+    model = SentenceTransformer(str(MINILM_DIR), device="cpu")
+    reference = model.encode(texts, output_value="token_embeddings")
+    body = {"input": texts, "task": "token_embed", "stream": True, "encoding_format": "base64"}
+    with httpx.stream("POST", f"{url}/v1/pooling", json=body, timeout=60) as response:
+        assert response.headers["content-type"].startswith("application/x-ndjson")
+        lines = [orjson.loads(line) for line in response.iter_lines() if line]
+    *items, usage = lines
+    assert sorted(item["index"] for item in items) == list(range(len(texts)))
+    assert usage["usage"]["prompt_tokens"] == sum(len(r) for r in reference)
+    for item in items:
+        got = np.frombuffer(base64.b64decode(item["data"]), "<f4").reshape(item["shape"])
+        want = reference[item["index"]].numpy()
+        want = want / np.linalg.norm(want, axis=-1, keepdims=True)  # token_embed normalizes rows
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def _samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    # a new connection per scrape: any front end may answer
+    text = httpx.get(f"{url}/metrics", headers={"connection": "close"}).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_one_metrics_endpoint_counts_every_process(
+    two_front_ends: tuple[str, subprocess.Popen[bytes]],
+) -> None:
+    url = two_front_ends[0]
+    key = (
+        "poolserve_requests_total",
+        (("endpoint", "/tokenize"), ("model_name", "minilm"), ("status", "200"), ("task", "none")),
+    )
+    before = _samples(url).get(key, 0.0)
+    for i in range(20):
+        with httpx.Client() as client:
+            assert client.post(f"{url}/tokenize", json={"prompt": f"t {i}"}).status_code == 200
+    scrapes = [_samples(url) for _ in range(6)]
+    assert {s.get(key, 0.0) - before for s in scrapes} == {20.0}
+    for samples in scrapes:
+        # the core's step histogram and the engine's gauges, asked of the core at scrape time
+        model = (("model_name", "minilm"),)
+        assert samples[("poolserve_step_duration_seconds_count", model)] > 0
+        assert samples[("poolserve_running_requests", model)] == 0
+        assert samples[("poolserve_ready", model)] == 1
+
+
+def test_sigterm_drains_every_front_end_then_the_core() -> None:
+    port = free_port()
+    process = start_server(
+        port,
+        "--api-server-count",
+        "2",
+        "--shutdown-timeout",
+        "30",
+        "--max-num-batched-tokens",
+        "512",
+    )
+    url = f"http://127.0.0.1:{port}"
+    core, front_ends = _children(process)
+    texts = [f"sentence number {i} " * 20 for i in range(300)]
+    outcome: dict[str, object] = {}
+
+    def long_request() -> None:
+        body = {"input": texts, "encoding_format": "base64"}
+        outcome["response"] = httpx.post(f"{url}/v1/embeddings", json=body, timeout=120)
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    time.sleep(0.5)  # the request is in flight
+    process.send_signal(signal.SIGTERM)
+    thread.join(120)
+    response = outcome["response"]
+    assert isinstance(response, httpx.Response) and response.status_code == 200
+    assert len(response.json()["data"]) == len(texts)
+    assert process.wait(60) == 0
+    assert _gone([core, *front_ends], 5)
+
+
+def test_a_lost_engine_core_is_503_then_a_non_zero_exit() -> None:
+    port = free_port()
+    process = start_server(port, "--api-server-count", "2")
+    url = f"http://127.0.0.1:{port}"
+    core, front_ends = _children(process)
+    core.kill()
+    started = time.monotonic()
+    statuses = set()
+    while process.poll() is None and time.monotonic() - started < 15:
+        try:
+            response = httpx.post(f"{url}/v1/embeddings", json={"input": "x"}, timeout=5)
+            statuses.add(response.status_code)
+            if response.status_code == 503:  # then the front ends stop, refusing as they drain
+                assert response.json()["error"]["code"] in {"engine_dead", "draining"}
+        except httpx.TransportError:
+            pass  # the server is stopping
+        time.sleep(0.05)
+    assert process.wait(15) not in (0, None)
+    assert time.monotonic() - started < 15
+    assert statuses <= {503}  # never a hang, never a 500
+    assert _gone(front_ends, 5)
+
+
+def test_a_lost_front_end_takes_the_server_down_loudly() -> None:
+    port = free_port()
+    process = start_server(port, "--api-server-count", "2")
+    core, front_ends = _children(process)
+    front_ends[0].kill()
+    assert process.wait(30) not in (0, None)
+    assert _gone([core, front_ends[1]], 5)
+
+
+def test_a_killed_supervisor_leaves_nothing_running() -> None:
+    port = free_port()
+    process = start_server(port, "--api-server-count", "2", "--shutdown-timeout", "2")
+    core, front_ends = _children(process)
+    process.kill()  # SIGKILL: the supervisor gets no chance to stop its children
+    process.wait(10)
+    assert _gone([core, *front_ends], 15)
