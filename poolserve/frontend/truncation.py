@@ -27,7 +27,7 @@ _WORD_START = re.compile(r"(?<=\s)\S")
 # tokenizers are encoded by the backend directly (no BatchEncoding, no per-call kwargs merge:
 # the wrapper adds ~15 us to the ~20 us encode of a short text). Any other class (slow
 # tokenizers, classes with their own __call__ or input modes such as NLLB's language codes) goes
-# through transformers' wrapper. tests/service/test_fast_tokenize.py proves the ids equal.
+# through transformers' wrapper. tests/frontend/test_fast_tokenize.py proves the ids equal.
 WRAPPER_STEPS = (
     "__call__",
     "_encode_plus",

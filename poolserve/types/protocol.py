@@ -192,7 +192,10 @@ def split_prompts(
     if not any(message.typed):
         return prompts, None
     typed_lengths = [n for n, t in zip(message.lengths, message.typed, strict=True) if t]
-    parts = iter(_views(np.frombuffer(frames[1], dtype=np.int64), typed_lengths))
+    types = np.frombuffer(frames[1], dtype=np.int64)
+    if len(types) != sum(typed_lengths):
+        raise ValueError("token type frame does not match the typed prompts' lengths")
+    parts = iter(_views(types, typed_lengths))
     return prompts, [next(parts) if t else None for t in message.typed]
 
 

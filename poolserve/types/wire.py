@@ -16,7 +16,7 @@ from typing import Any, cast
 PREFIX = struct.Struct("<IH")  # header bytes, buffer count
 # A peer is the server's own process; these only catch a corrupted stream early.
 MAX_HEADER_BYTES = 64 << 20
-MAX_BUFFERS = 1 << 16
+MAX_BUFFER_BYTES = 1 << 40  # a garbled 8-byte size is far above it, so it never waits forever
 
 OnMessage = Callable[["MessageStream", memoryview, list[memoryview]], None]
 OnLost = Callable[["MessageStream", Exception | None], None]
@@ -87,12 +87,14 @@ def _cut(data: bytearray, start: int) -> tuple[int, memoryview, list[memoryview]
     if len(data) - start < PREFIX.size:
         return None
     header_size, count = PREFIX.unpack_from(data, start)
-    if header_size > MAX_HEADER_BYTES or count > MAX_BUFFERS:
-        raise ValueError(f"corrupted stream: header of {header_size} bytes, {count} buffers")
+    if header_size > MAX_HEADER_BYTES:
+        raise ValueError(f"corrupted stream: header of {header_size} bytes")
     at = start + PREFIX.size
     if len(data) - at < 8 * count:
         return None
     sizes = struct.unpack_from(f"<{count}Q", data, at)
+    if any(size > MAX_BUFFER_BYTES for size in sizes):
+        raise ValueError(f"corrupted stream: a buffer of {max(sizes)} bytes")
     at += 8 * count
     if len(data) - at < header_size + sum(sizes):
         return None

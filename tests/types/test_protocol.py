@@ -334,10 +334,6 @@ def test_a_token_frame_of_partial_int64s_is_refused() -> None:
         protocol.split_prompts(message, [flat[:-1]])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="split_prompts checks the token frame against the lengths but not the type frame",
-)
 def test_a_type_frame_that_does_not_match_the_typed_lengths_is_refused() -> None:
     message, frames = _submit([np.array([1, 2, 3])], [np.array([0, 1, 1])])
     types = memoryview(frames[1]).tobytes()

@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from poolserve.types.wire import MAX_HEADER_BYTES, PREFIX, MessageStream
+from poolserve.types.wire import MAX_BUFFER_BYTES, MAX_HEADER_BYTES, PREFIX, MessageStream
 
 Message = tuple[bytes, list[bytes]]
 
@@ -309,6 +309,14 @@ def test_an_oversized_header_length_is_refused_as_soon_as_the_prefix_arrives() -
 def test_the_largest_header_length_is_waited_for() -> None:
     receiver = Receiver()
     receiver.feed(PREFIX.pack(MAX_HEADER_BYTES, 0) + b"\x00" * 1000)
+    assert receiver.messages == []
+
+
+def test_a_garbled_buffer_size_is_refused_instead_of_waited_for() -> None:
+    receiver = Receiver()
+    sizes = struct.pack("<2Q", 4, MAX_BUFFER_BYTES + 1)
+    with pytest.raises(ValueError, match="corrupted stream: a buffer of"):
+        receiver.feed(PREFIX.pack(2, 2) + sizes + b"hd" + b"data")
     assert receiver.messages == []
 
 
