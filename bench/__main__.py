@@ -8,7 +8,9 @@ machine for minutes. So are `fleet` (replicas behind HAProxy), `fleet-ray` (Ray 
 `precision` (fidelity and speed of each --dtype and --quantization, not a peer comparison),
 `cpu-peers` (poolserve's CPU precisions against ONNX Runtime, OpenVINO, sentence-transformers) and
 `frontend` (per-request cost of the HTTP front ends on a near-free model, driven by wrk) with
-`frontend-interleaved` (the same servers up at once, taking turns, for same-moment ratios).
+`frontend-interleaved` (the same servers up at once, taking turns, for same-moment ratios), and
+`footprint` (the command line's answer times, every server process's memory, the modules one
+request runs).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ SEPARATE: dict[str, Callable[[Sequence[str]], None]] = {
     "cpu-peers": lambda argv: _with_list("precision.cpu_peers", argv),
     "frontend": lambda argv: _with_list("frontend.sequential", argv),
     "frontend-interleaved": lambda argv: _with_list("frontend.interleaved", argv),
+    "footprint": lambda argv: _with_list("frontend.footprint", argv),
     "models": lambda argv: _with_list("served.models", argv),
     "embed-job": lambda argv: _with_list("jobs.embed", argv),
     "step-threads": lambda argv: _with_list("engine.step_threads", argv),

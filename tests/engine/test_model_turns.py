@@ -322,7 +322,7 @@ def test_the_cpu_ignores_the_memory_fraction_with_one_info_line(
 
 CHILD = """
 import asyncio, json, sys
-from poolserve.engine.host import CoreConfig
+from poolserve.config.core import CoreConfig
 from poolserve.engine.process import serve_core_process
 configs = [CoreConfig(**c) for c in json.loads(sys.argv[1])]
 sys.exit(asyncio.run(serve_core_process(configs, sys.argv[2])))
