@@ -57,17 +57,16 @@ def serve(settings: ServerSettings) -> None:
     # the cores the HTTP work needs between steps (docs/benchmarks.md, "Front end: per-request
     # cost": 2-3x the requests on 2 cores); an operator's value wins. Children inherit it.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from poolserve.supervisor import ListenError, bind_port, run_processes
+    from poolserve.supervisor import ListenError, bind_port, supervise
 
+    if settings.api_server_count > 0:
+        supervise(settings.model_dump_json())  # this process becomes the supervisor
     try:
-        if settings.api_server_count == 0:
-            sockets = bind_port(settings, 1)  # the port first: before the model loads
-            from poolserve.http.edge.server import run_server  # imported late: for --help
+        sockets = bind_port(settings.host, settings.port, 1)  # the port before the model loads
+        from poolserve.http.edge.server import run_server  # imported late: for --help
 
-            run_server(settings, sockets=sockets)
-            code = 0
-        else:
-            code = run_processes(settings)
+        run_server(settings, sockets=sockets)
+        code = 0
     except ListenError as exc:
         print(f"poolserve serve: error: {exc.strerror}", file=sys.stderr)
         code = 1

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import errno
+import json
 import logging
 import os
 import shutil
@@ -25,25 +26,25 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, fields
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from poolserve.config.core import core_configs
-from poolserve.config.models_file import ServedModels, served_models
-from poolserve.config.settings import ServerSettings
 from poolserve.memory import fix_mmap_threshold
-from poolserve.observability.logs import configure_logging
-from poolserve.observability.metrics import (
-    MULTIPROCESS_DIR,
-    ServiceMetrics,
-    fix_process_identity,
-)
+from poolserve.observability.logs import LogFormat, configure_logging
 from poolserve.types.errors import ModelError, ModelStartError
-from poolserve.types.observer import EngineObserver
-from poolserve.types.process import CORE_LOST_SIGNAL
+from poolserve.types.process import CORE_LOST_SIGNAL, MULTIPROCESS_DIR
+
+if TYPE_CHECKING:  # the children read the settings; the supervisor itself needs none of pydantic
+    from poolserve.config.models_file import ServedModels
+    from poolserve.config.settings import ServerSettings
+    from poolserve.types.observer import EngineObserver
 
 logger = logging.getLogger(__name__)
 
+# The settings document the children validate, in the server's working folder.
+SETTINGS_FILE = "settings.json"
 # After the engine core is lost, front ends keep answering 503 this long before they stop.
 LOST_CORE_GRACE_S = 1.0
 # How often the supervisor looks at its children.
@@ -62,20 +63,48 @@ START_FAILED_EXIT = 3
 OPERATOR_ERRORS = (ModelError, ValueError, OSError)
 
 
-def run_processes(settings: ServerSettings) -> int:
-    """Serve with an engine-core process and N front ends until drained; the exit code."""
+@dataclass(frozen=True)
+class Plan:
+    """What the supervisor itself reads of the settings (plain JSON: no pydantic here)."""
+
+    host: str
+    port: int
+    api_server_count: int
+    shutdown_timeout: float
+    log_level: str
+    log_format: LogFormat
+
+    @classmethod
+    def of(cls, settings: dict[str, Any]) -> Plan:
+        """The plan of a settings document (the children validate the whole of it)."""
+        return cls(**{f.name: settings[f.name] for f in fields(cls)})
+
+
+def supervise(settings_json: str) -> NoReturn:
+    """Become the supervisor of `--api-server-count N`: this process is replaced by a fresh
+    interpreter that loads none of the settings' pydantic models, which the CLI has parsed."""
     workdir = Path(tempfile.mkdtemp(prefix="poolserve-"))
+    settings_file = workdir / SETTINGS_FILE
+    settings_file.write_text(settings_json)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(
+        sys.executable, [sys.executable, "-m", "poolserve.supervisor", "supervise", str(workdir)]
+    )
+
+
+def run_processes(plan: Plan, workdir: Path) -> int:
+    """Serve with an engine-core process and N front ends until drained; the exit code."""
     metrics_dir = workdir / "metrics"
     metrics_dir.mkdir()
-    settings_file = workdir / "settings.json"
-    settings_file.write_text(settings.model_dump_json())
+    settings_file = workdir / SETTINGS_FILE
     # each child's prometheus-client reads it when first imported
     env = {**os.environ, MULTIPROCESS_DIR: str(metrics_dir), SUPERVISOR_PID: str(os.getpid())}
     # model i's engine core listens on socket_path(address, i)
     address = str(workdir / "cores")
     os.mkdir(address)
-    listeners = bind_port(settings, settings.api_server_count)
-    supervisor = _Supervisor(settings)
+    listeners = bind_port(plan.host, plan.port, plan.api_server_count)
+    supervisor = _Supervisor(plan)
     try:
         supervisor.core = _spawn(["core", str(settings_file), address], env)
         supervisor.front_ends = [
@@ -87,7 +116,6 @@ def run_processes(settings: ServerSettings) -> int:
         return supervisor.watch()
     finally:
         supervisor.kill_all()
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _spawn(
@@ -106,8 +134,8 @@ def _spawn(
 class _Supervisor:
     """Watches the children; forwards the first exit signal as a drain."""
 
-    def __init__(self, settings: ServerSettings) -> None:
-        self.settings = settings
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
         self.core: subprocess.Popen[bytes] | None = None
         self.front_ends: list[subprocess.Popen[bytes]] = []
         self.stopping = False
@@ -125,7 +153,7 @@ class _Supervisor:
         )
         if not self.stopping:
             # a front end still starting (its core loading) cannot drain: it is killed then
-            self.deadline = time.monotonic() + self.settings.shutdown_timeout + EXIT_GRACE_S
+            self.deadline = time.monotonic() + self.plan.shutdown_timeout + EXIT_GRACE_S
         self.stopping = True
         for front_end in self.front_ends:
             _signal(front_end, signal.SIGTERM)
@@ -191,7 +219,7 @@ class _Supervisor:
         """SIGTERM, then SIGKILL what has not exited within the shutdown timeout."""
         for process in processes:
             _signal(process, signal.SIGTERM)
-        deadline = time.monotonic() + self.settings.shutdown_timeout + EXIT_GRACE_S
+        deadline = time.monotonic() + self.plan.shutdown_timeout + EXIT_GRACE_S
         for process in processes:
             try:
                 process.wait(max(0.0, deadline - time.monotonic()))
@@ -220,7 +248,7 @@ class PortInUseError(ListenError):
     """Something already listens on the server's host:port."""
 
 
-def bind_port(settings: ServerSettings, count: int) -> list[socket.socket]:
+def bind_port(host: str, port: int, count: int) -> list[socket.socket]:
     """The listening sockets of `count` front ends: one each, on the same port; PortInUseError,
     naming the address, when anything else listens there (before any model loads).
 
@@ -229,17 +257,17 @@ def bind_port(settings: ServerSettings, count: int) -> list[socket.socket]:
     wakes first accepts a whole burst of connections (each accepts in a loop), and keep-alive
     clients then load one front end while another idles. Elsewhere they share one socket.
     """
-    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     spread = count > 1 and hasattr(socket, "SO_REUSEPORT")
-    if spread and settings.port != 0:
+    if spread and port != 0:
         # SO_REUSEPORT would join another server's listener that set it too, silently sharing
         # its traffic: a plain bind first finds anything listening there
-        _bind_one(family, settings.host, settings.port, reuse_port=False).close()
+        _bind_one(family, host, port, reuse_port=False).close()
     listeners: list[socket.socket] = []
     for _ in range(count if spread else 1):
         # port 0: the others join the port the first one was given
-        port = listeners[0].getsockname()[1] if listeners else settings.port
-        listener = _bind_one(family, settings.host, port, reuse_port=spread)
+        at = listeners[0].getsockname()[1] if listeners else port
+        listener = _bind_one(family, host, at, reuse_port=spread)
         listener.listen(2048)
         listener.set_inheritable(True)
         listeners.append(listener)
@@ -288,6 +316,8 @@ def _core_main(settings: ServerSettings, address: str) -> None:
     with the core's code."""
     configure_logging(settings.log_level, settings.log_format)
     fix_mmap_threshold()
+    from poolserve.config.core import core_configs
+    from poolserve.config.models_file import served_models
     from poolserve.engine.process import serve_core_process  # torch, in this process only
 
     served = served_models(settings)
@@ -316,6 +346,8 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 def _observers(served: ServedModels) -> list[EngineObserver]:
     """Each model's engine observer: its model-labelled children of this process's metrics."""
+    from poolserve.observability.metrics import ServiceMetrics
+
     metrics = ServiceMetrics()
     return [metrics.model(m.name) for m in served.models]
 
@@ -332,9 +364,30 @@ def _front_end_main(settings: ServerSettings, address: str, listener: socket.soc
     os._exit(0)
 
 
+def _supervise_main(workdir: Path) -> NoReturn:
+    """The supervisor's own entry (after `supervise`): serve, and exit with the server's code."""
+    plan = Plan.of(json.loads((workdir / SETTINGS_FILE).read_text()))
+    configure_logging(plan.log_level, plan.log_format)
+    fix_mmap_threshold()
+    try:
+        code = run_processes(plan, workdir)
+    except ListenError as exc:
+        print(f"poolserve serve: error: {exc.strerror}", file=sys.stderr)
+        code = 1
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    logging.shutdown()
+    os._exit(code)
+
+
 def main(argv: list[str]) -> None:
-    """A child's entry: `core SETTINGS ADDRESS` or `api SETTINGS ADDRESS FD` (ADDRESS: the
-    directory of the engine core's sockets)."""
+    """The entry of `supervise WORKDIR` (the supervisor), and of its children: `core SETTINGS
+    ADDRESS` or `api SETTINGS ADDRESS FD` (ADDRESS: the directory of the engine core's sockets)."""
+    if argv[0] == "supervise":
+        _supervise_main(Path(argv[1]))
+    from poolserve.config.settings import ServerSettings
+    from poolserve.observability.metrics import fix_process_identity
+
     role, settings_file, address, *fd = argv
     settings = ServerSettings.model_validate_json(Path(settings_file).read_text())
     _child_of_supervisor(int(os.environ[SUPERVISOR_PID]), settings.shutdown_timeout + EXIT_GRACE_S)

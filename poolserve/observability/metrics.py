@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
+from poolserve.types.process import MULTIPROCESS_DIR
 from poolserve.types.stats import EngineSnapshot
 
 LATENCY_BUCKETS = (
@@ -38,7 +39,6 @@ LATENCY_BUCKETS = (
     60.0,
 )
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
-MULTIPROCESS_DIR = "PROMETHEUS_MULTIPROC_DIR"  # prometheus-client's switch to multiprocess mode
 REJECT_REASONS = ("queue_full", "tokens_full", "tokenizing_full", "draining", "not_ready")
 # Every series carries the served name of its model under this label, as vLLM's do.
 MODEL_LABEL = "model_name"

@@ -12,3 +12,7 @@ CORE_LOST_SIGNAL = signal.SIGUSR1
 def socket_path(directory: str, index: int) -> str:
     """Where model `index` (in the served models' order) of the engine core listens."""
     return os.path.join(directory, f"engine-core-{index}.sock")
+
+
+# prometheus-client's switch to multiprocess mode: the folder every process writes its metrics to
+MULTIPROCESS_DIR = "PROMETHEUS_MULTIPROC_DIR"

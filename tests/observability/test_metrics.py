@@ -11,11 +11,8 @@ import pytest
 from prometheus_client import values
 from prometheus_client.parser import text_string_to_metric_families
 
-from poolserve.observability.metrics import (
-    MULTIPROCESS_DIR,
-    ServiceMetrics,
-    fix_process_identity,
-)
+from poolserve.observability.metrics import ServiceMetrics, fix_process_identity
+from poolserve.types.process import MULTIPROCESS_DIR
 
 
 def _samples(client: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
