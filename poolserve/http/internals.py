@@ -79,6 +79,8 @@ def untested() -> dict[str, str]:
 
 # Request line plus headers; uvicorn bounds them for h11 only, httptools takes any size.
 HEAD_LIMIT_BYTES = 32 * 1024
+# One response header, as ASGI and uvicorn write them.
+Header = tuple[bytes, bytes]
 
 
 class CorkedTransport:
@@ -128,7 +130,8 @@ class BoundedHttpProtocol(HttpToolsProtocol):
     """httptools with the bounds uvicorn leaves open for it: request head size and time.
 
     Writes are corked (`CorkedTransport`) and each request's scope carries `CLOSE_WATCH`. What
-    it refuses, a subclass answers: `refuse(status, message, code)`, with `answer_and_close`.
+    it refuses is answered by `refuse` with `refusal`'s headers and body: plain text here, the
+    server's JSON error document in its subclass.
     The head timeout is the config's `head_timeout_s` (30 s without one).
     """
 
@@ -142,9 +145,15 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self.closed = False
         self.close_watchers: set[Callable[[], None]] = set()
 
+    def refusal(self, status: int, message: str, code: str) -> tuple[list[Header], bytes]:
+        """The headers (besides length and close) and body of a refusal: the message as text."""
+        return [(b"content-type", b"text/plain; charset=utf-8")], message.encode()
+
     def refuse(self, status: int, message: str, code: str) -> None:
         """Answer a request the app never sees (no request to route yet) and close."""
-        raise NotImplementedError
+        headers, body = self.refusal(status, message, code)
+        length = (b"content-length", str(len(body)).encode())
+        self.answer_and_close(status, [length, (b"connection", b"close"), *headers], body)
 
     def answer_and_close(
         self, status: int, headers: Iterable[tuple[bytes, bytes]], body: bytes

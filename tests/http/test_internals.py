@@ -158,20 +158,20 @@ class FakeTransport(asyncio.Transport):
         return self.unsent
 
     def pause_reading(self) -> None:
-        pass
+        """A fake socket has no reads to pause."""
 
     def resume_reading(self) -> None:
-        pass
+        """Nor to resume."""
 
 
 class Recording(BoundedHttpProtocol):
-    """Refusals answered with the status as body; each kept."""
+    """Refusals answered as the base protocol answers them; each kept."""
 
     refused: list[tuple[int, str]]
 
     def refuse(self, status: int, message: str, code: str) -> None:
         self.refused.append((status, code))
-        self.answer_and_close(status, [(b"x-code", code.encode())], str(status).encode())
+        super().refuse(status, message, code)
 
 
 async def ok_app(scope: Any, receive: Any, send: Any) -> None:
@@ -228,7 +228,12 @@ def test_a_large_head_is_refused_by_the_subclass() -> None:
         await settle()
         assert protocol.refused == [(431, "headers_too_large")]
         assert transport.written.startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n")
-        assert b"\r\ndate: today\r\nx-code: headers_too_large\r\n\r\n431" in transport.written
+        head, body = transport.written.split(b"\r\n\r\n", 1)
+        assert head.endswith(
+            b"\r\ndate: today\r\ncontent-length: %d\r\nconnection: close"
+            b"\r\ncontent-type: text/plain; charset=utf-8" % len(body)
+        )
+        assert body == b"request headers are larger than the limit of %d bytes" % HEAD_LIMIT_BYTES
         assert transport.closing
 
     asyncio.run(scenario())

@@ -400,4 +400,4 @@ def test_over_a_socket_a_corrupted_stream_closes_the_connection_with_the_error()
 
 
 def _ignore(*args: object) -> None:
-    pass
+    """A callback whose calls this test does not look at."""

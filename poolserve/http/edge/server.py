@@ -15,7 +15,7 @@ from poolserve.frontend.state import ServiceState
 from poolserve.http.app import create_app
 from poolserve.http.edge.middleware import SECURITY_HEADERS, InFlight
 from poolserve.http.errors import error_document
-from poolserve.http.internals import HEAD_LIMIT_BYTES, BoundedHttpProtocol, HookedServer
+from poolserve.http.internals import HEAD_LIMIT_BYTES, BoundedHttpProtocol, Header, HookedServer
 
 logger = logging.getLogger(__name__)
 
@@ -100,16 +100,10 @@ class EdgeHttpProtocol(BoundedHttpProtocol):
     """httptools with the bounds uvicorn leaves open for it (request head size and time, corked
     writes, CLOSE_WATCH: see BoundedHttpProtocol); what it refuses gets the JSON error body."""
 
-    def refuse(self, status: int, message: str, code: str) -> None:
-        """Answer outside the app (no request to route yet) and close."""
+    def refusal(self, status: int, message: str, code: str) -> tuple[list[Header], bytes]:
+        """The OpenAI-style error document, with the edge's security headers."""
         body = orjson.dumps(error_document(message, "invalid_request_error", None, code))
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-            (b"connection", b"close"),
-            *SECURITY_HEADERS,
-        ]
-        self.answer_and_close(status, headers, body)
+        return [(b"content-type", b"application/json"), *SECURITY_HEADERS], body
 
 
 def run_server(
