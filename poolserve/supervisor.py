@@ -6,7 +6,8 @@ them. SIGTERM (or SIGINT) drains: every front end drains as a single server does
 core finishes what is left and stops; exit 0. Any child that exits on its own takes the server
 down, loudly and non-zero: a lost engine core first turns every front end's answers into 503
 (its connection closes), a lost front end stops the rest; a model that cannot start is said in
-one line and stops everything at once (exit 3). Restarting is the orchestrator's job.
+one line, by the process that hit it, and stops everything at once (exit 1). Restarting is the
+orchestrator's job.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from poolserve.memory import fix_mmap_threshold
-from poolserve.observability.logs import LogFormat, configure_logging
-from poolserve.types.errors import ModelError, ModelStartError
+from poolserve.observability.logs import LogFormat, configure_logging, report_start_failure
+from poolserve.types.errors import ModelStartError
 from poolserve.types.process import CORE_LOST_SIGNAL, MULTIPROCESS_DIR
 
 if TYPE_CHECKING:  # the children read the settings; the supervisor itself needs none of pydantic
@@ -55,12 +56,9 @@ SUPERVISOR_PID = "POOLSERVE_SUPERVISOR_PID"
 PR_SET_PDEATHSIG = 1
 # What a child gets beyond --shutdown-timeout to exit after SIGTERM before it is killed.
 EXIT_GRACE_S = 5.0
-# The engine core's exit code when a model could not start (said in one line): the front ends,
-# which have served nothing, are stopped at once and the server exits with it.
+# A child's exit code when the server could not start (it said why in one line): the others,
+# which have served nothing, are killed at once and the server exits 1.
 START_FAILED_EXIT = 3
-# Start failures that are the operator's to fix (a path, a flag, a precision): one line, no
-# traceback; anything else is a bug and keeps its traceback.
-OPERATOR_ERRORS = (ModelError, ValueError, OSError)
 
 
 @dataclass(frozen=True)
@@ -183,11 +181,8 @@ class _Supervisor:
         if self.stopping and all(p.poll() is not None for p in self.front_ends):
             return 0 if code == 0 else 1
         if code == START_FAILED_EXIT:  # the core said why; nothing was served, nothing drains
-            for front_end in self.front_ends:
-                if front_end.poll() is None:
-                    front_end.kill()
-                    front_end.wait()
-            return code
+            self.kill_all()
+            return 1
         logger.error("the engine core exited (code %s): stopping the server", code)
         for front_end in self.front_ends:
             _signal(front_end, CORE_LOST_SIGNAL)  # its requests answer 503 now
@@ -197,6 +192,9 @@ class _Supervisor:
 
     def _front_end_gone(self, gone: list[subprocess.Popen[bytes]]) -> int:
         assert self.core is not None
+        if any(p.returncode == START_FAILED_EXIT for p in gone):  # it said why; nothing served
+            self.kill_all()
+            return 1
         for front_end in gone:
             logger.error(
                 "front end %d exited (code %s): stopping the server",
@@ -326,8 +324,7 @@ def _core_main(settings: ServerSettings, address: str) -> None:
         try:
             code = runner.run(serving)
         except ModelStartError as exc:
-            bug = not isinstance(exc.__cause__, OPERATOR_ERRORS)
-            logger.error("could not start: %s", exc, exc_info=bug)
+            report_start_failure("serve", exc)
             code = START_FAILED_EXIT
     logging.shutdown()
     os._exit(code)
@@ -359,9 +356,9 @@ def _front_end_main(settings: ServerSettings, address: str, listener: socket.soc
     fix_mmap_threshold()
     from poolserve.http.edge.server import run_server  # after the malloc setting
 
-    run_server(settings, core_address=address, sockets=[listener])
+    started = run_server(settings, core_address=address, sockets=[listener])
     logging.shutdown()
-    os._exit(0)
+    os._exit(0 if started else START_FAILED_EXIT)
 
 
 def _supervise_main(workdir: Path) -> NoReturn:

@@ -96,11 +96,25 @@ class ServedModels:
 
 
 def default_name(model: str | None) -> str:
-    """The name a model is served as without --served-model-name: never a filesystem path."""
+    """The name a model is served as without --served-model-name or NAME=: never a filesystem
+    path; a local folder's name as given (a symlink's own, not its target's)."""
     if model is None:
         return DEFAULT_MODEL_ID
     local = Path(model).expanduser()
-    return local.resolve().name if local.is_dir() else model
+    if not local.is_dir():
+        return model
+    return local.name or local.resolve().name  # "." and ".." have no name of their own
+
+
+def named_model(argument: str) -> tuple[str | None, str]:
+    """`NAME=PATH` (or `NAME=HUB_ID`) names a model on the command line, as vLLM's
+    --served-model-name does for one; a plain path or id has no name of its own."""
+    name, sep, model = argument.partition("=")
+    if not sep or Path(argument).expanduser().exists():  # a folder may hold "=" in its name
+        return None, argument
+    if not name or not model:
+        raise ModelsConfigError(f"{argument!r}: NAME=MODEL needs both a name and a model")
+    return name, model
 
 
 def served_models(settings: ServerSettings) -> ServedModels:
@@ -115,8 +129,8 @@ def served_models(settings: ServerSettings) -> ServedModels:
         entries, default = parsed.models, parsed.default_model or settings.default_model
         models = tuple(_from_entry(settings, entry, i) for i, entry in enumerate(entries))
     else:
-        names = (settings.model, *(settings.models or ()))
-        models = tuple(_one(settings, {"model": name}, name) for name in names)
+        arguments = (settings.model, *(settings.models or ()))
+        models = tuple(_named(settings, argument, i) for i, argument in enumerate(arguments))
         default = settings.default_model
     _check_names(models)
     _check_fractions(models)
@@ -159,6 +173,22 @@ def _from_entry(settings: ServerSettings, entry: _Entry, index: int) -> ServedMo
         overrides["max_num_batched_tokens"] = max(1, round(entry.token_budget_share * budget))
     served = _one(settings, overrides, where)
     return ServedModel(served.settings, served.name, entry.priority, entry.gpu_memory_fraction)
+
+
+def _named(settings: ServerSettings, argument: str | None, index: int) -> ServedModel:
+    """A model given as an argument (`--model`, `--models`, `poolserve serve A B`), named by
+    `NAME=` when it says so; --served-model-name names the first model otherwise."""
+    if argument is None:
+        return _one(settings, {"model": None}, None)
+    name, model = named_model(argument)
+    if name is None:
+        return _one(settings, {"model": model}, model)
+    if index == 0 and settings.served_model_name:
+        raise ModelsConfigError(
+            f"{argument!r}: the model is named twice, by NAME= and by --served-model-name: "
+            "give one of them"
+        )
+    return _one(settings, {"model": model, "served_model_name": [name]}, model)
 
 
 def _one(settings: ServerSettings, overrides: dict[str, Any], where: str | None) -> ServedModel:

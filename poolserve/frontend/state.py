@@ -150,6 +150,8 @@ class ServiceState:
     core_address: str | None = None  # the engine core process's directory (None: a core here)
     owns_process: bool = False  # a server process of its own (not an app among others, tests)
     ready: bool = False
+    start_failure: BaseException | None = None  # why the start failed (said in one line)
+    address: str | None = None  # where the server listens (`http://HOST:PORT`), said once ready
     draining: bool = False
     leaving: bool = False  # SIGTERM arrived: /ready is 503, work is served until draining
     active_requests: int = 0

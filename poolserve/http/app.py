@@ -23,6 +23,7 @@ from poolserve.http.compat.tei_common import TEIRoute
 from poolserve.http.edge.handlers import install_error_handlers, openapi_schema
 from poolserve.http.edge.middleware import OPEN_PATHS, EdgeMiddleware, InFlight
 from poolserve.http.routing import DirectRoutes
+from poolserve.observability.logs import report_start_failure
 from poolserve.observability.metrics import ServiceMetrics
 from poolserve.observability.tracing import build_tracing
 
@@ -59,7 +60,15 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await start(state)
+        try:
+            await start(state)
+        except BaseException as exc:
+            state.start_failure = exc
+            if owns_process:  # a server process: one line, as every start-up error is said
+                report_start_failure("serve", exc)
+            raise
+        if state.address is not None:
+            logger.info("listening on %s", state.address)
         try:
             yield
         finally:

@@ -14,6 +14,7 @@ from tokenizers.normalizers import Lowercase, Normalizer
 from tokenizers.normalizers import Sequence as NormalizerSequence
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from poolserve.config.model_path import resolve_model_path
 from poolserve.models.attention import AttentionBackend, select_attention_backend
 from poolserve.models.cpu_kernels import CpuKernels, choose_kernels
 from poolserve.models.decoder import DecoderModel
@@ -34,7 +35,6 @@ from poolserve.models.registry import (
     Backbone,
     supported_architectures,
 )
-from poolserve.models.resolve import resolve_model_path
 from poolserve.models.sentence_transformers import read_sentence_transformers
 from poolserve.models.spec import LoadedModel, ModelSpec
 from poolserve.models.weights import load_state_dict, strip_prefix

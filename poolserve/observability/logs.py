@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
 
-from poolserve.types.errors import clip
+from poolserve.types.errors import ModelError, ModelStartError, clip
 
 if TYPE_CHECKING:  # the front end's ASGI scope; the supervisor logs without starlette
     from starlette.types import Scope
@@ -158,3 +158,25 @@ def configure_logging(level: str, log_format: LogFormat) -> None:
     root.addHandler(handler)
     root.setLevel(level.upper())
     logging.captureWarnings(True)  # warnings.warn text becomes records too (JSON when asked)
+
+
+# Start failures that are the operator's to fix (a path, a flag, a file, a precision): one line,
+# the traceback only at --log-level debug. Anything else is a bug and keeps its traceback.
+OPERATOR_ERRORS: tuple[type[Exception], ...] = (ModelError, ValueError, OSError)
+
+
+def report_start_failure(command: str, exc: BaseException) -> None:
+    """Say why the server cannot start in one line on stderr, `poolserve CMD: error: ...`, as
+    argparse says a usage error (a traceback too, logged, at --log-level debug or for a bug)."""
+    cause = exc.__cause__ if isinstance(exc, ModelStartError) else exc
+    if not isinstance(cause, OPERATOR_ERRORS):
+        logging.getLogger(__name__).error("start failed", exc_info=exc)
+    elif logging.getLogger().isEnabledFor(logging.DEBUG):
+        logging.getLogger(__name__).debug("start failed", exc_info=exc)
+    sys.stderr.write(f"poolserve {command}: error: {one_line(str(exc))}\n")
+    sys.stderr.flush()
+
+
+def one_line(text: str) -> str:
+    """A message as one line (third-party messages wrap theirs)."""
+    return " ".join(part.strip() for part in text.strip().splitlines() if part.strip())

@@ -9,6 +9,8 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 
+from poolserve.types.model import DEFAULT_MODEL_ID
+
 # Bounds on client-sent text an error may echo (a field name can be 100 KB long).
 MAX_ECHO_CHARS = 128
 
@@ -204,7 +206,10 @@ class ModelStartError(ValueError):
     """One model of the core could not be loaded or built; the message names it."""
 
     def __init__(self, model: str | None, cause: Exception) -> None:
-        super().__init__(f"model {model!r}: {cause}")
+        name = model or DEFAULT_MODEL_ID
+        said = str(cause)
+        # a cause that already names the model (the model's path or Hub id) is said once
+        super().__init__(said if said.startswith(f"model {name!r}") else f"model {name!r}: {said}")
         self.model = model
 
 

@@ -107,3 +107,40 @@ def test_models_twice_on_the_command_line_is_a_usage_error() -> None:
     with pytest.raises(SystemExit) as exc:
         parse_settings(["serve", "a", "b", "--models", "c"])
     assert exc.value.code == 2
+
+
+def test_name_equals_model_names_each_model(tmp_path: Path) -> None:
+    # two folders with one basename: NAME= tells them apart, as vLLM's --served-model-name
+    first, second = tmp_path / "a" / "model", tmp_path / "b" / "model"
+    first.mkdir(parents=True), second.mkdir(parents=True)
+    settings = parse_settings(["serve", f"small={first}", f"large={second}", "org/ranker"])
+    served = served_models(settings)
+    assert [m.name for m in served.models] == ["small", "large", "org/ranker"]
+    assert [m.settings.model for m in served.models] == [str(first), str(second), "org/ranker"]
+    clash = parse_settings(["serve", str(first), str(second)])
+    with pytest.raises(ModelsConfigError, match="two models are served as 'model'"):
+        served_models(clash)
+
+
+def test_a_folder_with_an_equals_sign_is_a_folder(tmp_path: Path) -> None:
+    odd = tmp_path / "lr=3e-5"
+    odd.mkdir()
+    (served,) = served_models(parse_settings(["serve", str(odd)])).models
+    assert (served.name, served.settings.model) == ("lr=3e-5", str(odd))
+
+
+def test_name_equals_is_refused_half_given_or_named_twice() -> None:
+    with pytest.raises(ModelsConfigError, match="NAME=MODEL needs both"):
+        served_models(parse_settings(["serve", "=org/model"]))
+    named_twice = parse_settings(["serve", "mini=org/model", "--served-model-name", "other"])
+    with pytest.raises(ModelsConfigError, match="named twice"):
+        served_models(named_twice)
+
+
+def test_a_symlinked_folder_is_named_by_the_link_given(tmp_path: Path) -> None:
+    target = tmp_path / "snapshots" / "3f2a9c"
+    target.mkdir(parents=True)
+    link = tmp_path / "minilm"
+    link.symlink_to(target)
+    (served,) = served_models(parse_settings(["serve", str(link)])).models
+    assert served.name == "minilm"

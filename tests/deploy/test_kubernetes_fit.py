@@ -244,7 +244,7 @@ def test_download_job_fills_the_deployments_cache() -> None:
         if "persistentVolumeClaim" in v
     }
     assert claims == {only(render("gpu"), "PersistentVolumeClaim")["metadata"]["name"]}
-    assert "from poolserve.models.resolve import resolve_model_path" in download["command"][-1]
+    assert "from poolserve.config.model_path import resolve_model_path" in download["command"][-1]
 
 
 def test_several_models_overlay_mounts_the_models_file_the_settings_name(

@@ -110,8 +110,9 @@ def run_server(
     settings: ServerSettings,
     core_address: str | None = None,
     sockets: list[socket.socket] | None = None,
-) -> None:
-    """Serve until drained: one process, or one front end of an engine core at core_address."""
+) -> bool:
+    """Serve until drained: one process, or one front end of an engine core at core_address.
+    False when the start failed (said in one line)."""
     app = create_app(settings, core_address, owns_process=True)
     state: ServiceState = app.state.poolserve
     config = EdgeConfig(
@@ -130,5 +131,34 @@ def run_server(
         ssl_keyfile=settings.ssl_keyfile,  # both or neither: the settings check the pair
         ssl_certfile=settings.ssl_certfile,
     )
+    if sockets:
+        state.address = _address(sockets[0], "https" if settings.ssl_certfile else "http")
     server = DrainingServer(config, state, app.state.inflight)
-    server.run(sockets)  # uvicorn picks uvloop when installed
+    quiet = _SaidOnce(state)
+    logging.getLogger("uvicorn.error").addFilter(quiet)
+    try:
+        server.run(sockets)  # uvicorn picks uvloop when installed
+    except SystemExit:
+        if state.start_failure is None:
+            raise
+    finally:
+        logging.getLogger("uvicorn.error").removeFilter(quiet)
+    return state.start_failure is None
+
+
+def _address(listener: socket.socket, scheme: str) -> str:
+    """The URL a listening socket answers at (its real port when --port 0 let the kernel pick)."""
+    host, port = listener.getsockname()[:2]
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+
+
+class _SaidOnce(logging.Filter):
+    """A start that failed was said in one line (`report_start_failure`): uvicorn's error
+    records of it (the lifespan's traceback, "Application startup failed") say it again."""
+
+    def __init__(self, state: ServiceState) -> None:
+        super().__init__()
+        self.state = state
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.ERROR or self.state.start_failure is None

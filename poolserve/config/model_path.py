@@ -1,4 +1,7 @@
-"""Finds a model directory: local path, Hub id (honours HF_HUB_OFFLINE), or the embedded default."""
+"""Finds a model directory: local path, Hub id (honours HF_HUB_OFFLINE), or the embedded default.
+
+Torch-free: the command line finds every model before any process starts.
+"""
 
 from __future__ import annotations
 
@@ -35,8 +38,10 @@ def resolve_model_path(model: str | None, revision: str | None = None) -> Path:
     if local.is_dir():
         _ignore_revision(revision, "a local directory")
         return local
+    if local.exists():
+        raise ModelLoadError(f"model {model!r}: a file, not a model folder")
     if local.is_absolute() or model.startswith("."):
-        raise ModelLoadError(f"model directory {model!r} does not exist")
+        raise ModelLoadError(f"model {model!r}: no such folder")
     return _download(model, revision)
 
 
@@ -52,7 +57,8 @@ def hub_offline() -> bool:
 
 
 def _download(repo_id: str, revision: str | None) -> Path:
-    """Fetches (or finds in the cache) a Hub snapshot with data files only."""
+    """Fetches (or finds in the cache) a Hub snapshot with data files only; a failure is one
+    line that says what to do."""
     from huggingface_hub import snapshot_download
 
     offline = hub_offline()
@@ -66,7 +72,34 @@ def _download(repo_id: str, revision: str | None) -> Path:
             local_files_only=offline,
         )
     except Exception as exc:  # the hub raises many unrelated types for one failure: not found
-        raise ModelLoadError(
-            f"cannot resolve model {repo_id!r}{at} (offline={offline}): {exc}"
-        ) from exc
+        raise ModelLoadError(f"model {repo_id!r}{at}: {_hub_problem(exc, offline)}") from exc
     return Path(path)
+
+
+def _hub_problem(exc: Exception, offline: bool) -> str:
+    """What a Hub failure means to the operator, in one line."""
+    from huggingface_hub import errors
+
+    # most specific first: a gated repository is also "not found" to the client
+    problems: tuple[tuple[type[Exception], str], ...] = (
+        (errors.GatedRepoError, "gated on the Hub: accept its terms there and set HF_TOKEN"),
+        (errors.RevisionNotFoundError, "no such revision on the Hugging Face Hub"),
+        (
+            errors.RepositoryNotFoundError,
+            "not found on the Hugging Face Hub (a private repository needs HF_TOKEN); a local "
+            "folder is given by its path",
+        ),
+        (
+            errors.LocalEntryNotFoundError,
+            "not in the Hugging Face cache and HF_HUB_OFFLINE is set: download it first or give "
+            "a local folder"
+            if offline
+            else "cannot reach the Hugging Face Hub and it is not in the cache: check the "
+            "network (HF_ENDPOINT, proxy) or give a local folder",
+        ),
+    )
+    for kind, problem in problems:
+        if isinstance(exc, kind):
+            return problem
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"cannot fetch it from the Hugging Face Hub: {type(exc).__name__}: {first}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from poolserve.models.resolve import resolve_model_path
+from poolserve.config.model_path import resolve_model_path
 from poolserve.types.errors import ModelLoadError
 from poolserve.types.model import DEFAULT_MODEL_ID
 
@@ -18,5 +18,5 @@ def test_the_hub_id_of_the_embedded_model_is_the_embedded_copy(
 
 def test_a_revision_of_it_still_asks_the_hub(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ModelLoadError, match="offline=True"):
+    with pytest.raises(ModelLoadError, match="HF_HUB_OFFLINE is set"):
         resolve_model_path(DEFAULT_MODEL_ID, revision="0123456789abcdef")
