@@ -1,8 +1,9 @@
 """`poolserve`: the command line. `serve` runs the server; the jobs run a model over files.
 
 Each command adds its own subparser and sets `run(args) -> exit code` on it; the model and its
-settings are flags of every command, as `poolserve serve` takes them
-(`poolserve.config.flags.add_settings_flags`, `settings_from_args`).
+settings are flags of every command, as `poolserve serve` takes them, each command taking the
+sections that apply to it (`poolserve.config.flags.GROUPS`, `add_settings_flags`,
+`settings_from_args`). Usage errors exit 2, runtime errors 1, both as `poolserve CMD: error: ...`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,13 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from poolserve.config.flags import add_serve_command, package_version, settings_from_args
+from poolserve.config.flags import (
+    add_serve_command,
+    command_error,
+    package_version,
+    parse_command_line,
+    settings_from_args,
+)
 from poolserve.config.settings import ServerSettings
 from poolserve.jobs.corpus.command import add_embed_command
 from poolserve.jobs.run_batch import add_run_batch
@@ -68,8 +75,7 @@ def serve(settings: ServerSettings) -> None:
         run_server(settings, sockets=sockets)
         code = 0
     except ListenError as exc:
-        print(f"poolserve serve: error: {exc.strerror}", file=sys.stderr)
-        code = 1
+        code = command_error("serve", str(exc.strerror))
     # Drained and closed: skip the interpreter's teardown of torch and friends, which takes
     # seconds on a busy machine and would push the exit past --shutdown-timeout.
     logging.shutdown()
@@ -81,7 +87,7 @@ def serve(settings: ServerSettings) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     """Run the command named on the command line; exit with its code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
     sys.exit(args.run(args))
 
 

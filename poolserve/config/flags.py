@@ -1,11 +1,16 @@
-"""`poolserve serve`: the server's command line; every flag is also a POOLSERVE_* variable."""
+"""The command line's flags: every server setting's flag, in the sections of `--help`, for the
+commands it applies to; every flag is also a POOLSERVE_* variable. One error style for all."""
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
 from importlib.metadata import PackageNotFoundError, version
-from typing import get_args, get_origin
+from typing import Literal, get_args, get_origin
 
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
@@ -25,6 +30,68 @@ PAIRED_FLAGS = frozenset(
     }
 )
 LIST_FORMS = "several values, a JSON list or comma-separated"
+
+# Which commands take a section's flags. What the engine loads and runs is every command's; what
+# a request may send or name is also run-batch's, whose lines are requests answered by the server's
+# app; the sockets, processes, auth, CORS, access log and traces of the HTTP server are `serve`'s.
+EVERY_COMMAND = frozenset({"serve", "run-batch", "embed"})
+ANSWERS_REQUESTS = frozenset({"serve", "run-batch"})
+SERVE_ONLY = frozenset({"serve"})
+
+
+@dataclass(frozen=True)
+class Group:
+    """One section of --help: its settings in order, and the commands whose flags they are."""
+
+    title: str
+    settings: tuple[str, ...]
+    commands: frozenset[str] = EVERY_COMMAND
+
+
+# Each setting's section, declared once (tests/config/test_help.py: every setting in exactly one).
+GROUPS: tuple[Group, ...] = (
+    Group("model", ("model", "revision", "served_model_name", "max_model_len", "hf_overrides")),
+    Group("several models", ("models", "models_config", "default_model"), ANSWERS_REQUESTS),
+    Group("device and precision", ("device", "dtype", "quantization", "allow_slower_precision")),
+    Group(
+        "scheduler",
+        (
+            "max_num_batched_tokens",
+            "max_num_seqs",
+            "max_num_queued_requests",
+            "max_num_queued_tokens",
+            "long_prefill_token_threshold",
+            "async_scheduling",
+        ),
+    ),
+    Group("KV cache", ("num_kv_blocks", "block_size", "enable_prefix_caching")),
+    Group("pooler and outputs", ("pooler_config", "default_prompt_name", "matryoshka_dimensions")),
+    Group("input bounds", ("max_input_chars", "max_request_chars", "max_tokenizing_chars")),
+    Group(
+        "requests",
+        ("auto_truncate", "max_client_batch_size", "payload_limit", "trust_request_chat_template"),
+        ANSWERS_REQUESTS,
+    ),
+    Group("HTTP server", ("host", "port", "root_path", "body_timeout"), SERVE_ONLY),
+    Group(
+        "processes and shutdown",
+        ("api_server_count", "engine_core_timeout", "shutdown_timeout", "drain_delay"),
+        SERVE_ONLY,
+    ),
+    Group("security", ("api_key", "ssl_keyfile", "ssl_certfile"), SERVE_ONLY),
+    Group(
+        "CORS",
+        ("allowed_origins", "allowed_methods", "allowed_headers", "allow_credentials"),
+        SERVE_ONLY,
+    ),
+    Group("logging", ("log_level", "log_format")),
+    Group("access log and tracing", ("access_log", "otlp_traces_endpoint"), SERVE_ONLY),
+)
+
+
+def settings_of(command: str) -> tuple[str, ...]:
+    """The settings whose flags `command` takes, in --help's order."""
+    return tuple(name for g in GROUPS if command in g.commands for name in g.settings)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,13 +120,16 @@ def add_serve_command(commands: argparse._SubParsersAction[argparse.ArgumentPars
         help="The model to serve, as --model takes it (as `vllm serve MODEL` does); several "
         "are served together, each under its own name (--models).",
     )
-    add_settings_flags(serve)
+    add_settings_flags(serve, "serve")
 
 
-def add_settings_flags(parser: argparse.ArgumentParser) -> None:
-    """A flag for every server setting (jobs take the model and its settings as `serve` does)."""
-    for name, field in ServerSettings.model_fields.items():
-        _add_flag(parser, name, field)
+def add_settings_flags(parser: argparse.ArgumentParser, command: str) -> None:
+    """The flags of the settings `command` takes, one --help section per group."""
+    for group in GROUPS:
+        if command in group.commands:
+            section = parser.add_argument_group(group.title)
+            for name in group.settings:
+                _add_flag(section, name, ServerSettings.model_fields[name])
 
 
 def package_version() -> str:
@@ -70,11 +140,11 @@ def package_version() -> str:
         return "unknown (not installed)"
 
 
-def _add_flag(serve: argparse.ArgumentParser, name: str, field: FieldInfo) -> None:
+def _add_flag(section: argparse._ActionsContainer, name: str, field: FieldInfo) -> None:
     """One setting's flag: `--name VALUE`, a `--no-...` switch, or a `--name`/`--no-name` pair."""
     env = f"POOLSERVE_{name.upper()}"
     if name in NEGATED_FLAGS:
-        serve.add_argument(
+        section.add_argument(
             NEGATED_FLAGS[name],
             dest=name,
             action="store_const",
@@ -86,17 +156,31 @@ def _add_flag(serve: argparse.ArgumentParser, name: str, field: FieldInfo) -> No
     flag = "--" + name.replace("_", "-")
     help_text = f"{field.description} (env {env}; default {field.default!r})"
     if name in PAIRED_FLAGS:
-        serve.add_argument(
+        section.add_argument(
             flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text
         )
         return
     if _is_list(field):
         help_text = f"{field.description} ({LIST_FORMS}; env {env}; default {_default(field)!r})"
-        serve.add_argument(
+        section.add_argument(
             flag, dest=name, nargs="+", default=None, metavar="VALUE", help=help_text
         )
         return
-    serve.add_argument(flag, dest=name, default=None, metavar=name.upper(), help=help_text)
+    choices = _choices(field)
+    metavar = None if choices else name.upper()  # argparse then shows {a,b,c}
+    section.add_argument(
+        flag, dest=name, default=None, choices=choices, metavar=metavar, help=help_text
+    )
+
+
+def _choices(field: FieldInfo) -> list[str] | None:
+    """The values a Literal or Enum setting takes (None allowed beside them stays the default)."""
+    for kind in (field.annotation, *get_args(field.annotation)):
+        if get_origin(kind) is Literal:
+            return [str(value) for value in get_args(kind)]
+        if isinstance(kind, type) and issubclass(kind, Enum):
+            return [str(member.value) for member in kind]
+    return None
 
 
 def _is_list(field: FieldInfo) -> bool:
@@ -114,8 +198,59 @@ def _default(field: FieldInfo) -> object:
 def parse_settings(argv: Sequence[str] | None = None) -> ServerSettings:
     """Parse flags over the environment into validated settings (exits 2 on bad values)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
     return settings_from_args(parser, args)
+
+
+def parse_command_line(
+    parser: argparse.ArgumentParser, argv: Sequence[str] | None = None
+) -> argparse.Namespace:
+    """`parser.parse_args`, but an unknown flag is refused by its subcommand (exit 2).
+
+    argparse lets the top-level parser refuse what a subcommand did not take, with the top-level
+    usage; the subcommand's own usage and its closest flag say what to type instead.
+    """
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        command = _subcommand(parser, args.command)
+        command.error(f"unrecognized arguments: {' '.join(unknown)}{_hints(command, unknown)}")
+    return args
+
+
+def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of the subcommand `name`."""
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    command: argparse.ArgumentParser = commands.choices[name]
+    return command
+
+
+def _hints(command: argparse.ArgumentParser, unknown: list[str]) -> str:
+    """What each unknown flag may have meant: the commands that take it, else this command's
+    closest flag."""
+    known = [flag for action in command._actions for flag in action.option_strings]
+    hints = []
+    for given in (word.split("=", 1)[0] for word in unknown if word.startswith("-")):
+        close = difflib.get_close_matches(given, known, n=1)
+        elsewhere = [c for c in sorted(EVERY_COMMAND) if given in _flags_of(c)]
+        if elsewhere:  # a setting this command has no use for: a near name would mislead
+            hints.append(f"{given} is a flag of {', '.join(f'poolserve {c}' for c in elsewhere)}")
+        elif close:
+            hints.append(f"did you mean {close[0]}?")
+    return f" ({'; '.join(hints)})" if hints else ""
+
+
+def _flags_of(command: str) -> set[str]:
+    """The setting flags `command` takes (as `_add_flag` spells them)."""
+    flags = {"--" + name.replace("_", "-") for name in settings_of(command)}
+    flags |= {f"--no-{flag[2:]}" for flag in flags if flag[2:].replace("-", "_") in PAIRED_FLAGS}
+    return flags | {NEGATED_FLAGS[n] for n in settings_of(command) if n in NEGATED_FLAGS}
+
+
+def command_error(command: str, message: str, code: int = 1) -> int:
+    """A command's runtime error, in argparse's style (`poolserve CMD: error: ...` on stderr);
+    the exit code to return (1, or 130 when interrupted; usage errors exit 2 in argparse)."""
+    print(f"poolserve {command}: error: {message}", file=sys.stderr)
+    return code
 
 
 def settings_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ServerSettings:

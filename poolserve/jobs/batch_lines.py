@@ -275,14 +275,19 @@ def answer_line(custom_id: str, reply: Reply) -> bytes:
 class Output:
     """Where answers go: stdout, or a temporary file beside the output, renamed at the end."""
 
-    def __init__(self, name: str) -> None:
-        """Open the output; one that can't be written is refused (JobError) before any work."""
+    def __init__(self, name: str, overwrite: bool = False) -> None:
+        """Open the output; one that can't be written, or a file already there (unless
+        `overwrite`), is refused (JobError) before any work."""
         self.name = name
         self.path: str | None = None if name == "-" else os.path.abspath(name)
         self.temporary: str | None = None
         if self.path is None:
             self.stream: BinaryIO = sys.stdout.buffer
             return
+        if not overwrite and os.path.isfile(self.path):  # `poolserve embed`'s words
+            raise JobError(
+                f"{name} already exists: nothing is overwritten (pass --overwrite to replace it)"
+            )
         try:
             if os.path.isdir(self.path):
                 raise IsADirectoryError(errno.EISDIR, "Is a directory")

@@ -274,7 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--embed-dtype", default="float32", choices=list(EMBED_DTYPES))
     parser.add_argument("--num-cpus", type=float, help="CPUs per actor (Ray's default 1).")
     parser.add_argument("--overwrite", action="store_true", help="Replace OUTPUT.")
-    add_settings_flags(parser)
+    add_settings_flags(parser, "embed")
     args = parser.parse_args(argv)
     if (args.dimensions is not None and args.dimensions < 1) or args.actors < 1:
         parser.error("--dimensions and --actors must be at least 1")

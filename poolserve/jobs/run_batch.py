@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from poolserve.config.flags import add_settings_flags, settings_from_args
+from poolserve.config.flags import add_settings_flags, command_error, settings_from_args
 from poolserve.config.settings import ServerSettings
 from poolserve.jobs.batch_lines import (
     JobError,
@@ -66,15 +66,20 @@ def add_run_batch(commands: Commands) -> None:
     parser.add_argument(
         "-o", "--output-file", required=True, help="Answer lines (JSONL); '-' writes stdout."
     )
-    add_settings_flags(parser)
+    parser.add_argument(
+        "--overwrite", action="store_true", help="Replace OUTPUT if it exists (once it is whole)."
+    )
+    add_settings_flags(parser, "run-batch")
     parser.set_defaults(
         run=lambda args: run_batch(
-            settings_from_args(parser, args), args.input_file, args.output_file
+            settings_from_args(parser, args), args.input_file, args.output_file, args.overwrite
         )
     )
 
 
-def run_batch(settings: ServerSettings, input_name: str, output_name: str) -> int:
+def run_batch(
+    settings: ServerSettings, input_name: str, output_name: str, overwrite: bool = False
+) -> int:
     """Run the job; the exit code (0: every line answered, 1: the job could not run)."""
     from poolserve.observability.logs import configure_logging
 
@@ -82,21 +87,21 @@ def run_batch(settings: ServerSettings, input_name: str, output_name: str) -> in
     # As `serve` does: idle OpenMP threads sleep, leaving the cores to tokenization and JSON.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     options = settings.model_dump(exclude_unset=True)
-    # one access line (and one httpx line) per batch line is noise; --access-log brings it back
+    # one access line (and one httpx line) per batch line is noise; POOLSERVE_ACCESS_LOG brings
+    # it back
     options.setdefault("access_log", False)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
-        source, output = _open(input_name, output_name)
+        source, output = _open(input_name, output_name, overwrite)
     except JobError as exc:
-        logger.error("%s", exc)
-        return 1
+        return command_error("run-batch", str(exc))
     try:
         counts = asyncio.run(_main(options, LineReader(source, settings.payload_limit), output))
         output.commit()
     except (JobError, KeyboardInterrupt) as exc:
         output.discard()
-        logger.error("run-batch stopped: %s", str(exc) or "interrupted")
-        return 1 if isinstance(exc, JobError) else 130
+        code = 1 if isinstance(exc, JobError) else 130
+        return command_error("run-batch", str(exc) or "interrupted", code)
     except BaseException:
         output.discard()
         raise
@@ -109,14 +114,14 @@ def run_batch(settings: ServerSettings, input_name: str, output_name: str) -> in
     return 0
 
 
-def _open(input_name: str, output_name: str) -> tuple[BinaryIO, Output]:
+def _open(input_name: str, output_name: str, overwrite: bool) -> tuple[BinaryIO, Output]:
     """The input stream (stdin for '-') and the output, both checked before the model loads."""
     try:
         source = sys.stdin.buffer if input_name == "-" else open(input_name, "rb")  # noqa: SIM115
     except OSError as exc:
         raise JobError(f"cannot read the input {input_name}: {exc.strerror or exc}") from None
     try:
-        return source, Output(output_name)
+        return source, Output(output_name, overwrite)
     except JobError:
         _close(source)
         raise

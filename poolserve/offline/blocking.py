@@ -17,7 +17,7 @@ import numpy as np
 
 from poolserve.config.settings import ServerSettings
 from poolserve.frontend.state import ModelHandle
-from poolserve.offline.engine import AsyncPoolingEngine, Inputs
+from poolserve.offline.engine import AsyncPoolingEngine, Inputs, RequestBody
 from poolserve.offline.outputs import Classification, Pooled, Ranked, Reply
 from poolserve.types.tasks import PoolingTask
 
@@ -123,8 +123,8 @@ class PoolingEngine:
         self,
         method: str,
         path: str,
-        body: bytes | None = None,
+        body: RequestBody = None,
         headers: dict[str, str] | None = None,
     ) -> Reply:
-        """As `AsyncPoolingEngine.request`."""
+        """As `AsyncPoolingEngine.request` (a dict body is sent as its JSON)."""
         return self._call(self.engine.request(method, path, body, headers))

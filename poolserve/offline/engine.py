@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
@@ -31,6 +32,8 @@ from poolserve.types.errors import InvalidRequestError, OverloadedError, Request
 from poolserve.types.tasks import PoolingTask
 
 T = TypeVar("T")
+# What `request` sends: the body's bytes or text as they are, or a JSON document to encode.
+RequestBody = bytes | str | Mapping[str, Any] | None
 
 # Inputs per piece: enough for the engine to fill steps, few enough that a piece's tokenization
 # (in a worker thread) overlaps the forwards of the pieces before it.
@@ -251,14 +254,15 @@ class AsyncPoolingEngine:
         self,
         method: str,
         path: str,
-        body: bytes | None = None,
+        body: RequestBody = None,
         headers: dict[str, str] | None = None,
     ) -> Reply:
-        """One HTTP request answered by the in-process server, exactly as it would over a socket."""
+        """One HTTP request answered by the in-process server, exactly as it would over a socket;
+        a dict `body` is sent as its JSON, bytes and text as they are."""
         if self._http is None:
             raise RuntimeError("the engine is not started: use `async with` or await start()")
         sent = {"content-type": "application/json", **(headers or {})}
-        response = await self._http.request(method, path, content=body, headers=sent)
+        response = await self._http.request(method, path, content=_content(body), headers=sent)
         return Reply(response.status_code, dict(response.headers), response.content)
 
     async def _pieces(
@@ -368,3 +372,12 @@ def _texts(texts: str | Sequence[str], name: str) -> tuple[str, ...]:
     if not all(isinstance(text, str) for text in values):
         raise TypeError(f"{name} must be texts")
     return values
+
+
+def _content(body: RequestBody) -> bytes | str | None:
+    """A request's body as sent: a mapping as its JSON (so callers need not encode it)."""
+    if body is None or isinstance(body, bytes | str):
+        return body
+    if isinstance(body, Mapping):
+        return json.dumps(body).encode()
+    raise TypeError(f"body must be bytes, str or a dict, not {type(body).__name__}")

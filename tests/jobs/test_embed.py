@@ -238,14 +238,19 @@ def _rows(name: str, ids: Sequence[object], texts: Sequence[object]) -> BadInput
     return lambda folder: write_corpus(folder / name, ids, texts)
 
 
-def _folder(folder: Path) -> Path:
-    (folder / "dir.csv").mkdir()
-    return folder / "dir.csv"
+def _folder(name: str) -> BadInput:
+    def make(folder: Path) -> Path:
+        (folder / name).mkdir()
+        return folder / name
+
+    return make
 
 
 BAD_INPUTS: dict[str, tuple[BadInput, str]] = {
     "missing file": (lambda folder: folder / "nope.jsonl", "cannot read"),
-    "a folder": (_folder, "cannot read"),
+    "a folder": (_folder("dir.csv"), "cannot read"),
+    # what it is, not the format its name lacks (docs/jobs.md's table)
+    "a folder without an ending": (_folder("corpus"), "Is a directory"),
     "unknown format": (_text("c.txt", "id,text\n1,a\n"), "--input-format"),
     "empty file": (_text("e.jsonl", ""), "is empty (0 bytes)"),
     "header only": (_text("h.csv", "id,text\n"), "has no rows"),

@@ -147,8 +147,9 @@ def test_mixed_file_answers_each_line_as_the_server(
     lines = _mixed_lines()
     source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_text("\n".join(line for line, _ in lines) + "\n")
+    target.write_text("an earlier run's answers\n")  # replaced, as --overwrite asks
     model = ("--model", str(minilm_dir), "--payload-limit", str(PAYLOAD_LIMIT))
-    result = _run("-i", str(source), "-o", str(target), *model)
+    result = _run("-i", str(source), "-o", str(target), "--overwrite", *model)
     assert result.returncode == 0, result.stderr.decode()[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.jsonl"]
 
@@ -276,8 +277,23 @@ def test_job_that_cannot_run_exits_1_and_leaves_no_output(
     model = str(tmp_path / "no-model") if case == "no-model" else str(tmp_path)
     result = _run(*args, "--model", model)
     stderr = result.stderr.decode()
-    assert result.returncode == 1 and message in stderr and "Traceback" not in stderr
+    assert result.returncode == 1 and "Traceback" not in stderr
+    assert f"poolserve run-batch: error: {message}" in stderr  # the style of every command
     assert list(out.iterdir()) == []
+
+
+def test_existing_output_is_refused_before_the_model_loads(tmp_path: Path) -> None:
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text(_line("a", "/v1/embeddings", {"input": "a"}) + "\n")
+    target.write_text("not mine\n")
+    result = _run("-i", str(source), "-o", str(target), "--model", str(tmp_path / "no-model"))
+    assert result.returncode == 1
+    assert result.stderr.decode().strip() == (
+        f"poolserve run-batch: error: {target} already exists: nothing is overwritten "
+        "(pass --overwrite to replace it)"
+    )
+    assert target.read_text() == "not mine\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.jsonl"]
 
 
 def test_long_line_is_read_in_bounded_pieces() -> None:

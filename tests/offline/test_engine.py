@@ -61,6 +61,17 @@ def test_embed_equals_the_servers_answer(minilm: PoolingEngine) -> None:
     np.testing.assert_array_equal(np.stack([p.data for p in got]), np.stack(served))
 
 
+def test_request_takes_a_dict_or_the_bodys_own_bytes(minilm: PoolingEngine) -> None:
+    body = {"input": TEXTS[:2], "encoding_format": "base64"}
+    as_dict = minilm.request("POST", "/v1/embeddings", body)
+    as_bytes = minilm.request("POST", "/v1/embeddings", json.dumps(body).encode())
+    assert as_dict.status == as_bytes.status == 200
+    data = [[i["embedding"] for i in json.loads(r.body)["data"]] for r in (as_dict, as_bytes)]
+    assert data[0] == data[1]
+    with pytest.raises(TypeError, match="body must be bytes, str or a dict, not list"):
+        minilm.request("POST", "/v1/embeddings", [1, 2])  # type: ignore[arg-type]
+
+
 def test_token_ids_and_texts_agree(minilm: PoolingEngine, reference: SentenceTransformer) -> None:
     ids = [reference.tokenizer(t)["input_ids"] for t in TEXTS[:4]]
     from_ids = minilm.embed_array(ids)

@@ -9,11 +9,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from poolserve.config.flags import add_settings_flags, settings_from_args
+from poolserve.config.flags import add_settings_flags, command_error, settings_from_args
 from poolserve.config.settings import RUN_ONLY_SETTINGS, ServerSettings
 from poolserve.observability.logs import configure_logging
 
@@ -79,7 +78,7 @@ def add_embed_command(commands: Commands) -> None:
         help="Replace OUTPUT once the new file is whole; discard OUTPUT.partial/ if it holds "
         "another job (this job's own is resumed).",
     )
-    add_settings_flags(parser)
+    add_settings_flags(parser, "embed")
     parser.set_defaults(run=lambda args: run(parser, args))
 
 
@@ -114,11 +113,12 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 def build_job(args: argparse.Namespace, settings: ServerSettings) -> EmbedJob:
     """The job the flags describe, after the input's quick checks (before any model loads)."""
-    from poolserve.jobs.corpus.files import InputSpec, input_format
+    from poolserve.jobs.corpus.files import InputSpec, check_readable, input_format
     from poolserve.jobs.corpus.reader import CorpusReader
     from poolserve.jobs.corpus.run import EmbedJob, EmbedOptions
 
     path = Path(args.input)
+    check_readable(path)  # a folder or a missing file: "cannot read", whatever its name ends in
     spec = InputSpec(path, input_format(path, args.input_format), args.text_column, args.id_column)
     CorpusReader(spec)  # readable, the format's reader opens, both columns are there
     options = EmbedOptions(
@@ -177,5 +177,4 @@ def _report(job: EmbedJob, outcome: Outcome) -> None:
 
 
 def _fail(message: str, code: int = 1) -> int:
-    print(f"poolserve embed: error: {message}", file=sys.stderr)
-    return code
+    return command_error("embed", message, code)
