@@ -13,6 +13,9 @@ What is extracted:
 - ```json blocks that are requests: a batch line (`custom_id`, `method`, `url`, `body`) is the
   run-batch input the docs show, and its body is also sent to its url on the live server. Other
   json blocks are documented answers (response shapes with `...`): counted, not run.
+- ```python blocks that call the server (http://127.0.0.1:8000 in them) run as client scripts
+  with the URL rewritten; a `print(...)  # value` comment is what the print must show. The other
+  python blocks load engines in process (the Python API) and are counted, not run.
 
 What is skipped, always by a visible rule: a `<!-- docs-test: skip (why) -->` comment right
 before a block skips the block; SKIP_RULES skips commands by pattern (Docker, Kubernetes, Ray,
@@ -42,6 +45,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.deploy.live import poolserve_server, server_env
+from tests.deploy.tools import free_port
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,15 +65,15 @@ SKIP_RULES: list[tuple[str, str]] = [
     (r"^python -m poolserve\.jobs\.ray_data\b", "needs Ray Data and the shared storage it names"),
     (r"\bhaproxy\b", "multi-host: HAProxy in front of replicas on other hosts"),
     (r"^(\S+=\S+ )*(python -m bench\b|bash bench/|bench/)", "a benchmark: minutes of CPU or a GPU"),
-    (r"^(pip|\S*/pip) install\b", "installs packages (from indexes beyond PyPI)"),
+    (r"^(pip|\S*/pip) install\b", "installs packages into the environment"),
     (r"^python3? -m venv\b", "creates a virtualenv and installs torch into it"),
     (
         r"^make (test|serve|install)\b",
-        "builds .venv and runs the whole suite or a foreground server",
+        "builds .venv; make test is the whole suite, make serve the server these examples use",
     ),
     (
         r"^(\S+=\S+ )*scripts/gpu_check\.sh\b",
-        "needs a CUDA device (the dry run is its own pytest session)",
+        "its own pytest session for a CUDA device (--dry-run: about a minute of CPU here)",
     ),
 ]
 # Input files that commands read and the docs name without showing their creation: a small file
@@ -85,6 +91,7 @@ ALL_SKIPPED = {
 
 SKIP_MARKER = re.compile(r"<!--\s*docs-test:\s*skip\s*\((.+?)\)\s*-->")
 FENCE = re.compile(r"^```(\w*)\s*$")
+SERVER_URL = re.compile(r"https?://(localhost|127\.0\.0\.1):8000")
 LOCAL_URL = re.compile(r"^(https?://)?(localhost|127\.0\.0\.1|0\.0\.0\.0)(:\d+)?(/|$)")
 
 
@@ -157,7 +164,7 @@ def _other_model(words: list[str]) -> str | None:
     """The model a poolserve command names when it is not the embedded MiniLM."""
     models: list[str] = []
     for i, word in enumerate(words):
-        if word == "--model" and i + 1 < len(words):
+        if word in ("--model", "--models") and i + 1 < len(words):
             models.append(words[i + 1])
         elif word.startswith("--model="):
             models.append(word.split("=", 1)[1])
@@ -193,7 +200,7 @@ def _classify(doc: str, line: int, index: int, command: str, block_skip: str | N
         start = pipeline.index("poolserve") if "poolserve" in pipeline else 0
         model = _other_model(pipeline[start:])
         if model:
-            example.skip = f"needs the model {model}, not the embedded MiniLM (no network here)"
+            example.skip = f"needs the model {model}; here only the embedded MiniLM, offline"
     return example
 
 
@@ -219,11 +226,15 @@ def collect() -> list[Example]:
                     examples.append(_classify(doc, line, index, command, block_skip))
             elif lang == "json":
                 examples.append(_json_example(doc, line, "\n".join(body), block_skip))
+            elif lang == "python":
+                code = "\n".join(body)
+                kind = "python" if SERVER_URL.search(code) else "python-in-process"
+                examples.append(Example(doc, line, kind, code, skip=block_skip))
     return examples
 
 
 EXAMPLES = collect()
-RUNS = [e for e in EXAMPLES if e.kind != "response"]
+RUNS = [e for e in EXAMPLES if e.kind not in ("response", "python-in-process")]
 BATCH_LINES = [json.dumps(e.extra["batch_line"]) for e in EXAMPLES if e.kind == "request"]
 
 
@@ -236,9 +247,10 @@ def _param(example: Example) -> object:
 
 
 def _env() -> dict[str, str]:
-    """The installed `poolserve` first on PATH, offline, as a reader's shell in the venv."""
+    """A reader's shell in the venv: the installed `poolserve` first on PATH; the live tests'
+    server environment (no POOLSERVE_* of this shell, CPU, offline, loopback)."""
     bin_dir = str(Path(sys.executable).parent)
-    return {**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}", "HF_HUB_OFFLINE": "1"}
+    return {**server_env(), "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}"}
 
 
 @dataclass
@@ -267,8 +279,6 @@ def _launch_job(example: Example, folder: Path) -> Launched:
 
 
 def _launch_serve(example: Example, folder: Path) -> Launched:
-    from tests.http.test_server_process import free_port
-
     folder.mkdir(parents=True)
     port = free_port()
     log = folder / "stderr.log"
@@ -288,11 +298,9 @@ def launched(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, Launched]]:
     """The selected job and server examples, started at once so that they run side by side."""
-    selected = {
-        item.callspec.params["example"].id: item.callspec.params["example"]
-        for item in request.session.items
-        if hasattr(item, "callspec") and "example" in item.callspec.params
-    }
+    specs = [getattr(item, "callspec", None) for item in request.session.items]
+    chosen = [spec.params.get("example") for spec in specs if spec is not None]
+    selected = {e.id: e for e in chosen if isinstance(e, Example)}
     started: dict[str, Launched] = {}
     root = tmp_path_factory.mktemp("docs-examples")
     for n, example in enumerate(e for e in selected.values() if not e.skip):
@@ -310,13 +318,17 @@ def launched(
 
 
 @pytest.fixture(scope="module")
-def docs_server(launched: dict[str, Launched]) -> Iterator[httpx.Client]:
+def docs_server(
+    launched: dict[str, Launched], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[httpx.Client]:
     """`poolserve serve` with no arguments, as `make serve` starts it: the embedded MiniLM under
     its default served name, the name the docs' requests send (the suite's shared live server
     serves other names). Started after the jobs, so they share the cores."""
-    from tests.http.serving import live_server
-
-    with live_server() as client:
+    folder = tmp_path_factory.mktemp("docs-server")
+    with (
+        poolserve_server(folder) as live,
+        httpx.Client(base_url=live.base_url, timeout=60) as client,
+    ):
         yield client
 
 
@@ -376,6 +388,24 @@ def _run_curl(example: Example, server: httpx.Client) -> None:
     path = url[m.end() - len(m.group(4)) :] or "/"
     response = server.request(method, path, headers=headers, content=data)
     _assert_json_answer(response, example.expect_status, example.id)
+
+
+def _run_python(example: Example, server: httpx.Client) -> None:
+    """A client snippet against the server, its URL rewritten; a `print(...)  # value` comment
+    documents what that print shows."""
+    code = SERVER_URL.sub(str(server.base_url).rstrip("/"), example.text)
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=JOB_TIMEOUT_S,
+        env=_env(),
+    )
+    assert result.returncode == 0, (
+        f"{example.id}: exit {result.returncode}\n{result.stderr[-3000:]}"
+    )
+    shown = re.findall(r"^\s*print\(.*\)\s*#\s*(.+?)\s*$", example.text, flags=re.M)
+    assert result.stdout.splitlines()[: len(shown)] == shown, (example.id, result.stdout)
 
 
 def _run_request(example: Example, server: httpx.Client) -> None:
@@ -446,9 +476,10 @@ def test_documented_example(example: Example, request: pytest.FixtureRequest) ->
         "add a SKIP_RULES pattern, or put <!-- docs-test: skip (why) --> before its block"
     )
     launched = request.getfixturevalue("launched")
-    if example.kind in ("curl", "request"):
+    if example.kind in ("curl", "request", "python"):
         server = request.getfixturevalue("docs_server")
-        (_run_curl if example.kind == "curl" else _run_request)(example, server)
+        runner = {"curl": _run_curl, "request": _run_request, "python": _run_python}
+        runner[example.kind](example, server)
     elif example.kind == "job":
         _check_job(example, launched[example.id])
     else:
@@ -459,9 +490,11 @@ def test_every_doc_keeps_runnable_examples(request: pytest.FixtureRequest) -> No
     """Counts per doc (printed), and a doc that had runnable examples still has some."""
     counts: dict[str, dict[str, int]] = {}
     for e in EXAMPLES:
-        c = counts.setdefault(e.doc, {"found": 0, "run": 0, "skipped": 0, "answers shown": 0})
-        if e.kind == "response":
-            c["answers shown"] += 1
+        c = counts.setdefault(
+            e.doc, {"found": 0, "run": 0, "skipped": 0, "answers shown": 0, "python not run": 0}
+        )
+        if e.kind in ("response", "python-in-process"):
+            c["answers shown" if e.kind == "response" else "python not run"] += 1
             continue
         c["found"] += 1
         c["skipped" if e.skip else "run"] += 1
