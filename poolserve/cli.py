@@ -13,20 +13,21 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from poolserve.config.flags import (
     add_serve_command,
-    command_error,
     package_version,
     parse_command_line,
     settings_from_args,
 )
+from poolserve.config.preflight import preflight
 from poolserve.config.settings import ServerSettings
 from poolserve.jobs.corpus.command import add_embed_command
 from poolserve.jobs.run_batch import add_run_batch
 from poolserve.memory import fix_mmap_threshold
-from poolserve.observability.logs import configure_logging
+from poolserve.observability.logs import OPERATOR_ERRORS, configure_logging, report_start_failure
+from poolserve.types.errors import command_error
 
 if TYPE_CHECKING:  # argparse's class takes a type argument only for type checkers
     Commands = argparse._SubParsersAction[argparse.ArgumentParser]
@@ -66,18 +67,32 @@ def serve(settings: ServerSettings) -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from poolserve.supervisor import ListenError, bind_port, supervise
 
+    try:
+        # the port first (one plain bind, closed again: the server's own comes later), then the
+        # models and files: all before any process starts or any model loads
+        bind_port(settings.host, settings.port, 1)[0].close()
+        preflight(settings)
+    except ListenError as exc:
+        _exit(command_error("serve", str(exc.strerror)))
+    except OPERATOR_ERRORS as exc:
+        report_start_failure("serve", exc)
+        _exit(1)
     if settings.api_server_count > 0:
         supervise(settings.model_dump_json())  # this process becomes the supervisor
     try:
-        sockets = bind_port(settings.host, settings.port, 1)  # the port before the model loads
+        sockets = bind_port(settings.host, settings.port, 1)
         from poolserve.http.edge.server import run_server  # imported late: for --help
 
-        run_server(settings, sockets=sockets)
-        code = 0
+        code = 0 if run_server(settings, sockets=sockets) else 1
     except ListenError as exc:
         code = command_error("serve", str(exc.strerror))
-    # Drained and closed: skip the interpreter's teardown of torch and friends, which takes
-    # seconds on a busy machine and would push the exit past --shutdown-timeout.
+    _exit(code)
+
+
+def _exit(code: int) -> NoReturn:
+    """End the process now. Drained and closed: skip the interpreter's teardown of torch and
+    friends, which takes seconds on a busy machine and would push the exit past
+    --shutdown-timeout."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -244,13 +243,6 @@ def _flags_of(command: str) -> set[str]:
     flags = {"--" + name.replace("_", "-") for name in settings_of(command)}
     flags |= {f"--no-{flag[2:]}" for flag in flags if flag[2:].replace("-", "_") in PAIRED_FLAGS}
     return flags | {NEGATED_FLAGS[n] for n in settings_of(command) if n in NEGATED_FLAGS}
-
-
-def command_error(command: str, message: str, code: int = 1) -> int:
-    """A command's runtime error, in argparse's style (`poolserve CMD: error: ...` on stderr);
-    the exit code to return (1, or 130 when interrupted; usage errors exit 2 in argparse)."""
-    print(f"poolserve {command}: error: {message}", file=sys.stderr)
-    return code
 
 
 def settings_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ServerSettings:

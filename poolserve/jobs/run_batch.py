@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from poolserve.config.flags import add_settings_flags, command_error, settings_from_args
+from poolserve.config.flags import add_settings_flags, settings_from_args
 from poolserve.config.settings import ServerSettings
 from poolserve.jobs.batch_lines import (
     JobError,
@@ -30,6 +30,7 @@ from poolserve.jobs.batch_lines import (
     parse_line,
     too_long,
 )
+from poolserve.types.errors import command_error
 
 if TYPE_CHECKING:
     from poolserve.offline.engine import AsyncPoolingEngine

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
 
-from poolserve.types.errors import ModelError, ModelStartError, clip
+from poolserve.types.errors import ModelError, ModelStartError, clip, command_error
 
 if TYPE_CHECKING:  # the front end's ASGI scope; the supervisor logs without starlette
     from starlette.types import Scope
@@ -173,10 +173,4 @@ def report_start_failure(command: str, exc: BaseException) -> None:
         logging.getLogger(__name__).error("start failed", exc_info=exc)
     elif logging.getLogger().isEnabledFor(logging.DEBUG):
         logging.getLogger(__name__).debug("start failed", exc_info=exc)
-    sys.stderr.write(f"poolserve {command}: error: {one_line(str(exc))}\n")
-    sys.stderr.flush()
-
-
-def one_line(text: str) -> str:
-    """A message as one line (third-party messages wrap theirs)."""
-    return " ".join(part.strip() for part in text.strip().splitlines() if part.strip())
+    command_error(command, str(exc))

@@ -7,6 +7,7 @@ already carrying its HTTP shape (status, type, code).
 from __future__ import annotations
 
 import enum
+import sys
 from collections.abc import Iterable
 
 from poolserve.types.model import DEFAULT_MODEL_ID
@@ -18,6 +19,16 @@ MAX_ECHO_CHARS = 128
 def clip(text: str, limit: int = MAX_ECHO_CHARS) -> str:
     """At most limit characters of client-sent text, marked when cut."""
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def command_error(command: str, message: str, code: int = 1) -> int:
+    """A command's runtime error as argparse says a usage error (`poolserve CMD: error: ...` on
+    stderr, one line); the exit code to return (1, or 130 when interrupted; usage errors exit 2
+    in argparse). Every command and process of the CLI says its errors this way."""
+    line = " ".join(part.strip() for part in message.strip().splitlines() if part.strip())
+    sys.stderr.write(f"poolserve {command}: error: {line}\n")
+    sys.stderr.flush()
+    return code
 
 
 # --- models: loading and input validation ---

@@ -371,7 +371,7 @@ def test_options_the_model_refuses(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "dimensions" in refused(capsys, str(source), "-o", str(output), "--dimensions", "8")
     assert "prompt_name" in refused(capsys, str(source), "-o", str(output), "--prompt-name", "q")
     line = refused(capsys, str(source), "-o", str(output), "--model", str(tmp_path / "none"))
-    assert "the model could not start: " in line and "does not exist" in line
+    assert "the model could not start: " in line and "no such folder" in line
 
 
 def test_a_row_the_engine_refuses_is_named(

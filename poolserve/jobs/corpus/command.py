@@ -12,9 +12,10 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from poolserve.config.flags import add_settings_flags, command_error, settings_from_args
+from poolserve.config.flags import add_settings_flags, settings_from_args
 from poolserve.config.settings import RUN_ONLY_SETTINGS, ServerSettings
 from poolserve.observability.logs import configure_logging
+from poolserve.types.errors import command_error
 
 if TYPE_CHECKING:  # argparse's class takes a type argument only for type checkers
     Commands = argparse._SubParsersAction[argparse.ArgumentParser]
