@@ -3,8 +3,11 @@ the modules one request runs.
 
 Run from the repository root: `python -m bench footprint [--rounds 5]`.
 
-- **The command line**: wall time of `poolserve --help`, `poolserve serve --help` and an argument
-  error (`serve --max-num-seqs -3`), each a fresh interpreter, median of the rounds.
+- **The command line**: wall time of `poolserve --help`, `poolserve serve --help`, argument
+  errors (a bad value, an unknown flag) and start-up errors found before any process starts (a
+  model folder that does not exist, a Hub id not in the cache with HF_HUB_OFFLINE=1), each a
+  fresh interpreter, median of the rounds; and the time from the command to a ready server on
+  the embedded MiniLM (`/ready` answers 200), with one process and with the default supervisor.
 - **Memory**: `poolserve serve --api-server-count 2` on the embedded MiniLM; once ready and after
   one embedding request, the resident set (RSS) of the supervisor, the engine core and each
   front end, read from /proc.
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import os
 import statistics
 import subprocess
 import sys
@@ -39,7 +43,12 @@ CLI_CASES = {
     "`poolserve --help`": ["--help"],
     "`poolserve serve --help`": ["serve", "--help"],
     "argument error (`serve --max-num-seqs -3`)": ["serve", "--max-num-seqs", "-3"],
+    "unknown flag (`serve --max-model-lenn 5`)": ["serve", "--max-model-lenn", "5"],
+    "start error: no such model folder (`serve /models/none`)": ["serve", "/models/none"],
+    "start error: Hub id not cached, HF_HUB_OFFLINE=1 (`serve org/none`)": ["serve", "org/none"],
 }
+# the time to a ready server, by --api-server-count
+READY_CASES = {"one process (`--api-server-count 0`)": "0", "supervisor and one front end": "1"}
 BODY = {"input": "a short sentence to embed", "model": "sentence-transformers/all-MiniLM-L6-v2"}
 
 
@@ -49,9 +58,36 @@ def cli_times(rounds: int) -> dict[str, float]:
     for _ in range(rounds):
         for case, args in CLI_CASES.items():
             started = time.perf_counter()
-            subprocess.run([sys.executable, "-m", "poolserve", *args], capture_output=True)
+            subprocess.run(
+                [sys.executable, "-m", "poolserve", *args],
+                capture_output=True,
+                env={**os.environ, "HF_HUB_OFFLINE": "1"},
+            )
             times[case].append(time.perf_counter() - started)
     return {case: statistics.median(seconds) for case, seconds in times.items()}
+
+
+def ready_times(rounds: int) -> dict[str, float]:
+    """Median seconds from `poolserve serve` to /ready answering 200, on the embedded MiniLM."""
+    times: dict[str, list[float]] = {case: [] for case in READY_CASES}
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    for _ in range(rounds):
+        for case, count in READY_CASES.items():
+            port = free_port()
+            command = [sys.executable, "-m", "poolserve", "serve", "--port", str(port)]
+            command += ["--api-server-count", count]
+            started = time.perf_counter()
+            with spawn(command, RESULTS_DIR / "footprint-ready.log"):
+                wait_for(lambda port=port: _ready(port), 300, "the server's /ready")
+                times[case].append(time.perf_counter() - started)
+    return {case: statistics.median(seconds) for case, seconds in times.items()}
+
+
+def _ready(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def _rss_mib(pid: int) -> float:
@@ -144,6 +180,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"revision {source_revision()}\n")
     print("| command | median wall (s) |\n|---|---:|")
     for case, seconds in cli_times(args.rounds).items():
+        print(f"| {case} | {seconds:.2f} |")
+    print("\n| embedded MiniLM, command to /ready | median wall (s) |\n|---|---:|")
+    for case, seconds in ready_times(max(1, args.rounds // 2)).items():
         print(f"| {case} | {seconds:.2f} |")
     print("\n| process | RSS ready (MiB) | RSS after a request (MiB) |\n|---|---:|---:|")
     for role, before, after in process_memory():
