@@ -19,9 +19,9 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
+from poolserve.config.model_path import resolve_model_path
 from poolserve.frontend.jobs import Truncate
 from poolserve.frontend.texts import Truncation, truncation_for
-from poolserve.config.model_path import resolve_model_path
 from tests.deploy.live import (
     SERVER_READY_TIMEOUT_S,
     LiveProcess,
