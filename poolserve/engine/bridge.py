@@ -36,9 +36,11 @@ def pooling_info_from(
     projection = st.dense if st is not None else None
     # the loader's one head module, in the field of its kind
     head: dict[str, Any] = {} if loaded.head is None else {HEAD_FIELDS[spec.head_kind]: loaded.head}
+    # a static embedding table is no registry architecture: it pools like an encoder
+    entry = ARCHITECTURES.get(spec.architecture)
     return PoolingModelInfo(
         # by backbone, not attention: a bidirectional decoder's heads still read the last token
-        is_decoder=ARCHITECTURES[spec.architecture].backbone is Backbone.DECODER,
+        is_decoder=entry is not None and entry.backbone is Backbone.DECODER,
         hidden_size=spec.hidden_size,
         **head,
         sparse_excluded_ids=_sparse_excluded_ids(loaded.tokenizer),

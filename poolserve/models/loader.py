@@ -37,6 +37,7 @@ from poolserve.models.registry import (
 )
 from poolserve.models.sentence_transformers import read_sentence_transformers
 from poolserve.models.spec import LoadedModel, ModelSpec
+from poolserve.models.static import find_static, load_static
 from poolserve.models.weights import load_state_dict, strip_prefix
 from poolserve.types.errors import (
     ModelLoadError,
@@ -78,6 +79,15 @@ def load_model(
     check_quantization(quantization, device, dtype)
     path = resolve_model_path(model, revision)
     overrides = dict(hf_overrides or {})
+    static = find_static(path)  # model2vec / StaticEmbedding: a token table, no config.json model
+    if static is not None:
+        return load_static(
+            path,
+            static,
+            placement=(device, dtype),
+            overrides=overrides,
+            quantization=quantization,
+        )
     architecture = _check_architecture({**_read_raw_config(path), **overrides})
     entry = ARCHITECTURES[architecture]
     config = _load_config(path)
