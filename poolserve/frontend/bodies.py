@@ -5,7 +5,15 @@ from __future__ import annotations
 import logging
 from typing import Annotated, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    ValidationInfo,
+    model_validator,
+)
 
 from poolserve.types.errors import clip
 
@@ -30,14 +38,21 @@ IGNORED_FIELDS: dict[str, str] = {
 }
 
 
+# The validation context of a body tried against several shapes: no lines are logged for it.
+QUIET: dict[str, bool] = {"quiet": True}
+
+
 class RequestBody(BaseModel):
     """Fields nobody defines are accepted and named in a warning, as vLLM does."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
 
     @model_validator(mode="after")
-    def _log_unused(self) -> Self:
-        """One warning naming unknown fields; one info line naming vLLM's ignored ones."""
+    def _log_unused(self, info: ValidationInfo) -> Self:
+        """One warning naming unknown fields; one info line naming vLLM's ignored ones (none
+        when validated with the QUIET context: a body tried against several shapes)."""
+        if info.context is QUIET:
+            return self
         extra = self.model_extra or {}
         if extra:
             names = ", ".join(clip(name, 64) for name in list(extra)[:MAX_LOGGED_FIELDS])

@@ -6,8 +6,10 @@ task among sparse embed (an MLM head is SPLADE), embed and classify (predict), a
 model type (the default model's: TEI's routes name no model); its errors answer in TEI's
 shape.
 `POST /rerank` takes vLLM's, TEI's (`texts`) and Infinity's (`raw_scores`) bodies, and
-`POST /tokenize` vLLM's (`prompt`) and TEI's (`inputs`). Only the app factory imports this
-module; native routes and compat translators never import each other.
+`POST /tokenize` vLLM's (`prompt`) and TEI's (`inputs`). SageMaker's `POST /invocations` goes,
+as vLLM routes it, to the first of embeddings, classify, score, rerank and pooling that the
+model serves and whose body it is; its `GET|POST /ping` is the readiness probe. Only the app
+factory imports this module; native routes and compat translators never import each other.
 """
 
 from __future__ import annotations
@@ -20,13 +22,23 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
+from poolserve.frontend.bodies import QUIET
 from poolserve.frontend.pipeline import check_serving, service_state
-from poolserve.http.api import admin, retrieval
-from poolserve.http.api.schemas import RerankRequestBody, TokenizeRequest
+from poolserve.frontend.state import ModelHandle
+from poolserve.http.api import admin, inference, retrieval
+from poolserve.http.api.schemas import (
+    ClassifyRequest,
+    EmbeddingRequest,
+    PoolingRequestBody,
+    RerankRequestBody,
+    ScoreRequestBody,
+    TokenizeRequest,
+)
 from poolserve.http.compat import infinity, tei_embed, tei_predict, tei_rerank, tei_tokens
 from poolserve.http.compat.tei_common import TEIRoute, mark
 from poolserve.http.routing import StrictJSONRoute
-from poolserve.types.errors import InvalidRequestError
+from poolserve.types.errors import InvalidRequestError, UnsupportedTaskError
+from poolserve.types.scoring import scorer_plan
 from poolserve.types.tasks import PoolingTask
 
 router = APIRouter(route_class=StrictJSONRoute)
@@ -116,3 +128,61 @@ router.add_api_route(
     # the flat bodies only: a nested model's $defs would not resolve inside an inline schema
     openapi_extra=body_schema(tei_embed.EmbedRequest, tei_predict.PredictRequest),
 )
+
+
+def _serves(task: PoolingTask) -> Callable[[ModelHandle], bool]:
+    return lambda model: task in model.card.supported_tasks
+
+
+def _scores(model: ModelHandle) -> bool:
+    try:
+        scorer_plan(model.card.pooling_info)
+    except UnsupportedTaskError:
+        return False
+    return True
+
+
+# Only the pooling body names a task: a body with one is no other route's, although those accept
+# unknown fields (vLLM would answer it as embeddings, silently dropping the task).
+TASK_FIELD = "task"
+# SageMaker's /invocations, vLLM's order: (whether the model serves the route, vLLM's name of
+# the body in its error message, the body, the route); the first served whose body it is wins
+INVOCATIONS: tuple[tuple[Callable[[ModelHandle], bool], str, type[BaseModel], Handler], ...] = (
+    (_serves(PoolingTask.EMBED), "EmbeddingRequest", EmbeddingRequest, inference.embeddings),
+    (_serves(PoolingTask.CLASSIFY), "ClassificationRequest", ClassifyRequest, inference.classify),
+    (_scores, "ScoreRequest", ScoreRequestBody, retrieval.score_texts),
+    (_scores, "RerankRequest", RerankRequestBody, retrieval.rerank),
+    (lambda model: True, "PoolingRequest", PoolingRequestBody, inference.pooling),
+)
+
+
+@router.post(
+    "/invocations",
+    openapi_extra=body_schema(*(body for _, _, body, _ in INVOCATIONS)),
+    responses=inference.STREAMED,
+)
+async def invocations(payload: Payload, request: Request) -> Response:
+    """SageMaker's inference route: the body decides which route answers (as vLLM's does)."""
+    name = payload.get("model")
+    _, model = check_serving(service_state(request), name if isinstance(name, str) else None)
+    expected = []
+    for serves, label, body, handler in INVOCATIONS:
+        if not serves(model) or (TASK_FIELD in payload and body is not PoolingRequestBody):
+            continue
+        try:
+            body.model_validate(payload, context=QUIET)
+        except ValidationError:
+            expected.append(label)
+            continue
+        return await handler(body.model_validate(payload), request)  # now said once, if at all
+    raise InvalidRequestError(
+        f"Cannot find suitable handler for request. Expected one of: {expected}", None
+    )
+
+
+@router.get("/ping", responses=admin.UNAVAILABLE)
+@router.post("/ping", responses=admin.UNAVAILABLE)
+async def ping(request: Request) -> Response:
+    """SageMaker's health check: 200 once every model is ready, 503 before and while draining
+    (it routes no invocation to a container that does not answer 200)."""
+    return await admin.ready(request)

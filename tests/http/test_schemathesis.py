@@ -29,6 +29,9 @@ CASES = [
     for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
     # an operation without inputs has no invalid request to generate
     if mode is GenerationMode.POSITIVE or "requestBody" in operation or "parameters" in operation
+    # /invocations takes any of five bodies that accept unknown fields: schemathesis finds no
+    # object none of them takes (tests/http/compat/test_sagemaker.py sends one)
+    if (path, mode) != ("/invocations", GenerationMode.NEGATIVE)
 ]
 # where the schema documents TEI's error body beside the OpenAI one
 TEI_PATHS = {

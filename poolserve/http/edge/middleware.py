@@ -40,7 +40,7 @@ from poolserve.types.errors import (
 logger = logging.getLogger(__name__)
 ACCESS_LOG = logging.getLogger(ACCESS_LOGGER)
 
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/version"})
+OPEN_PATHS = frozenset({"/health", "/ready", "/ping", "/metrics", "/version"})
 # Sent twice, these could be read one way by a proxy and another by us: refused.
 SINGLE_HEADERS = frozenset({"authorization", "content-length", "content-type", "host"})
 REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
