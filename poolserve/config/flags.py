@@ -64,7 +64,15 @@ GROUPS: tuple[Group, ...] = (
         ),
     ),
     Group("KV cache", ("num_kv_blocks", "block_size", "enable_prefix_caching")),
-    Group("pooler and outputs", ("pooler_config", "default_prompt_name", "matryoshka_dimensions")),
+    Group(
+        "pooler and outputs",
+        (
+            "pooler_config",
+            "default_prompt_name",
+            "matryoshka_dimensions",
+            "score_template",
+        ),
+    ),
     Group("input bounds", ("max_input_chars", "max_request_chars", "max_tokenizing_chars")),
     Group(
         "requests",

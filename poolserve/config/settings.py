@@ -253,6 +253,15 @@ class ServerSettings(BaseSettings):
         '"is_original_qwen3_reranker": true}.',
         json_schema_extra=MODEL_OUTPUTS,
     )
+    score_template: str | None = Field(
+        None,
+        description="Jinja score template of /score and /rerank pairs (vLLM's form: `messages` "
+        "with the roles query and document; also the variables query, document, instruction), "
+        "a file or the template itself; `none`: no template. Default: the checkpoint's chat "
+        "template when it names both roles, else the model card's prompt of a known LLM "
+        "reranker (Qwen3-Reranker, bge-reranker-v2-gemma, mxbai-rerank-v2; docs/models.md).",
+        json_schema_extra=MODEL_OUTPUTS,
+    )
     default_prompt_name: str | None = Field(
         None,
         description="Name of the sentence-transformers prompt (config_sentence_transformers.json "

@@ -28,4 +28,6 @@ def card_of(engine: Engine) -> ModelCard:
         max_model_len=engine.max_model_len,
         scheduler=engine.config,
         device=engine.device.type,
+        family=spec.family,
+        score_tokens=spec.score_tokens,
     )

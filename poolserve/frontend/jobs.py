@@ -9,7 +9,7 @@ request's own, then the server's `--pooler-config`, then the model's.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -93,6 +93,10 @@ class ScoreJob:
     # SCORE: the model's scorer (cross-encoder, yes/no, cosine, MaxSim); CLASSIFY: each pair laid
     # out as one prompt and classified (TEI's /predict of pairs)
     task: PoolingTask = PoolingTask.SCORE
+    # vLLM's score-template fields: the instruction slot's text (None: the model's default) and
+    # the template's further variables (chat_template_kwargs)
+    instruction: str | None = None
+    template_kwargs: Mapping[str, Any] | None = None
 
     @classmethod
     def one_query(

@@ -17,6 +17,7 @@ from poolserve.frontend.client import EngineClient
 from poolserve.frontend.jobs import Requested, ScoreJob, TextJob, merge
 from poolserve.frontend.pairs import PairTruncation, PromptMode, check_pairs, tokenize_job
 from poolserve.frontend.prompts import prepend, prompt_length
+from poolserve.frontend.score_prompts import tokenize_templated
 from poolserve.frontend.spans import CharSpans, LatePlan, check_late, late_prompts
 from poolserve.frontend.state import ModelHandle, ServiceState
 from poolserve.frontend.texts import (
@@ -153,18 +154,30 @@ def plan_pairs(
         truncation.most(model),
     )
     mode = _joint_mode(model, engine.pooling_info.is_decoder) if joint else PromptMode.SEPARATE
+    # a yes/no LLM (or a model declaring one) renders each pair by its score template
+    templated = joint and model.score_template is not None
+    if job.instruction is not None and not (templated and _takes_instruction(model)):
+        logger.debug("instruction ignored: %s has no instruction slot", model.served_name)
     # decoders take no token type ids, whatever the tokenizer's pair template gives
     typed_model = model.card.num_token_types > 0
 
     async def run() -> Batch:
         on_reject = state.metrics.model(model.served_name).on_reject
-        prompts = await tokenize_job(job, model, mode, cuts, on_reject)
+        if templated:
+            prompts = await tokenize_templated(job, model, cuts, on_reject)
+        else:
+            prompts = await tokenize_job(job, model, mode, cuts, on_reject)
         types = [p.token_type_ids for p in prompts]
         typed = typed_model and any(t is not None for t in types)
         return Batch(params, [p.token_ids for p in prompts], types if typed else None)
 
     count = len(job.pairs) if joint else len(job.queries) + len(job.documents)
     return Plan(params, count, run)
+
+
+def _takes_instruction(model: ModelHandle) -> bool:
+    """Whether the model's score template has an instruction slot."""
+    return model.score_template is not None and model.score_template.has_instruction
 
 
 def _joint_mode(model: ModelHandle, is_decoder: bool) -> PromptMode:

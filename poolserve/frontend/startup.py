@@ -21,6 +21,7 @@ from poolserve.frontend.client import EngineClient
 from poolserve.frontend.jobs import Truncate, TruncationSide
 from poolserve.frontend.pair_template import probe_pair_template
 from poolserve.frontend.prompts import Prompts
+from poolserve.frontend.score_template import score_template_of
 from poolserve.frontend.state import ModelHandle, Served, ServiceState, TextLimits
 from poolserve.frontend.texts import encode_texts, truncation_for
 from poolserve.frontend.truncation import special_tokens
@@ -158,6 +159,7 @@ def _model_handle(card: ModelCard, served: ServedModel) -> ModelHandle:
         defaults=defaults,
         specials=special_tokens(tokenizer),
         pair_template=probe_pair_template(tokenizer),
+        score_template=score_template_of(card, settings, tokenizer),
         truncation_side=side,
         st_max_seq_length=None if st_length is None else min(st_length, max_model_len),
         limits=limits,

@@ -14,6 +14,7 @@ from poolserve.frontend.client import EngineClient
 from poolserve.frontend.jobs import TruncationSide
 from poolserve.frontend.pair_template import PairLayout
 from poolserve.frontend.prompts import Prompts
+from poolserve.frontend.score_template import ScoreTemplate
 from poolserve.observability.metrics import ServiceMetrics
 from poolserve.observability.tracing import NO_TRACING, Tracing
 from poolserve.types.admission import CharBudget
@@ -94,6 +95,8 @@ class ModelHandle:
     prompts: Prompts = field(default_factory=Prompts)  # sentence-transformers prompts
     # tokenizer(a, b)'s layout, probed once at start (None: the tokenizer shows no such template)
     pair_template: PairLayout | None = None
+    # how pairs are rendered before tokenizing (an LLM reranker's prompt; None: no template)
+    score_template: ScoreTemplate | None = None
 
     def label_of(self, probs: np.ndarray) -> str:
         """The best class's name: the model's id2label entry, else LABEL_<index>."""

@@ -252,6 +252,13 @@ def _lm_head_rows(
         entry.backbone is not Backbone.DECODER
         or entry.head_kind is not HeadKind.SEQUENCE_CLASSIFIER
     ):
+def _score_tokens(config: PretrainedConfig) -> tuple[str, ...]:
+    """The tokens whose LM-head rows score a causal LM read as a reranker (none: not one)."""
+    if lm_head_method(config) is None:
+        return ()
+    return tuple(str(token) for token in config.classifier_from_token)
+
+
         raise ModelLoadError(
             f"method {method} reads a causal LM's head: it needs a decoder "
             "*ForSequenceClassification architecture (set `architectures` too)"
@@ -373,3 +380,4 @@ def _spec(
         quantization=quantization,
         pair_separator=_pair_separator(config),
     )
+        score_tokens=_score_tokens(config),

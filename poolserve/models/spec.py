@@ -43,6 +43,9 @@ class ModelSpec:
     # vLLM's use_sep_token: a text pair is laid out by the tokenizer's pair template; false: the
     # two texts are scored as one concatenated text (an LLM read through LM-head rows)
     pair_separator: bool = True
+    # classifier_from_token of a causal LM read through LM-head rows (e.g. ("no", "yes")); the
+    # front end knows an LLM reranker's prompt recipe by them (frontend/score_recipes.py)
+    score_tokens: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

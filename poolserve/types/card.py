@@ -41,6 +41,10 @@ class ModelCard:
     max_model_len: int  # the engine's: the model's, the flag's and the step budget's minimum
     scheduler: SchedulerConfig
     device: str  # where the engine runs: cpu, cuda
+    family: str = ""  # config.json's model_type (qwen3, gemma, bert)
+    # an LLM reranker's classifier_from_token (e.g. ("no", "yes")): with `family` and the name,
+    # what tells the front end the prompt recipe of its checkpoint (frontend/score_recipes.py)
+    score_tokens: tuple[str, ...] = ()
 
     def dumps(self) -> bytes:
         """The card as it travels."""

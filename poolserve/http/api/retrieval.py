@@ -60,8 +60,6 @@ def _options(
             raise InvalidRequestError(
                 f"{name} ({value}) must be less than max_model_len ({model.max_model_len})", name
             )
-    if body.instruction is not None or body.chat_template_kwargs is not None:
-        logger.debug("instruction and chat_template_kwargs ignored: no score template applies")
     if doc_cap is None:
         doc_cap = defaults.max_tokens_per_doc
     tokens = body.truncate_prompt_tokens
@@ -74,6 +72,8 @@ def _options(
         "priority": body.priority,
         "max_tokens_per_doc": doc_cap or None,
         "max_tokens_per_query": body.max_tokens_per_query or None,
+        "instruction": body.instruction,
+        "template_kwargs": body.chat_template_kwargs,
     }
 
 

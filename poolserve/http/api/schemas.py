@@ -391,10 +391,13 @@ class _ScoringBody(RequestBody):
         0, description="vLLM's cut of each query (0: none); other values are refused here."
     )
     instruction: StrictStr | None = Field(
-        None, description="vLLM's score-template instruction: no score template is applied here."
+        None,
+        description="The task instruction of the model's score template (Qwen3-Reranker's "
+        "<Instruct>, mxbai-rerank-v2's instruction line, bge-reranker-v2-gemma's prompt); "
+        "default: the model card's. Ignored by a model without an instruction slot, as vLLM.",
     )
     chat_template_kwargs: dict[str, object] | None = Field(
-        None, description="vLLM's score-template arguments: no score template is applied here."
+        None, description="Further variables of the score template (vLLM's)."
     )
     request_id: Annotated[str, Field(pattern=REQUEST_ID_PATTERN)] | None = Field(
         default=None, description="Echoed in the response id and x-request-id (header's wins)."

@@ -183,7 +183,8 @@ def test_yes_no_reranker_equals_the_causal_lm(
         directory, model = save_tiny_decoder(name, tmp_path), build_hf_decoder(name)
     tokenizer = AutoTokenizer.from_pretrained(directory)
     probs, raws = _yes_no_reference(model, tokenizer, ["no", "yes"])
-    with serve(directory, hf_overrides=json.dumps(overrides)) as client:
+    # the texts come formatted (vLLM's example): no score template (Qwen3-Reranker has one)
+    with serve(directory, hf_overrides=json.dumps(overrides), score_template="none") as client:
         got = _scores(client, text_1=QWEN_QUERY, text_2=QWEN_DOCUMENTS)
         raw = _scores(client, text_1=QWEN_QUERY, text_2=QWEN_DOCUMENTS, use_activation=False)
         info = client.get("/info").json()
