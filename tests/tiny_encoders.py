@@ -90,6 +90,8 @@ _DEBERTA_V3 = _encoder(
     type_vocab_size=0,
 )
 _NOMIC = _encoder(rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
+# GTE (gte-multilingual-base's shape): rotary, token types, GLU MLP, post-LN.
+_GTE = _encoder(type_vocab_size=1, rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
 
 
 def _family(
@@ -130,6 +132,7 @@ TINY_ENCODERS: dict[str, TinySpec] = {
         "DebertaV2ForTokenClassification", "DebertaV2Config", {**_DEBERTA_V3, "num_labels": 4}
     ),
     **_family("NomicBert", "NomicBertConfig", _NOMIC, ALL_HEADS),
+    **_family("Gte", "GteConfig", _GTE, ALL_HEADS),
 }
 
 

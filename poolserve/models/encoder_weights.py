@@ -18,12 +18,21 @@ def _fused(
     return weight, torch.cat([take(state, f"{name}.bias") for name in names])
 
 
+def _gate_first(fused: torch.Tensor) -> torch.Tensor:
+    """A fused gated projection stored (up, gate) along outputs, reordered to (gate, up)."""
+    up, gate = fused.chunk(2)
+    return torch.cat([gate, up])
+
+
 def layer_tensors(
     state: dict[str, torch.Tensor], names: LayerNames, pre_norm: bool
 ) -> dict[str, torch.Tensor | None]:
     """One layer's tensors (its prefix removed) under the slot names EncoderLayer registers."""
     qkv, qkv_bias = _fused(state, names.qkv)
     up, up_bias = _fused(state, names.up)
+    if names.gate_second:
+        up = _gate_first(up)
+        up_bias = None if up_bias is None else _gate_first(up_bias)
     # ModernBERT's first layer has no attention norm; every post-LN layer has one.
     norm_name = f"{names.attn_norm}.weight"
     attn_norm = state.get(norm_name) if pre_norm else take(state, norm_name)

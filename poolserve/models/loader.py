@@ -31,6 +31,7 @@ from poolserve.models.registry import (
     ARCHITECTURES,
     DECODER_FAMILIES,
     ENCODER_FAMILIES,
+    REMOTE_CONFIGS,
     ArchitectureEntry,
     Backbone,
     supported_architectures,
@@ -88,9 +89,10 @@ def load_model(
             overrides=overrides,
             quantization=quantization,
         )
-    architecture = _check_architecture({**_read_raw_config(path), **overrides})
+    raw = _read_raw_config(path)
+    architecture = _check_architecture({**raw, **overrides})
     entry = ARCHITECTURES[architecture]
-    config = _load_config(path)
+    config = _load_config(path, raw)
     for key, value in overrides.items():
         setattr(config, key, value)
     state = load_state_dict(path)
@@ -214,9 +216,13 @@ def _check_architecture(raw: dict[str, Any]) -> str:
     raise UnsupportedArchitectureError(architecture, supported_architectures())
 
 
-def _load_config(path: Path) -> PretrainedConfig:
-    """The transformers config by model_type, never running remote code."""
+def _load_config(path: Path, raw: dict[str, Any]) -> PretrainedConfig:
+    """The transformers config by model_type, never running remote code (a remote-code
+    model_type in REMOTE_CONFIGS is read into its native config)."""
+    remote = REMOTE_CONFIGS.get(str(raw.get("model_type")))
     try:
+        if remote is not None:
+            return remote(raw)
         config = AutoConfig.from_pretrained(str(path), trust_remote_code=False)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot load config.json: {exc}") from exc

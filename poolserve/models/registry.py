@@ -4,6 +4,11 @@ tensor names, each family's MLM heads; the supported list."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+from transformers import PretrainedConfig
+
 from poolserve.models.families import (
     bert,
     colbert,
@@ -11,6 +16,7 @@ from poolserve.models.families import (
     distilbert,
     gemma,
     granite,
+    gte,
     llama,
     modernbert,
     mpnet,
@@ -27,6 +33,7 @@ from poolserve.models.families.records import (
     EncoderLayout,
     EncoderNames,
     MaskedLMHead,
+    encoder_entry,
 )
 from poolserve.types.tasks import HeadKind
 
@@ -48,6 +55,7 @@ ENCODER_FAMILIES: dict[str, EncoderFamily] = {
     **modernbert.FAMILIES,
     **nomic.FAMILIES,
     **deberta.FAMILIES,
+    **gte.FAMILIES,
 }
 # How each encoder layout names its tensors (outside the layers, inside each layer).
 ENCODER_LAYOUTS: dict[EncoderLayout, EncoderNames] = {
@@ -57,6 +65,7 @@ ENCODER_LAYOUTS: dict[EncoderLayout, EncoderNames] = {
     **deberta.LAYOUTS,
     **modernbert.LAYOUTS,
     **nomic.LAYOUTS,
+    **gte.LAYOUTS,
 }
 # model_type -> the MLM head layouts a checkpoint may use, tried in order: the first whose dense
 # weight the checkpoint holds wins (transformers picks DeBERTa's by config.legacy instead).
@@ -68,9 +77,16 @@ MASKED_LM_LAYOUTS: dict[str, tuple[MaskedLMHead, ...]] = {
     **modernbert.MASKED_LM,
     **nomic.MASKED_LM,
     **deberta.MASKED_LM,
+    **gte.MASKED_LM,
 }
 # Classes outside the families' transformers classes (Hub remote code, ColBERT).
-_EXTRA: dict[str, ArchitectureEntry] = {**colbert.ARCHITECTURES, **qwen.ARCHITECTURES}
+_EXTRA: dict[str, ArchitectureEntry] = {
+    **colbert.ARCHITECTURES,
+    **qwen.ARCHITECTURES,
+    **gte.ARCHITECTURES,
+}
+# config.json model_types written for Hub remote code -> the reader that builds a native config.
+REMOTE_CONFIGS: dict[str, Callable[[dict[str, Any]], PretrainedConfig]] = {**gte.CONFIGS}
 
 _DECODER_SUFFIXES: dict[str, ArchitectureEntry] = {
     "ForCausalLM": ArchitectureEntry(Backbone.DECODER, HeadKind.NONE, ("model.",)),
@@ -82,31 +98,6 @@ _DECODER_SUFFIXES: dict[str, ArchitectureEntry] = {
     ),
     "Model": ArchitectureEntry(Backbone.DECODER, HeadKind.NONE, ("", "model.")),
 }
-
-
-def _encoder_entry(family: EncoderFamily, class_name: str) -> ArchitectureEntry:
-    """The entry of an encoder class: the base class carries no head, the others one."""
-    backbone = (family.prefix,)
-    if class_name.endswith("ForSequenceClassification"):
-        return ArchitectureEntry(
-            Backbone.ENCODER,
-            HeadKind.SEQUENCE_CLASSIFIER,
-            backbone,
-            family.seq_classifier,
-            family.seq_transform,
-        )
-    if class_name.endswith("ForTokenClassification"):
-        return ArchitectureEntry(
-            Backbone.ENCODER,
-            HeadKind.TOKEN_CLASSIFIER,
-            backbone,
-            "classifier.",
-            family.token_transform,
-        )
-    if class_name.endswith("ForMaskedLM"):
-        # a backbone saved alone (sentence-transformers) holds its tensors without the prefix
-        return ArchitectureEntry(Backbone.ENCODER, HeadKind.MASKED_LM, (*backbone, ""))
-    return ArchitectureEntry(Backbone.ENCODER, HeadKind.NONE, ("", *backbone))
 
 
 def _decoder_entry(class_name: str) -> ArchitectureEntry:
@@ -121,7 +112,7 @@ ARCHITECTURES: dict[str, ArchitectureEntry] = {
         for class_name in family.classes
     },
     **{
-        class_name: _encoder_entry(family, class_name)
+        class_name: encoder_entry(family, class_name)
         for family in ENCODER_FAMILIES.values()
         for class_name in family.classes
     },

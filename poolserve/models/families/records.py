@@ -40,6 +40,7 @@ class EncoderLayout(enum.Enum):
     DEBERTA = "deberta"
     MODERNBERT = "modernbert"
     NOMIC = "nomic"
+    GTE = "gte"
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,7 @@ class LayerNames:
     up: tuple[str, ...]  # plain: (up,); gated: one fused (activated half first) or (gate, up)
     down: str
     mlp_norm: str
+    gate_second: bool = False  # one fused gated projection stored (up, gate): GTE
 
 
 @dataclass(frozen=True)
@@ -145,6 +147,31 @@ class MaskedLMHead:
 # The transformers class suffixes of a decoder family and of an encoder family.
 DECODER_HEADS = ("Model", "ForCausalLM", "ForSequenceClassification", "ForTokenClassification")
 ENCODER_HEADS = ("Model", "ForMaskedLM", "ForSequenceClassification", "ForTokenClassification")
+
+
+def encoder_entry(family: EncoderFamily, class_name: str) -> ArchitectureEntry:
+    """The entry of an encoder class: the base class carries no head, the others one."""
+    backbone = (family.prefix,)
+    if class_name.endswith("ForSequenceClassification"):
+        return ArchitectureEntry(
+            Backbone.ENCODER,
+            HeadKind.SEQUENCE_CLASSIFIER,
+            backbone,
+            family.seq_classifier,
+            family.seq_transform,
+        )
+    if class_name.endswith("ForTokenClassification"):
+        return ArchitectureEntry(
+            Backbone.ENCODER,
+            HeadKind.TOKEN_CLASSIFIER,
+            backbone,
+            "classifier.",
+            family.token_transform,
+        )
+    if class_name.endswith("ForMaskedLM"):
+        # a backbone saved alone (sentence-transformers) holds its tensors without the prefix
+        return ArchitectureEntry(Backbone.ENCODER, HeadKind.MASKED_LM, (*backbone, ""))
+    return ArchitectureEntry(Backbone.ENCODER, HeadKind.NONE, ("", *backbone))
 
 
 def family_classes(prefix: str, suffixes: tuple[str, ...] = DECODER_HEADS) -> tuple[str, ...]:
