@@ -247,6 +247,13 @@ def _pair_separator(config: PretrainedConfig) -> bool:
     return lm_head_method(config) is None
 
 
+def _score_tokens(config: PretrainedConfig) -> tuple[str, ...]:
+    """The tokens whose LM-head rows score a causal LM read as a reranker (none: not one)."""
+    if lm_head_method(config) is None:
+        return ()
+    return tuple(str(token) for token in config.classifier_from_token)
+
+
 def _lm_head_rows(
     entry: ArchitectureEntry, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase
 ) -> LMHeadRows | None:
@@ -258,13 +265,6 @@ def _lm_head_rows(
         entry.backbone is not Backbone.DECODER
         or entry.head_kind is not HeadKind.SEQUENCE_CLASSIFIER
     ):
-def _score_tokens(config: PretrainedConfig) -> tuple[str, ...]:
-    """The tokens whose LM-head rows score a causal LM read as a reranker (none: not one)."""
-    if lm_head_method(config) is None:
-        return ()
-    return tuple(str(token) for token in config.classifier_from_token)
-
-
         raise ModelLoadError(
             f"method {method} reads a causal LM's head: it needs a decoder "
             "*ForSequenceClassification architecture (set `architectures` too)"
@@ -385,5 +385,5 @@ def _spec(
         classifier_pooling=None if decoder else getattr(config, "classifier_pooling", None),
         quantization=quantization,
         pair_separator=_pair_separator(config),
-    )
         score_tokens=_score_tokens(config),
+    )
