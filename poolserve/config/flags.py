@@ -18,15 +18,12 @@ from poolserve.config.settings import ServerSettings
 
 # Flags whose presence flips a boolean setting off.
 NEGATED_FLAGS = {"async_scheduling": "--no-async-scheduling"}
-# Boolean settings with a flag for each value: --NAME and --no-NAME.
+# Every other boolean setting is a switch with a flag for each value, --NAME and --no-NAME (as
+# vLLM's `--trust-request-chat-template` is a switch): derived from the fields' types.
 PAIRED_FLAGS = frozenset(
-    {
-        "enable_prefix_caching",
-        "auto_truncate",
-        "allow_credentials",
-        "access_log",
-        "allow_slower_precision",
-    }
+    name
+    for name, field in ServerSettings.model_fields.items()
+    if field.annotation is bool and name not in NEGATED_FLAGS
 )
 LIST_FORMS = "several values, a JSON list or comma-separated"
 

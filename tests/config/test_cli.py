@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from poolserve.config.flags import parse_settings
+from poolserve.config.flags import NEGATED_FLAGS, parse_settings
 from poolserve.config.settings import ServerSettings
 from tests.deploy.tools import REPO_ROOT
 
@@ -185,3 +185,17 @@ def test_make_serve_execs_the_server() -> None:
     test_operator_flags.py)."""
     recipe = (REPO_ROOT / "Makefile").read_text().split("\nserve:", 1)[1].split("\n\n", 1)[0]
     assert re.search(r"\bexec \$\(VENV\)/bin/poolserve serve\b", recipe), recipe
+
+
+def test_every_boolean_setting_is_a_switch() -> None:
+    # vLLM's --trust-request-chat-template takes no value; neither does any boolean here
+    booleans = [n for n, f in ServerSettings.model_fields.items() if f.annotation is bool]
+    assert "trust_request_chat_template" in booleans
+    for name in booleans:
+        flag = "--" + name.replace("_", "-")
+        negated = NEGATED_FLAGS.get(name)
+        if negated is not None:
+            assert getattr(parse_settings(["serve", negated]), name) is False
+            continue
+        assert getattr(parse_settings(["serve", flag]), name) is True, flag
+        assert getattr(parse_settings(["serve", "--no-" + flag[2:]]), name) is False, flag
