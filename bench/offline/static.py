@@ -24,7 +24,7 @@ from poolserve.offline import PoolingEngine
 from tests.tiny_models import minilm_path
 
 DIM = 256  # potion-base-8M's width
-SIZES = {"quick": (2_000, 200, 2), "full": (20_000, 1_000, 3)}  # texts, MiniLM texts, passes
+SIZES = {"quick": (2_000, 200, 2), "full": (10_000, 300, 3)}  # texts, MiniLM texts, passes
 BATCH = 2_048  # inputs per embed call: --max-client-batch-size's default
 
 
