@@ -87,10 +87,13 @@ def embed_scale(
 
 
 def decoder_is_causal(config: PretrainedConfig) -> bool:
-    """False for `is_causal: false` configs and Gemmas with use_bidirectional_attention."""
+    """False for `is_causal: false` configs, Gemmas with use_bidirectional_attention and
+    families that are always bidirectional (EuroBERT)."""
     if not getattr(config, "is_causal", True):
         return False
     family = DECODER_FAMILIES.get(config.model_type)
+    if family is not None and family.bidirectional:
+        return False
     flag = bool(getattr(config, "use_bidirectional_attention", False))
     return not (family is not None and family.bidirectional_flag and flag)
 

@@ -14,6 +14,7 @@ from poolserve.models.families import (
     colbert,
     deberta,
     distilbert,
+    eurobert,
     gemma,
     granite,
     gte,
@@ -44,6 +45,7 @@ DECODER_FAMILIES: dict[str, DecoderFamily] = {
     **gemma.FAMILIES,
     **phi3.FAMILIES,
     **granite.FAMILIES,
+    **eurobert.FAMILIES,
 }
 # One row per config model_type. *ForMaskedLM checkpoints carry their MLM head (sparse
 # embeddings) on the base model; MASKED_LM_LAYOUTS holds each family's MLM head layouts.

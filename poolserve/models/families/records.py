@@ -81,6 +81,7 @@ class DecoderFamily:
     final_softcap: bool = False  # tanh soft-capping of LM-head logits (final_logit_softcapping)
     rope_per_layer_type: bool = False  # rope_parameters per layer type (local and global theta)
     bidirectional_flag: bool = False  # honours use_bidirectional_attention
+    bidirectional: bool = False  # always attends both ways, whatever the config says (EuroBERT)
     activation_key: str = "hidden_act"  # the config field that names the MLP activation
 
 
