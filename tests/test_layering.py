@@ -179,3 +179,18 @@ def test_planner_is_pure() -> None:
     path = PACKAGE / "engine" / "sched" / "planner.py"
     imported = {n.split(".")[0] for n in _imported_modules(path)}
     assert not imported & {"torch", "asyncio", "time"}
+
+
+# The web stack: only the HTTP layer (and the app the Python API runs in process) imports it.
+WEB = {"fastapi", "starlette", "uvicorn", "h11", "httptools"}
+
+
+def test_the_front_end_imports_no_web_framework() -> None:
+    """Jobs, tokenization, the engine client and start-up run under the Python API as under the
+    server: the request's HTTP side lives in http/calls.py."""
+    offenders = {}
+    for path in (PACKAGE / "frontend").rglob("*.py"):
+        web = {name.split(".")[0] for name in _imported_modules(path)} & WEB
+        if web:
+            offenders[str(path.relative_to(ROOT))] = sorted(web)
+    assert offenders == {}

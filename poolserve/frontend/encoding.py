@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import sys
-import time
 from collections.abc import (
-    Callable,
     Iterable,
     Iterator,
     Mapping,
@@ -19,12 +16,7 @@ from typing import Literal
 import ml_dtypes
 import numpy as np
 import orjson
-from fastapi import Request
-from starlette.responses import Response
 
-from poolserve.frontend.callers import routed_model
-from poolserve.frontend.pipeline import service_state
-from poolserve.observability.tracing import NO_TRACE, SpanRecord, trace_of
 from poolserve.types.outputs import PoolingOutput
 
 OPTIONS = orjson.OPT_SERIALIZE_NUMPY
@@ -165,33 +157,6 @@ class Encoded:
     body: bytes
     media_type: str
     headers: Mapping[str, str] = field(default_factory=dict)
-
-
-async def answer(
-    request: Request,
-    outputs: Sequence[PoolingOutput],
-    work: Callable[[], bytes | Encoded],
-    *,
-    inline: bool = False,
-) -> Response:
-    """The reply encoded (its `encode` span), its bytes counted, timing headers.
-
-    A caller whose document is about as large as its outputs (no echoed texts) may ask for it
-    `inline`: up to INLINE_VALUES output values are then encoded on the loop, more in a thread.
-    """
-    started = time.monotonic()
-    if inline and sum(o.data.size for o in outputs) <= INLINE_VALUES:
-        made = work()
-    else:
-        made = await asyncio.to_thread(work)
-    reply = made if isinstance(made, Encoded) else Encoded(made, JSON)
-    trace = trace_of(request)
-    if trace is not NO_TRACE:  # no span to build when tracing is off
-        attributes = {"poolserve.output_bytes": len(reply.body)}
-        trace.record(SpanRecord("encode", started, time.monotonic(), attributes))
-    service_state(request).metrics.add_output_bytes(routed_model(request), len(reply.body))
-    headers = {**timing_headers(outputs), **reply.headers}
-    return Response(reply.body, media_type=reply.media_type, headers=headers)
 
 
 def timing_headers(outputs: Sequence[PoolingOutput]) -> dict[str, str]:

@@ -16,9 +16,7 @@ import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
-from fastapi import Request
-
-from poolserve.frontend.callers import IN_PROCESS, Caller, HTTPCaller
+from poolserve.frontend.callers import IN_PROCESS, Caller
 from poolserve.frontend.chunked import (
     Slicing,
     check_lengths,
@@ -65,12 +63,6 @@ class Submitted:
         return self.caller.trace
 
 
-def service_state(request: Request) -> ServiceState:
-    """The server state attached to the app."""
-    state: ServiceState = request.app.state.poolserve
-    return state
-
-
 def check_serving(state: ServiceState, model_name: str | None) -> tuple[EngineClient, ModelHandle]:
     """The named model's engine and handle (the default model's when none is named): 503 unless
     ready and not draining; 404 for a name no model is served as, listing the served names."""
@@ -89,12 +81,6 @@ def check_serving(state: ServiceState, model_name: str | None) -> tuple[EngineCl
             f"model {model_name!r} does not exist; this server serves {listed}", "model"
         )
     return served.engine, served.handle
-
-
-async def submit(request: Request, job: Job) -> Submitted:
-    """An HTTP request's job through the pipeline (`submit_job`)."""
-    request.state.task = job.task.value  # for the access log, even when the job is refused
-    return await submit_job(service_state(request), job, HTTPCaller(request))
 
 
 async def submit_job(state: ServiceState, job: Job, caller: Caller = IN_PROCESS) -> Submitted:

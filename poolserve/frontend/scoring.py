@@ -5,10 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fastapi import Request
-
 from poolserve.frontend.jobs import ScoreJob
-from poolserve.frontend.pipeline import Submitted, gather, submit
+from poolserve.frontend.pipeline import Submitted, gather
 from poolserve.types.outputs import PoolingOutput
 from poolserve.types.scoring import scorer_plan
 
@@ -21,11 +19,6 @@ class Scored:
     outputs: tuple[PoolingOutput, ...]
     num_prompt_tokens: int
     model_name: str
-
-
-async def score(request: Request, job: ScoreJob) -> Scored:
-    """An HTTP request's job through the one pipeline, then each pair's score."""
-    return await scores_of(job, await submit(request, job))
 
 
 async def scores_of(job: ScoreJob, run: Submitted) -> Scored:

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
 from poolserve.frontend.bodies import QUIET
-from poolserve.frontend.pipeline import check_serving, service_state
+from poolserve.frontend.pipeline import check_serving
 from poolserve.frontend.state import ModelHandle
 from poolserve.http.api import admin, inference, retrieval
 from poolserve.http.api.schemas import (
@@ -34,6 +34,7 @@ from poolserve.http.api.schemas import (
     ScoreRequestBody,
     TokenizeRequest,
 )
+from poolserve.http.calls import service_state
 from poolserve.http.compat import infinity, tei_embed, tei_predict, tei_rerank, tei_tokens
 from poolserve.http.compat.tei_common import TEIRoute, mark
 from poolserve.http.routing import StrictJSONRoute

@@ -13,13 +13,13 @@ from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import PlainTextResponse, Response
 
-from poolserve.frontend.callers import HTTPCaller
 from poolserve.frontend.chat import render_messages
 from poolserve.frontend.encoding import dumps
-from poolserve.frontend.pipeline import check_serving, service_state
+from poolserve.frontend.pipeline import check_serving
 from poolserve.frontend.state import ModelHandle, ServiceState
 from poolserve.frontend.texts import tokenize_prompt
 from poolserve.http.api.schemas import DetokenizeRequest, TokenizeRequest
+from poolserve.http.calls import HTTPCaller, service_state
 from poolserve.http.errors import error_response
 from poolserve.http.routing import StrictJSONRoute
 from poolserve.types.errors import InvalidRequestError

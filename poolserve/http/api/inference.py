@@ -16,7 +16,6 @@ from starlette.types import Receive, Scope, Send
 
 from poolserve.frontend.encoding import (
     Encoded,
-    answer,
     as_float32,
     binary_parts,
     document,
@@ -26,14 +25,7 @@ from poolserve.frontend.encoding import (
     stream_item,
 )
 from poolserve.frontend.jobs import Requested
-from poolserve.frontend.pipeline import (
-    Submitted,
-    as_completed,
-    check_serving,
-    gather,
-    service_state,
-    submit,
-)
+from poolserve.frontend.pipeline import Submitted, as_completed, check_serving, gather
 from poolserve.http.api.schemas import (
     ClassifyRequest,
     EmbeddingRequest,
@@ -41,6 +33,7 @@ from poolserve.http.api.schemas import (
     PoolingRequestBody,
 )
 from poolserve.http.api.span_items import SpanRows, span_rows
+from poolserve.http.calls import answer, service_state, submit
 from poolserve.http.errors import error_line
 from poolserve.http.routing import StrictJSONRoute
 from poolserve.types.errors import InvalidRequestError

@@ -16,11 +16,12 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from poolserve.frontend.encoding import answer, dumps
+from poolserve.frontend.encoding import dumps
 from poolserve.frontend.jobs import ScoreJob, Truncate
-from poolserve.frontend.pipeline import check_serving, service_state
-from poolserve.frontend.scoring import Scored, best_first, score
+from poolserve.frontend.pipeline import check_serving
+from poolserve.frontend.scoring import Scored, best_first
 from poolserve.http.api.schemas import RerankRequestBody, ScoreRequestBody
+from poolserve.http.calls import answer, score, service_state
 from poolserve.http.routing import StrictJSONRoute
 from poolserve.types.errors import InvalidRequestError
 

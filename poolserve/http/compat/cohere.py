@@ -20,11 +20,12 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 from starlette.responses import Response
 
 from poolserve.frontend.bodies import RequestBody
-from poolserve.frontend.encoding import answer, dumps, to_dtype_bytes
+from poolserve.frontend.encoding import dumps, to_dtype_bytes
 from poolserve.frontend.jobs import Requested, TextJob, Truncate
-from poolserve.frontend.pipeline import check_serving, gather, service_state, submit
+from poolserve.frontend.pipeline import check_serving, gather
 from poolserve.frontend.state import ModelHandle
 from poolserve.frontend.texts import check_batch_size
+from poolserve.http.calls import answer, service_state, submit
 from poolserve.http.routing import StrictJSONRoute
 from poolserve.types.errors import InvalidRequestError
 from poolserve.types.outputs import PoolingOutput

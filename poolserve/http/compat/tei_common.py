@@ -15,10 +15,11 @@ from fastapi import Request
 from starlette.responses import Response
 
 from poolserve.frontend.bodies import RequestBody
-from poolserve.frontend.encoding import JSON, Encoded, answer, dumps
+from poolserve.frontend.encoding import JSON, Encoded, dumps
 from poolserve.frontend.jobs import Job, Truncate
-from poolserve.frontend.pipeline import check_serving, gather, service_state, submit
+from poolserve.frontend.pipeline import check_serving, gather
 from poolserve.frontend.state import ModelHandle
+from poolserve.http.calls import answer, service_state, submit
 from poolserve.http.errors import ERROR_FAMILY_KEY, TEI_FAMILY
 from poolserve.http.routing import StrictJSONRoute
 from poolserve.types.errors import InvalidRequestError

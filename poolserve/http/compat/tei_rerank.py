@@ -12,7 +12,7 @@ from pydantic import Field, StrictStr
 from starlette.responses import Response
 
 from poolserve.frontend.jobs import ScoreJob
-from poolserve.frontend.scoring import score
+from poolserve.http.calls import score
 from poolserve.http.compat.tei_common import (
     Direction,
     Ran,

@@ -11,7 +11,7 @@ from starlette.responses import Response
 
 from poolserve.frontend.bodies import TokenIds
 from poolserve.frontend.encoding import dumps
-from poolserve.frontend.pipeline import check_serving, service_state
+from poolserve.frontend.pipeline import check_serving
 from poolserve.frontend.state import ModelHandle
 from poolserve.frontend.texts import (
     InputTooLongError,
@@ -19,6 +19,7 @@ from poolserve.frontend.texts import (
     check_encodable,
     run_budgeted,
 )
+from poolserve.http.calls import service_state
 from poolserve.http.compat.tei_common import TEIBody, TEIRoute, empty, mark, prompt_for
 from poolserve.types.errors import InvalidRequestError
 
