@@ -7,10 +7,11 @@ Their tensors have the names transformers' `gte` saves, under `new.` instead of 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
-from transformers import GteConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
 from poolserve.models.families.records import (
     ENCODER_HEADS,
@@ -91,10 +92,20 @@ MASKED_LM: dict[str, tuple[MaskedLMHead, ...]] = {
 }
 
 
-class NewConfig(GteConfig):
-    """A Hub GTE config.json written for remote code (model_type "new"), read natively."""
+@functools.cache
+def _new_config() -> type[PretrainedConfig]:
+    """The config class of a Hub GTE config.json written for remote code (model_type "new"),
+    read natively: transformers' GteConfig, which transformers has from 5.18 on (imported here,
+    so an older transformers still serves every other family)."""
+    try:
+        from transformers import GteConfig
+    except ImportError as exc:
+        raise ModelLoadError("GTE models need transformers 5.18 or later") from exc
 
-    model_type = "new"
+    class NewConfig(GteConfig):
+        model_type = "new"
+
+    return NewConfig
 
 
 # Remote-code switches the native forward does not implement, with the values it accepts.
@@ -153,7 +164,7 @@ def remote_gte_config(raw: dict[str, Any]) -> PretrainedConfig:
         raise ModelLoadError("this GTE config needs remote code for: " + ", ".join(unsupported))
     dropped = (*_ACCEPTED, *_IGNORED, "model_type")
     fields = {k: v for k, v in raw.items() if k not in dropped}
-    config = NewConfig(**{**_REMOTE_DEFAULTS, **fields})
+    config = _new_config()(**{**_REMOTE_DEFAULTS, **fields})
     head_dim = int(config.hidden_size) // int(config.num_attention_heads)
     config.rope_parameters = _rope_parameters(raw, head_dim)
     return config
