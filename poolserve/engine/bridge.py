@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from poolserve.models.bge_m3 import m3_unused_ids
 from poolserve.models.registry import ARCHITECTURES, Backbone
 from poolserve.models.spec import LoadedModel
 from poolserve.types.errors import ModelLoadError
@@ -43,7 +44,9 @@ def pooling_info_from(
         is_decoder=entry is not None and entry.backbone is Backbone.DECODER,
         hidden_size=spec.hidden_size,
         **head,
-        sparse_excluded_ids=_sparse_excluded_ids(loaded.tokenizer),
+        sparse_excluded_ids=m3_unused_ids(loaded.tokenizer)
+        if spec.head_kind is HeadKind.BGE_M3
+        else _sparse_excluded_ids(loaded.tokenizer),
         num_labels=spec.num_labels if spec.head_kind is not HeadKind.NONE else None,
         labels=spec.labels,
         embed_projection=projection,

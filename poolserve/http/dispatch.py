@@ -40,7 +40,7 @@ from poolserve.http.compat.tei_common import TEIRoute, mark
 from poolserve.http.routing import StrictJSONRoute
 from poolserve.types.errors import InvalidRequestError, UnsupportedTaskError
 from poolserve.types.scoring import scorer_plan
-from poolserve.types.tasks import PoolingTask
+from poolserve.types.tasks import SPARSE_MAIN_HEADS, PoolingTask
 
 router = APIRouter(route_class=StrictJSONRoute)
 # paths where a TEI body is answered (errors included) in TEI's shape, beside other families'
@@ -109,8 +109,11 @@ async def main_task(payload: Payload, request: Request) -> Response:
         body = validated(tei_embed.SimilarityRequest, payload)
         return await tei_embed.similarity(body, request)
     _, served = check_serving(service_state(request), None)  # TEI's routes: the default model
+    tasks = served.card.supported_tasks
+    if served.card.pooling_info.head_kind not in SPARSE_MAIN_HEADS:
+        tasks -= {PoolingTask.EMBED_SPARSE}  # bge-m3's main output is its dense vector
     for task, model, handler in MAIN_TASKS:
-        if task in served.card.supported_tasks:
+        if task in tasks:
             return await handler(validated(model, payload), request)
     supported = ", ".join(t.value for t in served.supported_tasks)
     raise InvalidRequestError(

@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 
 from poolserve.config.model_path import resolve_model_path
 from poolserve.models.attention import AttentionBackend, select_attention_backend
+from poolserve.models.bge_m3 import load_m3_heads, m3_entry
 from poolserve.models.cpu_kernels import CpuKernels, choose_kernels
 from poolserve.models.decoder import DecoderModel
 from poolserve.models.decoder_config import decoder_head_dim, decoder_is_causal
@@ -95,6 +96,7 @@ def load_model(
     config = _load_config(path, raw)
     for key, value in overrides.items():
         setattr(config, key, value)
+    entry = m3_entry(path, config, entry)  # bge-m3: its heads' .pt files beside the backbone
     state = load_state_dict(path)
     backbone_state = strip_prefix(state, _backbone_prefix(entry, state))
     placement = (device, dtype)
@@ -107,7 +109,10 @@ def load_model(
     quantized = quantize_linears(packed, quantization, device, kernel=kernels.int8_kernel or INT_MM)
     pack_linears(packed, kernels.float_kernel)
     tokenizer = _load_tokenizer(path)
-    head = build_head(entry, state, device, config, _lm_head_rows(entry, config, tokenizer))
+    if entry.head_kind is HeadKind.BGE_M3:
+        head: torch.nn.Module | None = load_m3_heads(path, config, device)
+    else:
+        head = build_head(entry, state, device, config, _lm_head_rows(entry, config, tokenizer))
     if entry.head_kind is HeadKind.LATE_INTERACTION:
         check_plain_prompts(path)
     st_config = read_sentence_transformers(path, device)

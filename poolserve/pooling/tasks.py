@@ -16,6 +16,7 @@ from poolserve.pooling.heads import (
     TokenEmbeddingHead,
     TokenRewardHead,
 )
+from poolserve.pooling.lexical import colbert_vectors_head, lexical_head, lexical_method
 from poolserve.pooling.methods import PoolingMethod, build_method
 from poolserve.pooling.pooler import ChunkInput, RequestPooler, pool_step
 from poolserve.pooling.scorers import CrossEncoderHead
@@ -115,6 +116,10 @@ def _sparse(info: PoolingModelInfo) -> PoolingType:
     return PoolingType.SPARSE
 
 
+def _lexical(info: PoolingModelInfo) -> PoolingType:
+    return PoolingType.LEXICAL
+
+
 @dataclass(frozen=True)
 class TaskPlan:
     """How one task runs on one kind of model: which method pools, which head finishes."""
@@ -145,6 +150,10 @@ TASK_PLANS: dict[tuple[HeadKind, PoolingTask], TaskPlan] = {
     (HeadKind.MASKED_LM, PoolingTask.TOKEN_EMBED): TaskPlan(_all, _token_embed_head),
     (HeadKind.MASKED_LM, PoolingTask.EMBED_SPARSE): TaskPlan(_sparse, sparse_head, sparse_method),
     (HeadKind.LATE_INTERACTION, PoolingTask.TOKEN_EMBED): TaskPlan(_all, _late_interaction_head),
+    # bge-m3: dense CLS, its sparse_linear's weights per token id, its colbert_linear's vectors
+    (HeadKind.BGE_M3, PoolingTask.EMBED): TaskPlan(_embed_pooling, _embed_head),
+    (HeadKind.BGE_M3, PoolingTask.TOKEN_EMBED): TaskPlan(_all, colbert_vectors_head),
+    (HeadKind.BGE_M3, PoolingTask.EMBED_SPARSE): TaskPlan(_lexical, lexical_head, lexical_method),
 }
 
 

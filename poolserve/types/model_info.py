@@ -46,7 +46,12 @@ HEAD_FIELDS: dict[HeadKind, str] = {
     HeadKind.TOKEN_REWARD: "token_reward_head",
     HeadKind.MASKED_LM: "mlm_head",
     HeadKind.LATE_INTERACTION: "token_projection",
+    HeadKind.BGE_M3: "m3_heads",
 }
+# The modules bge-m3's `m3_heads` (a ModuleDict) holds: sparse_linear.pt `[..., hidden] ->
+# [..., 1]` (a weight per token) and colbert_linear.pt `[..., hidden] -> [..., dim]`.
+M3_SPARSE = "sparse"
+M3_COLBERT = "colbert"
 
 
 @dataclass(frozen=True, eq=False)
@@ -88,6 +93,9 @@ class PoolingModelInfo:
     sparse_excluded_ids: frozenset[int] = frozenset()
     # A ColBERT projection `[..., hidden] -> [..., dim]` applied to every token (late interaction).
     token_projection: nn.Module | None = None
+    # bge-m3's heads beside its dense CLS output, by M3_SPARSE and M3_COLBERT; its sparse pooling
+    # skips the sparse_excluded_ids (the tokenizer's CLS, EOS, PAD and UNK, as FlagEmbedding's).
+    m3_heads: nn.ModuleDict | None = None
     # The head kind when the modules are not carried (a front end's card, torch-free); None:
     # derived from the module that is set.
     head: HeadKind | None = None

@@ -58,6 +58,8 @@ SCORER_PLANS: dict[HeadKind, ScorerPlan] = {
     HeadKind.SEQUENCE_CLASSIFIER: ScorerPlan(PairMode.JOINT, PoolingTask.SCORE),
     HeadKind.NONE: ScorerPlan(PairMode.SEPARATE, PoolingTask.EMBED, cosine_score),
     HeadKind.LATE_INTERACTION: ScorerPlan(PairMode.SEPARATE, PoolingTask.TOKEN_EMBED, maxsim_score),
+    # bge-m3 scores by its dense vectors, as FlagEmbedding's compute_score "dense"
+    HeadKind.BGE_M3: ScorerPlan(PairMode.SEPARATE, PoolingTask.EMBED, cosine_score),
 }
 
 

@@ -24,7 +24,8 @@ class PoolingTask(StrEnum):
     EMBED_TOKEN_CLASSIFY = "embed&token_classify"
     REWARD = "reward"
     SCORE = "score"  # one relevance score per (query, document) prompt
-    EMBED_SPARSE = "embed_sparse"  # SPLADE over the MLM head: vocabulary ids and weights
+    # vocabulary ids and weights: SPLADE over the MLM head, or bge-m3's lexical weights
+    EMBED_SPARSE = "embed_sparse"
 
 
 class PoolingType(Enum):
@@ -36,6 +37,7 @@ class PoolingType(Enum):
     ALL = "all"
     STEP = "step"
     SPARSE = "sparse"  # running max of MLM-head logits over non-special tokens (SPLADE)
+    LEXICAL = "lexical"  # running max, per token id, of one weight per token (bge-m3)
 
 
 class HeadKind(Enum):
@@ -48,7 +50,14 @@ class HeadKind(Enum):
     TOKEN_REWARD = "token_reward"
     MASKED_LM = "masked_lm"  # *ForMaskedLM: transform + vocabulary decoder (sparse embeddings)
     LATE_INTERACTION = "late_interaction"  # ColBERT: a projection of every token (MaxSim)
+    # bge-m3: three outputs of one pass, CLS (dense), a weight per token (sparse_linear.pt) and
+    # a projection of every token after CLS (colbert_linear.pt)
+    BGE_M3 = "bge_m3"
 
+
+# Heads whose main output is sparse, as TEI serves a *ForMaskedLM under --pooling splade (its
+# POST / and /info answer sparse); bge-m3 serves sparse too, but its main output is dense.
+SPARSE_MAIN_HEADS = frozenset({HeadKind.MASKED_LM})
 
 # Heads whose outputs are labels (a classifier's or a reward's logits): their width is num_labels.
 LABELLED_HEADS = frozenset(
@@ -96,7 +105,7 @@ def _fields(*names: str) -> frozenset[str]:
     return frozenset(names)
 
 
-_EMBEDDERS = _heads(HeadKind.NONE, HeadKind.MASKED_LM)
+_EMBEDDERS = _heads(HeadKind.NONE, HeadKind.MASKED_LM, HeadKind.BGE_M3)
 
 TASKS: dict[PoolingTask, TaskDecl] = {
     PoolingTask.EMBED: TaskDecl(
@@ -150,7 +159,7 @@ TASKS: dict[PoolingTask, TaskDecl] = {
         calibrated=True,
         capability="rerank",
     ),
-    PoolingTask.EMBED_SPARSE: TaskDecl(_heads(HeadKind.MASKED_LM), Output.SPARSE),
+    PoolingTask.EMBED_SPARSE: TaskDecl(_heads(HeadKind.MASKED_LM, HeadKind.BGE_M3), Output.SPARSE),
 }
 
 # What follows is derived from TASKS: edit the declarations above, never these.

@@ -24,7 +24,7 @@ from poolserve.http.errors import error_response
 from poolserve.http.routing import StrictJSONRoute
 from poolserve.types.errors import InvalidRequestError
 from poolserve.types.model import DEFAULT_MODEL_ID
-from poolserve.types.tasks import PoolingTask, PoolingType
+from poolserve.types.tasks import SPARSE_MAIN_HEADS, PoolingTask, PoolingType
 
 router = APIRouter(route_class=StrictJSONRoute)
 UNAVAILABLE: dict[int | str, dict[str, Any]] = {
@@ -196,7 +196,7 @@ def _tei_model_type(model: ModelHandle) -> dict[str, object]:
                 "label2id": {name: i for i, name in enumerate(labels)},
             }
         }
-    if PoolingTask.EMBED_SPARSE in tasks:  # an MLM head: POST / answers sparse, TEI's splade
+    if model.card.pooling_info.head_kind in SPARSE_MAIN_HEADS:  # POST / answers sparse, splade
         return {"embedding": {"pooling": "splade"}}
     # --pooler-config's pooling, else the sentence-transformers mode, else the model kind's
     pooling = model.card.pooling_info.embed_pooling_type
