@@ -76,7 +76,18 @@ GROUPS: tuple[Group, ...] = (
         ("auto_truncate", "max_client_batch_size", "payload_limit", "trust_request_chat_template"),
         ANSWERS_REQUESTS,
     ),
-    Group("HTTP server", ("host", "port", "root_path", "body_timeout"), SERVE_ONLY),
+    Group(
+        "HTTP server",
+        (
+            "host",
+            "port",
+            "root_path",
+            "body_timeout",
+            "vertex_predict_route",
+            "vertex_health_route",
+        ),
+        SERVE_ONLY,
+    ),
     Group(
         "processes and shutdown",
         ("api_server_count", "engine_core_timeout", "shutdown_timeout", "drain_delay"),

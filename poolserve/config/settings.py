@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from enum import StrEnum
 from pathlib import Path
@@ -115,7 +116,26 @@ class ServerSettings(BaseSettings):
         json_schema_extra=SERVER,
     )
     host: str = Field("127.0.0.1", description="Address to bind.", json_schema_extra=SERVER)
-    port: int = Field(8000, ge=0, le=65535, description="Port to bind.", json_schema_extra=SERVER)
+    port: int = Field(
+        default_factory=lambda: int(os.environ.get("AIP_HTTP_PORT", "8000")),
+        ge=0,
+        le=65535,
+        description="Port to bind (Vertex AI's AIP_HTTP_PORT when it sets one, else 8000).",
+        json_schema_extra=SERVER,
+    )
+    vertex_predict_route: str = Field(
+        default_factory=lambda: os.environ.get("AIP_PREDICT_ROUTE", "/vertex"),
+        description='Path of Vertex AI\'s prediction route ({"instances": [...]} in, '
+        "{\"predictions\": [...]} out, as TEI's /vertex; also served at /vertex): Vertex's "
+        "AIP_PREDICT_ROUTE when it sets one.",
+        json_schema_extra=SERVER,
+    )
+    vertex_health_route: str | None = Field(
+        default_factory=lambda: os.environ.get("AIP_HEALTH_ROUTE"),
+        description="Path of Vertex AI's health check, answered as /ready and open without the "
+        "API key: Vertex's AIP_HEALTH_ROUTE when it sets one.",
+        json_schema_extra=SERVER,
+    )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto",
         description="Where the model runs; auto = cuda when available.",
@@ -366,6 +386,14 @@ class ServerSettings(BaseSettings):
             if origin != "*" and not ORIGIN.fullmatch(origin):
                 raise ValueError(f"{origin!r} is not an origin like https://app.example:8443")
         return origins
+
+    @field_validator("vertex_predict_route", "vertex_health_route")
+    @classmethod
+    def _route(cls, value: str | None) -> str | None:
+        """A path starting with /."""
+        if value is not None and not value.startswith("/"):
+            raise ValueError("must start with /")
+        return value
 
     @field_validator("root_path")
     @classmethod

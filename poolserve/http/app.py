@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
 from poolserve.config.settings import ServerSettings
@@ -21,8 +21,8 @@ from poolserve.http.api import admin, inference, retrieval
 from poolserve.http.compat import cohere, infinity, tei_embed, tei_predict, tei_tokens
 from poolserve.http.compat.tei_common import TEIRoute
 from poolserve.http.edge.handlers import install_error_handlers, openapi_schema
-from poolserve.http.edge.middleware import OPEN_PATHS, EdgeMiddleware, InFlight
-from poolserve.http.routing import DirectRoutes
+from poolserve.http.edge.middleware import EdgeMiddleware, InFlight, open_paths
+from poolserve.http.routing import DirectRoutes, StrictJSONRoute
 from poolserve.observability.logs import report_start_failure
 from poolserve.observability.metrics import ServiceMetrics
 from poolserve.observability.tracing import build_tracing
@@ -91,6 +91,9 @@ def create_app(
     app.state.poolserve = state
     app.state.inflight = inflight
     install_error_handlers(app)
+    # Vertex AI's routes: where the platform names them (AIP_PREDICT_ROUTE, AIP_HEALTH_ROUTE)
+    vertex = APIRouter(route_class=StrictJSONRoute)
+    dispatch.add_vertex_routes(vertex, settings.vertex_predict_route, settings.vertex_health_route)
     routers = (
         inference.router,
         admin.router,
@@ -101,6 +104,7 @@ def create_app(
         tei_predict.router,
         tei_tokens.router,
         dispatch.router,
+        vertex,
     )
     for router in routers:
         app.include_router(router)
@@ -119,5 +123,5 @@ def create_app(
     # paths whose errors may take TEI's shape: TEI's own routes and the shared ones
     tei_routes = {r.path for rt in routers for r in rt.routes if isinstance(r, TEIRoute)}
     tei_paths = tei_routes | dispatch.SHARED_WITH_TEI
-    app.openapi = partial(openapi_schema, app, OPEN_PATHS, tei_paths)  # type: ignore[method-assign]
+    app.openapi = partial(openapi_schema, app, open_paths(settings), tei_paths)  # type: ignore[method-assign]
     return app

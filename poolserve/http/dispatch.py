@@ -14,6 +14,7 @@ factory imports this module; native routes and compat translators never import e
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, TypeVar
 
@@ -25,6 +26,7 @@ from starlette.responses import Response
 from poolserve.frontend.bodies import QUIET
 from poolserve.frontend.pipeline import check_serving
 from poolserve.frontend.state import ModelHandle
+from poolserve.frontend.texts import check_batch_size
 from poolserve.http.api import admin, inference, retrieval
 from poolserve.http.api.schemas import (
     ClassifyRequest,
@@ -109,15 +111,21 @@ async def main_task(payload: Payload, request: Request) -> Response:
         body = validated(tei_embed.SimilarityRequest, payload)
         return await tei_embed.similarity(body, request)
     _, served = check_serving(service_state(request), None)  # TEI's routes: the default model
+    model, handler = _main(served, "POST /")
+    return await handler(validated(model, payload), request)
+
+
+def _main(served: ModelHandle, route: str) -> tuple[type[BaseModel], Handler]:
+    """The TEI body and handler of the model's main task (`route` names who asks, when none)."""
     tasks = served.card.supported_tasks
     if served.card.pooling_info.head_kind not in SPARSE_MAIN_HEADS:
         tasks -= {PoolingTask.EMBED_SPARSE}  # bge-m3's main output is its dense vector
     for task, model, handler in MAIN_TASKS:
         if task in tasks:
-            return await handler(validated(model, payload), request)
+            return model, handler
     supported = ", ".join(t.value for t in served.supported_tasks)
     raise InvalidRequestError(
-        f"POST / serves embed, classify or embed_sparse models; this model serves {supported}",
+        f"{route} serves embed, classify or embed_sparse models; this model serves {supported}",
         None,
         "unsupported_task",
     )
@@ -190,3 +198,68 @@ async def ping(request: Request) -> Response:
     """SageMaker's health check: 200 once every model is ready, 503 before and while draining
     (it routes no invocation to a container that does not answer 200)."""
     return await admin.ready(request)
+
+
+async def vertex(payload: Payload, request: Request) -> Response:
+    """Vertex AI's prediction route, as TEI serves it: `{"instances": [...]}`, each instance a
+    TEI body (a rerank body when it is one, else the model's main task's), answered together as
+    `{"predictions": [...]}`, each prediction the route's own answer; the first error answers
+    for the request, in TEI's shape, and stops the other instances."""
+    mark(request)
+    instances = payload.get("instances")
+    if not isinstance(instances, list) or not instances:
+        raise InvalidRequestError("`instances` must be a non-empty list", "instances", "empty")
+    _, served = check_serving(service_state(request), None)  # TEI's routes: the default model
+    check_batch_size(len(instances), served.settings.max_client_batch_size, "instances")
+    main = _main(served, "Vertex AI's route")
+    calls = [asyncio.ensure_future(_instance(one, main, request)) for one in instances]
+    try:
+        answers = await asyncio.gather(*calls)
+    except BaseException:
+        for call in calls:
+            call.cancel()
+        raise
+    predictions = b",".join(answer.body for answer in answers)
+    return Response(b'{"predictions":[' + predictions + b"]}", media_type="application/json")
+
+
+async def _instance(
+    instance: object, main: tuple[type[BaseModel], Handler], request: Request
+) -> Response:
+    """One Vertex instance through its TEI route."""
+    if not isinstance(instance, dict):
+        raise InvalidRequestError("each instance must be a JSON object", "instances")
+    try:  # "Rerank is the only payload that can be matched safely" (TEI)
+        body = tei_rerank.TEIRerankRequest.model_validate(instance, context=QUIET)
+    except ValidationError:
+        model, handler = main
+        return await handler(validated(model, instance), request)
+    return await tei_rerank.rerank(body, request)
+
+
+def add_vertex_routes(app_router: APIRouter, predict_route: str, health_route: str | None) -> None:
+    """Vertex AI's routes: TEI's `/vertex`, and the paths Vertex names (AIP_PREDICT_ROUTE,
+    AIP_HEALTH_ROUTE) where they differ."""
+    for path in dict.fromkeys(("/vertex", predict_route)):
+        app_router.add_api_route(
+            path,
+            vertex,
+            methods=["POST"],
+            route_class_override=TEIRoute,
+            openapi_extra={"requestBody": {"required": True, "content": VERTEX_BODY}},
+        )
+    if health_route is not None and health_route not in ("/health", "/ready"):
+        app_router.add_api_route(
+            health_route, admin.ready, methods=["GET"], responses=admin.UNAVAILABLE
+        )
+
+
+VERTEX_BODY = {
+    "application/json": {
+        "schema": {
+            "type": "object",
+            "required": ["instances"],
+            "properties": {"instances": {"type": "array", "items": {"type": "object"}}},
+        }
+    }
+}

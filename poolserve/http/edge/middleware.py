@@ -14,6 +14,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from poolserve.config.settings import ServerSettings
 from poolserve.frontend.state import ServiceState
 from poolserve.http.edge.handlers import error_answer
 from poolserve.http.errors import CLOSE, EdgeError, error_line, response_for
@@ -49,9 +50,16 @@ _UUID4_KEEP = ~((0xF000 << 64) | (0xC000 << 48))
 _UUID4_SET = (0x4000 << 64) | (0x8000 << 48)
 
 
-def is_open(scope: Scope) -> bool:
+def open_paths(settings: ServerSettings) -> frozenset[str]:
+    """The paths that need no key: the probes, the metrics, the version, and Vertex AI's health
+    route where it names its own (AIP_HEALTH_ROUTE)."""
+    health = settings.vertex_health_route
+    return OPEN_PATHS if health is None else OPEN_PATHS | {health}
+
+
+def is_open(scope: Scope, paths: frozenset[str] = OPEN_PATHS) -> bool:
     """Probes, metrics and the version need no key, with or without the --root-path prefix."""
-    return route_path(scope) in OPEN_PATHS
+    return route_path(scope) in paths
 
 
 SECURITY_HEADERS = [(b"x-content-type-options", b"nosniff")]
@@ -137,6 +145,7 @@ class EdgeMiddleware:
         self.payload_limit = state.settings.payload_limit
         self.body_timeout = state.settings.body_timeout
         self.counted = Counted(state)
+        self.open_paths = open_paths(state.settings)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -145,7 +154,7 @@ class EdgeMiddleware:
         start = time.monotonic()
         task = asyncio.current_task()
         assert task is not None
-        exchange = Exchange(task, is_open(scope))
+        exchange = Exchange(task, is_open(scope, self.open_paths))
         headers, repeated = _first_values(scope["headers"])
         given = headers.get("x-request-id")
         # kept in the request's state, so a route may adopt a body's request_id (vLLM's field)
