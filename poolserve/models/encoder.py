@@ -9,6 +9,13 @@ from typing import cast
 import torch
 from transformers import PretrainedConfig
 
+from poolserve.models.adapters import (
+    AdapterSegments,
+    LoraEmbedding,
+    LoraLinear,
+    adapter_names,
+    take_lora_linear,
+)
 from poolserve.models.attention import AttentionBackend, AttentionMetadata
 from poolserve.models.encoder_config import (
     EncoderGeometry,
@@ -41,6 +48,7 @@ class EncoderStep:
     meta: AttentionMetadata
     ropes: list[tuple[torch.Tensor, torch.Tensor]]  # cos, sin [num_tokens, 1, head_dim] per rope
     biases: LayerBiases | None
+    adapters: AdapterSegments | None = None  # each token's LoRA adapter (None: none runs)
 
 
 class EncoderLayer(torch.nn.Module):
@@ -67,9 +75,12 @@ class EncoderLayer(torch.nn.Module):
         act: Callable[[torch.Tensor], torch.Tensor],
         placement: tuple[torch.device, torch.dtype],
         position: tuple[int, int | None, int | None],
+        lora: dict[str, LoraLinear] | None = None,
     ) -> None:
         super().__init__()
         self.geometry = geometry
+        # stacked LoRA adapters by projection slot ("qkv", "o", "up", "down"), where stored
+        self.lora = torch.nn.ModuleDict(lora or {})
         self.act = act
         self.pre_norm = family.pre_norm
         self.gated = family.gated_mlp
@@ -89,11 +100,11 @@ class EncoderLayer(torch.nn.Module):
             x = x + self._attention(
                 layer_norm(x, self.attn_norm_weight, self.attn_norm_bias, eps), step
             )
-            return x + self._mlp(layer_norm(x, self.mlp_norm_weight, self.mlp_norm_bias, eps))
+            return x + self._mlp(layer_norm(x, self.mlp_norm_weight, self.mlp_norm_bias, eps), step)
         x = layer_norm(
             x + self._attention(x, step), self.attn_norm_weight, self.attn_norm_bias, eps
         )
-        return layer_norm(x + self._mlp(x), self.mlp_norm_weight, self.mlp_norm_bias, eps)
+        return layer_norm(x + self._mlp(x, step), self.mlp_norm_weight, self.mlp_norm_bias, eps)
 
     def _attention(
         self,
@@ -103,7 +114,7 @@ class EncoderLayer(torch.nn.Module):
         """Bidirectional self-attention, output projection included."""
         g = self.geometry
         num_tokens = h.shape[0]
-        qkv = linear(h, self.qkv_weight, self.qkv_bias)  # [num_tokens, 3 * H * D]
+        qkv = self._linear("qkv", h, step)  # [num_tokens, 3 * H * D]
         q, k, v = qkv.view(num_tokens, 3, g.num_heads, g.head_dim).unbind(1)  # [num_tokens, H, D]
         if self.rope_index is not None:
             q = apply_rotary(q, *step.ropes[self.rope_index])
@@ -120,17 +131,31 @@ class EncoderLayer(torch.nn.Module):
             scale=g.scale,
             bias=bias,
         )  # [num_tokens, H, D]
-        return linear(attended.reshape(num_tokens, -1), self.o_weight, self.o_bias)
+        return self._linear("o", attended.reshape(num_tokens, -1), step)
 
-    def _mlp(self, h: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
+    def _mlp(self, h: torch.Tensor, step: EncoderStep) -> torch.Tensor:  # [num_tokens, hidden]
         """act(up) or, gated, act(first half) * second half; then down."""
         if self.gated:
-            up = linear(h, self.up_weight, self.up_bias)  # [num_tokens, 2 x intermediate]
+            up = self._linear("up", h, step)  # [num_tokens, 2 x intermediate]
             gate, value = up.chunk(2, dim=-1)  # [num_tokens, intermediate] each
             up = self.act(gate).mul_(value)
+        elif step.adapters is not None and "up" in self.lora:
+            up = self.act(self._linear("up", h, step))  # [num_tokens, inter]
         else:
             up = linear_act(h, self.up_weight, self.up_bias, self.act)  # [num_tokens, inter]
-        return linear(up, self.down_weight, self.down_bias)
+        return self._linear("down", up, step)
+
+    def _linear(self, slot: str, x: torch.Tensor, step: EncoderStep) -> torch.Tensor:
+        """The slot's projection of x, plus each token's LoRA adapter where it has one."""
+        y = linear(x, getattr(self, f"{slot}_weight"), getattr(self, f"{slot}_bias"))
+        if step.adapters is None or slot not in self.lora:
+            return y
+        return cast(LoraLinear, self.lora[slot]).add_to(y, x, step.adapters)
+
+
+def _has_lora(model: torch.nn.Module) -> bool:
+    """Whether any projection or table of the model carries stacked LoRA adapters."""
+    return any(isinstance(m, LoraLinear | LoraEmbedding) for m in model.modules())
 
 
 def _relative_scores(
@@ -169,17 +194,39 @@ def _layers(
     names: LayerNames = ENCODER_LAYOUTS[family.layout][1]
     windows = layer_windows(config)
     act = activation(getattr(config, family.activation_key))
-    return torch.nn.ModuleList(
-        EncoderLayer(
-            layer_tensors(layer_state(state, names, i), names, family.pre_norm),
-            family,
-            geometry,
-            act,
-            placement,
-            (i, windows[i], rope_index[i]),
+    layers = []
+    for i in range(config.num_hidden_layers):
+        tensors = layer_state(state, names, i)
+        layers.append(
+            EncoderLayer(
+                layer_tensors(tensors, names, family.pre_norm),
+                family,
+                geometry,
+                act,
+                placement,
+                (i, windows[i], rope_index[i]),
+                _layer_lora(config, tensors, names, placement),
+            )
         )
-        for i in range(config.num_hidden_layers)
-    )
+    return torch.nn.ModuleList(layers)
+
+
+def _layer_lora(
+    config: PretrainedConfig,
+    tensors: dict[str, torch.Tensor],
+    names: LayerNames,
+    placement: tuple[torch.device, torch.dtype],
+) -> dict[str, LoraLinear]:
+    """The stacked LoRA adapters stored beside a layer's unfused projections, by slot."""
+    stored = {"qkv": names.qkv, "o": (names.o,), "up": names.up, "down": (names.down,)}
+    found = {}
+    for slot, projections in stored.items():
+        if len(projections) != 1:  # split projections: no known checkpoint stores LoRA there
+            continue
+        lora = take_lora_linear(tensors, projections[0], config, placement)
+        if lora is not None:
+            found[slot] = lora
+    return found
 
 
 class EncoderModel(PackedModel):
@@ -219,6 +266,8 @@ class EncoderModel(PackedModel):
         ).to(placement[0])
         rope_index = [distinct.index(kind) if rotary else None for kind in rope_types]
         self.layers = _layers(config, state, family, geometry, placement, rope_index)
+        # the stacked LoRA adapters' names, by index (jina-embeddings-v3's tasks); () if none
+        self.adapter_names = adapter_names(config) if _has_lora(self) else ()
 
     @torch.inference_mode()
     def forward(
@@ -229,16 +278,19 @@ class EncoderModel(PackedModel):
         kv_cache: PagedKVCache | None,
         out: torch.Tensor | None = None,  # [>= num_tokens, hidden]
         token_type_ids: torch.Tensor | None = None,  # [num_tokens] int64 segment ids (BERT pairs)
+        adapters: AdapterSegments | None = None,  # each token's LoRA adapter (None: none runs)
     ) -> torch.Tensor:  # [num_tokens, hidden]
         """Embeds and runs every layer bidirectionally over whole prompts."""
         self.check_inputs(input_ids)
         self._check_token_types(token_type_ids, input_ids.shape[0])
         if attn.causal or attn.has_context:
             raise ValueError("encoder attention is bidirectional and never chunked")
-        x = self.embeddings(input_ids, positions, token_type_ids)  # [num_tokens, hidden]
+        if adapters is not None and not self.adapter_names:
+            raise ValueError("this model has no adapters")
+        x = self.embeddings(input_ids, positions, token_type_ids, adapters)  # [num_tokens, hidden]
         ropes = [cast(Rotary, rotary).cos_sin(positions, x.dtype) for rotary in self.rotary]
         biases = None if self.relative is None else self.relative.begin()
-        step = EncoderStep(self.backend, attn, ropes, biases)
+        step = EncoderStep(self.backend, attn, ropes, biases, adapters)
         for layer in self.layers:
             x = layer(x, step)
         x = layer_norm(x, self.final_norm_weight, self.final_norm_bias, self.eps)

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PretrainedConfig
 
+from poolserve.models.adapters import AdapterSegments, take_lora_embedding
 from poolserve.models.encoder_config import padding_idx, uses_position_table
 from poolserve.models.families.records import EmbeddingNames, EncoderFamily, Positions
 from poolserve.models.layers import to_device
@@ -71,17 +72,27 @@ class EncoderEmbeddings(torch.nn.Module):
         }
         for name, tensor in tensors.items():
             self.register_buffer(name, to_device(tensor, *placement))
+        # stacked LoRA adapters of the word and token type tables (jina-embeddings-v3)
+        self.word_lora = take_lora_embedding(state, names.word, config, placement)
+        self.type_lora = take_lora_embedding(state, names.token_type, config, placement)
 
     def forward(
         self,
         input_ids: torch.Tensor,  # [num_tokens] int64
         positions: torch.Tensor,  # [num_tokens] int64
         token_type_ids: torch.Tensor | None,  # [num_tokens] int64; None: every token is type 0
+        adapters: AdapterSegments | None = None,  # each token's LoRA adapter
     ) -> torch.Tensor:  # [num_tokens, hidden]
         """Sums the embeddings, projects (DeBERTa) and normalises."""
         x = F.embedding(input_ids, self.word)  # [num_tokens, embedding_size]
+        if adapters is not None and self.word_lora is not None:
+            x = self.word_lora.add_to(x, input_ids, adapters)
         if self.token_type is not None:  # a model without a table ignores the ids
-            if token_type_ids is None:
+            if adapters is not None and self.type_lora is not None:
+                types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
+                rows = F.embedding(types, self.token_type)  # [num_tokens, embedding_size]
+                x = x + self.type_lora.add_to(rows, types, adapters)
+            elif token_type_ids is None:
                 x = x + self.token_type[0]
             else:
                 x = x + F.embedding(token_type_ids, self.token_type)

@@ -15,6 +15,7 @@ from tokenizers.normalizers import Sequence as NormalizerSequence
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from poolserve.config.model_path import resolve_model_path
+from poolserve.models.adapters import unparametrize
 from poolserve.models.attention import AttentionBackend, select_attention_backend
 from poolserve.models.bge_m3 import load_m3_heads, m3_entry
 from poolserve.models.cpu_kernels import CpuKernels, choose_kernels
@@ -97,7 +98,7 @@ def load_model(
     for key, value in overrides.items():
         setattr(config, key, value)
     entry = m3_entry(path, config, entry)  # bge-m3: its heads' .pt files beside the backbone
-    state = load_state_dict(path)
+    state = unparametrize(load_state_dict(path))  # torch parametrize names (LoRA) made plain
     backbone_state = strip_prefix(state, _backbone_prefix(entry, state))
     placement = (device, dtype)
     packed = _BACKBONES[entry.backbone](
@@ -224,7 +225,10 @@ def _check_architecture(raw: dict[str, Any]) -> str:
 def _load_config(path: Path, raw: dict[str, Any]) -> PretrainedConfig:
     """The transformers config by model_type, never running remote code (a remote-code
     model_type in REMOTE_CONFIGS is read into its native config)."""
-    remote = REMOTE_CONFIGS.get(str(raw.get("model_type")))
+    architectures = raw.get("architectures") or [None]
+    remote = REMOTE_CONFIGS.get(str(architectures[0])) or REMOTE_CONFIGS.get(
+        str(raw.get("model_type"))
+    )
     try:
         if remote is not None:
             return remote(raw)

@@ -34,6 +34,8 @@ class PackedModel(torch.nn.Module, abc.ABC):
 
     vocab_size: int
     num_token_types: int = 0  # rows of the token type table; 0: the model ignores type ids
+    # names of the stacked LoRA adapters a forward may apply per token (`adapters=`), by index
+    adapter_names: tuple[str, ...] = ()
 
     @abc.abstractmethod
     def forward(

@@ -18,6 +18,7 @@ from poolserve.models.families import (
     gemma,
     granite,
     gte,
+    jina_v3,
     llama,
     modernbert,
     mpnet,
@@ -58,6 +59,7 @@ ENCODER_FAMILIES: dict[str, EncoderFamily] = {
     **nomic.FAMILIES,
     **deberta.FAMILIES,
     **gte.FAMILIES,
+    **jina_v3.FAMILIES,
 }
 # How each encoder layout names its tensors (outside the layers, inside each layer).
 ENCODER_LAYOUTS: dict[EncoderLayout, EncoderNames] = {
@@ -68,6 +70,7 @@ ENCODER_LAYOUTS: dict[EncoderLayout, EncoderNames] = {
     **modernbert.LAYOUTS,
     **nomic.LAYOUTS,
     **gte.LAYOUTS,
+    **jina_v3.LAYOUTS,
 }
 # model_type -> the MLM head layouts a checkpoint may use, tried in order: the first whose dense
 # weight the checkpoint holds wins (transformers picks DeBERTa's by config.legacy instead).
@@ -80,15 +83,21 @@ MASKED_LM_LAYOUTS: dict[str, tuple[MaskedLMHead, ...]] = {
     **nomic.MASKED_LM,
     **deberta.MASKED_LM,
     **gte.MASKED_LM,
+    **jina_v3.MASKED_LM,
 }
 # Classes outside the families' transformers classes (Hub remote code, ColBERT).
 _EXTRA: dict[str, ArchitectureEntry] = {
     **colbert.ARCHITECTURES,
     **qwen.ARCHITECTURES,
     **gte.ARCHITECTURES,
+    **jina_v3.ARCHITECTURES,
 }
-# config.json model_types written for Hub remote code -> the reader that builds a native config.
-REMOTE_CONFIGS: dict[str, Callable[[dict[str, Any]], PretrainedConfig]] = {**gte.CONFIGS}
+# config.json model_types (or, where the model_type is a native one, architectures) written for
+# Hub remote code -> the reader that builds a native config.
+REMOTE_CONFIGS: dict[str, Callable[[dict[str, Any]], PretrainedConfig]] = {
+    **gte.CONFIGS,
+    **jina_v3.CONFIGS,
+}
 
 _DECODER_SUFFIXES: dict[str, ArchitectureEntry] = {
     "ForCausalLM": ArchitectureEntry(Backbone.DECODER, HeadKind.NONE, ("model.",)),

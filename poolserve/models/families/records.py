@@ -41,6 +41,7 @@ class EncoderLayout(enum.Enum):
     MODERNBERT = "modernbert"
     NOMIC = "nomic"
     GTE = "gte"
+    JINA_V3 = "jina_v3"
 
 
 @dataclass(frozen=True)

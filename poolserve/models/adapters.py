@@ -1,0 +1,181 @@
+"""LoRA adapters applied per token: stacked A/B per adapted projection, picked by adapter index.
+
+A step's tokens may belong to requests of different adapters. The base projection runs once over
+every token; each adapter then adds `scale * (x @ A_i^T) @ B_i^T` to its own tokens only
+(segmented by adapter index, an index_add per adapter present in the step). Tokens with no
+adapter get the base projection alone.
+
+Checkpoints written with torch's parametrize (jina-embeddings-v3's remote code) store a weight
+as `X.parametrizations.weight.original` and its stacked LoRA as
+`X.parametrizations.weight.0.lora_A` / `lora_B`; `unparametrize` renames them `X.weight`,
+`X.lora_A`, `X.lora_B` so the family layouts read them by their plain names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from poolserve.models.layers import to_device
+from poolserve.types.errors import ModelLoadError
+
+_ORIGINAL = ".parametrizations.weight.original"
+_LORA = ".parametrizations.weight.0."
+
+
+def unparametrize(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """torch parametrize names -> plain ones (`.weight`, `.lora_A`, `.lora_B`); else unchanged."""
+    if not any(_ORIGINAL in key for key in state):
+        return state
+    return {key.replace(_ORIGINAL, ".weight").replace(_LORA, "."): v for key, v in state.items()}
+
+
+@dataclass(frozen=True)
+class AdapterSegments:
+    """Which tokens of a step run which adapter: (adapter index, token indices) per adapter.
+
+    `None` indices: every token of the step runs that adapter (no gather, no scatter).
+    """
+
+    groups: tuple[tuple[int, torch.Tensor | None], ...]
+
+    @classmethod
+    def from_chunks(
+        cls, adapters: Sequence[int | None], lengths: Sequence[int], device: torch.device
+    ) -> AdapterSegments | None:
+        """The segments of a step whose chunks (in order, of `lengths` tokens) ran `adapters`
+        (None: the chunk runs no adapter); None when no chunk runs one."""
+        present = {a for a in adapters if a is not None}
+        if not present:
+            return None
+        if len(present) == 1 and None not in adapters:
+            return cls(((present.pop(), None),))
+        ends = np.cumsum(lengths)
+        groups = []
+        for adapter in sorted(present):
+            index = np.concatenate(
+                [
+                    np.arange(end - length, end)
+                    for a, length, end in zip(adapters, lengths, ends, strict=True)
+                    if a == adapter
+                ]
+            )
+            groups.append((adapter, torch.from_numpy(index).to(device, non_blocking=True)))
+        return cls(tuple(groups))
+
+
+class LoraLinear(torch.nn.Module):
+    """Stacked LoRA of one projection: A [num_adapters, rank, in], B [num_adapters, out, rank]."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+
+    def __init__(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        scale: float,
+        placement: tuple[torch.device, torch.dtype],
+    ) -> None:
+        super().__init__()
+        if a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0] or a.shape[1] != b.shape[2]:
+            raise ModelLoadError(f"LoRA shapes do not fit: A {tuple(a.shape)}, B {tuple(b.shape)}")
+        self.scale = scale
+        self.register_buffer("a", to_device(a, *placement))
+        self.register_buffer("b", to_device(b, *placement))
+
+    def add_to(
+        self,
+        y: torch.Tensor,  # [num_tokens, out], the base projection of x; updated in place
+        x: torch.Tensor,  # [num_tokens, in]
+        segments: AdapterSegments,
+    ) -> torch.Tensor:  # y
+        """y + scale * (x @ A^T) @ B^T on each adapter's tokens."""
+        for adapter, index in segments.groups:
+            a, b = self.a[adapter], self.b[adapter]  # [rank, in], [out, rank]
+            if index is None:
+                y.add_(F.linear(F.linear(x, a), b), alpha=self.scale)
+            else:
+                delta = F.linear(F.linear(x.index_select(0, index), a), b)  # [n, out]
+                y.index_add_(0, index, delta, alpha=self.scale)
+        return y
+
+
+class LoraEmbedding(torch.nn.Module):
+    """Stacked LoRA of an embedding table: A [num_adapters, rows, rank], B [.., rank, dim];
+    the row of id t under adapter i moves by scale * A_i[t] @ B_i."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+
+    def __init__(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        scale: float,
+        placement: tuple[torch.device, torch.dtype],
+    ) -> None:
+        super().__init__()
+        if a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
+            raise ModelLoadError(f"LoRA shapes do not fit: A {tuple(a.shape)}, B {tuple(b.shape)}")
+        self.scale = scale
+        self.register_buffer("a", to_device(a, *placement))
+        self.register_buffer("b", to_device(b, *placement))
+
+    def add_to(
+        self,
+        y: torch.Tensor,  # [num_tokens, dim], the base rows; updated in place
+        ids: torch.Tensor,  # [num_tokens] int64
+        segments: AdapterSegments,
+    ) -> torch.Tensor:  # y
+        """y + scale * A_i[ids] @ B_i on each adapter's tokens."""
+        for adapter, index in segments.groups:
+            a, b = self.a[adapter], self.b[adapter]  # [rows, rank], [rank, dim]
+            if index is None:
+                y.add_(F.embedding(ids, a) @ b, alpha=self.scale)
+            else:
+                delta = F.embedding(ids.index_select(0, index), a) @ b  # [n, dim]
+                y.index_add_(0, index, delta, alpha=self.scale)
+        return y
+
+
+def lora_scale(config: object, rank: int) -> float:
+    """alpha / rank: the config's `lora_alpha` (1 when absent) over the adapters' rank."""
+    alpha = float(getattr(config, "lora_alpha", None) or 1.0)
+    return alpha / rank
+
+
+def take_lora_linear(
+    state: dict[str, torch.Tensor],
+    name: str,
+    config: object,
+    placement: tuple[torch.device, torch.dtype],
+) -> LoraLinear | None:
+    """The stacked LoRA stored beside projection `name` (`name.lora_A`, `name.lora_B`), if any."""
+    a, b = state.get(f"{name}.lora_A"), state.get(f"{name}.lora_B")
+    if a is None or b is None:
+        return None
+    return LoraLinear(a, b, lora_scale(config, int(a.shape[1])), placement)
+
+
+def take_lora_embedding(
+    state: dict[str, torch.Tensor],
+    name: str,
+    config: object,
+    placement: tuple[torch.device, torch.dtype],
+) -> LoraEmbedding | None:
+    """The stacked LoRA stored beside embedding table `name`, if any."""
+    a, b = state.get(f"{name}.lora_A"), state.get(f"{name}.lora_B")
+    if a is None or b is None:
+        return None
+    return LoraEmbedding(a, b, lora_scale(config, int(a.shape[2])), placement)
+
+
+def adapter_names(config: object) -> tuple[str, ...]:
+    """The names of a checkpoint's stacked adapters, in index order (`lora_adaptations`)."""
+    names = getattr(config, "lora_adaptations", None) or ()
+    return tuple(str(name) for name in names)
