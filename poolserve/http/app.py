@@ -18,7 +18,7 @@ from poolserve.frontend.startup import start
 from poolserve.frontend.state import ServiceState
 from poolserve.http import dispatch
 from poolserve.http.api import admin, inference, retrieval
-from poolserve.http.compat import cohere, infinity, tei_embed, tei_predict, tei_tokens
+from poolserve.http.compat import cohere, infinity, ollama, tei_embed, tei_predict, tei_tokens
 from poolserve.http.compat.tei_common import TEIRoute
 from poolserve.http.edge.handlers import install_error_handlers, openapi_schema
 from poolserve.http.edge.middleware import EdgeMiddleware, InFlight, open_paths
@@ -100,6 +100,7 @@ def create_app(
         retrieval.router,
         cohere.router,
         infinity.router,
+        ollama.router,
         tei_embed.router,
         tei_predict.router,
         tei_tokens.router,

@@ -37,6 +37,7 @@ CLOSE = {"connection": "close"}  # the rest of the request was not read: the con
 # state); unmarked routes answer OpenAI's.
 ERROR_FAMILY_KEY = "poolserve.error_family"
 TEI_FAMILY = "tei"
+OLLAMA_FAMILY = "ollama"
 
 
 class EdgeError(StarletteHTTPException):
@@ -173,7 +174,11 @@ def family_error_response(
     code: str,
     headers: Mapping[str, str] | None = None,
 ) -> Response:
-    """The error body of the route's client family: TEI's on TEI's routes, else OpenAI's."""
+    """The error body of the route's client family: TEI's on TEI's routes, Ollama's on
+    Ollama's (`{"error": message}`, the status unchanged), else OpenAI's."""
+    if family == OLLAMA_FAMILY:
+        body = orjson.dumps({"error": clip(message, MAX_MESSAGE_CHARS)})
+        return Response(body, status_code=status, media_type="application/json", headers=headers)
     if family != TEI_FAMILY:
         return error_response(status, message, type_, param, code, headers)
     fallback = (status, "Backend" if status >= 500 else "Validation")
