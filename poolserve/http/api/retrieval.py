@@ -54,6 +54,10 @@ def _options(
     """The scoring job's options, after vLLM's checks of its per-text token limits."""
     _, model = check_serving(service_state(request), body.model)
     doc_cap = body.max_tokens_per_doc
+    if doc_cap is not None and doc_cap <= 0:  # vLLM's words
+        raise InvalidRequestError(
+            "max_tokens_per_doc must be a positive integer", "max_tokens_per_doc"
+        )
     limits = (("max_tokens_per_query", body.max_tokens_per_query), ("max_tokens_per_doc", doc_cap))
     for name, value in limits:
         # vLLM's rule; Cohere's own default and larger caps simply give way to the model's length

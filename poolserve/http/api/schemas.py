@@ -382,10 +382,10 @@ class _ScoringBody(RequestBody):
         description="false: the raw logit instead of the model's activation (cross-encoders).",
     )
     priority: StrictInt = 0
-    max_tokens_per_doc: NonNegative | None = Field(
+    max_tokens_per_doc: StrictInt | None = Field(
         None,
-        description="Cut each document to its first this many tokens (0: no cut; default: 0, "
-        "Cohere's 4096 on /v2/rerank).",
+        description="Cut each document to its first this many tokens, a positive integer "
+        "(default: no cut; Cohere's 4096 on /v2/rerank).",
     )
     max_tokens_per_query: NonNegative = Field(
         0, description="vLLM's cut of each query (0: none); other values are refused here."

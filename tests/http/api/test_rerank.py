@@ -248,3 +248,15 @@ def test_a_rerank_is_one_admission(client: TestClient, monkeypatch: pytest.Monke
         response = client.post("/v1/rerank", json={"query": QUERY, "documents": DOCUMENTS})
     assert response.status_code == 429 and "retry-after" in response.headers
     assert calls == [len(DOCUMENTS)] and admission.queued_requests == 0
+
+
+@pytest.mark.parametrize("cap", [0, -1])
+@pytest.mark.parametrize("path", ["/rerank", "/v1/rerank", "/score"])
+def test_max_tokens_per_doc_must_be_positive(client: TestClient, cap: int, path: str) -> None:
+    # vLLM's test: 0 and negatives answer 400 with its sentence
+    body: dict[str, object] = {"max_tokens_per_doc": cap}
+    body |= {"text_1": QUERY, "text_2": ["a"]} if path == "/score" else {}
+    body |= {} if path == "/score" else {"query": QUERY, "documents": ["a"]}
+    response = client.post(path, json=body)
+    assert response.status_code == 400, response.text
+    assert "max_tokens_per_doc must be a positive integer" in response.json()["error"]["message"]
