@@ -20,7 +20,8 @@ from poolserve.types.tasks import HeadKind, PoolingType
 logger = logging.getLogger(__name__)
 
 # A checkpoint config's classifier pooling name -> the pooling method that reproduces it.
-CLASSIFIER_POOLING = {"cls": PoolingType.CLS, "mean": PoolingType.MEAN}
+# "late" hands the head every token's state: the head (models/heads.py) averages its logits.
+CLASSIFIER_POOLING = {"cls": PoolingType.CLS, "mean": PoolingType.MEAN, "late": PoolingType.ALL}
 # sentence-transformers' CrossEncoder activation, by the class name ending its saved torch path.
 ST_SCORE_ACTIVATIONS = {
     "Sigmoid": ScoreActivation.SIGMOID,

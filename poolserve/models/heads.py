@@ -10,7 +10,12 @@ import torch
 from transformers import PretrainedConfig
 
 from poolserve.models.decoder_config import LogitsTransform, logits_transform
-from poolserve.models.families.records import ArchitectureEntry, HeadTransform, MaskedLMHead
+from poolserve.models.families.records import (
+    ArchitectureEntry,
+    Backbone,
+    HeadTransform,
+    MaskedLMHead,
+)
 from poolserve.models.late_interaction import colbert_projection
 from poolserve.models.layers import activation
 from poolserve.models.registry import DECODER_FAMILIES, MASKED_LM_LAYOUTS
@@ -95,9 +100,44 @@ def _classifier(
 ) -> torch.nn.Module:
     """score / classifier Linear, after the transform encoder heads apply (BERT's pooler...)."""
     classifier = _linear(state, _head_prefix(entry))
-    if entry.transform is None:
+    transform = [] if entry.transform is None else _transform(entry.transform, state, config)
+    if classifier_pooling(entry, config) == LATE:
+        # the head sees every token `[T, hidden]` (pooling ALL) and averages its logits
+        return torch.nn.Sequential(*transform, classifier, _TokenMean())
+    if not transform:
         return classifier
-    return torch.nn.Sequential(*_transform(entry.transform, state, config), classifier)
+    return torch.nn.Sequential(*transform, classifier)
+
+
+# A sequence classifier's pooling that runs the whole head on every token and averages the
+# logits (EuroBERT's "late"); pooling hands it every token's state.
+LATE = "late"
+
+
+class _TokenMean(torch.nn.Module):
+    """The mean over the token dimension, `[..., T, labels] -> [..., labels]`, as a sum over
+    the tokens divided by their count (transformers' masked mean over a prompt's tokens)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x.sum(-2) / T."""
+        return x.sum(dim=-2) / x.shape[-2]
+
+
+def classifier_pooling(entry: ArchitectureEntry, config: PretrainedConfig) -> str | None:
+    """The sequence classifier's pooling name ("cls", "mean", "late"); None: the backbone's
+    default token. An entry that maps config.classifier_pooling refuses a value it lacks."""
+    value = getattr(config, "classifier_pooling", None)
+    if not entry.classifier_pooling:
+        if entry.backbone is Backbone.DECODER:
+            return None
+        if value == LATE:  # only a head built to average its logits may be handed every token
+            raise ModelLoadError(f"classifier_pooling {LATE!r} is not supported here")
+        return value
+    names = dict(entry.classifier_pooling)
+    if value not in names:
+        known = ", ".join(sorted(names))
+        raise ModelLoadError(f"classifier_pooling {value!r} is not supported (known: {known})")
+    return names[value]
 
 
 def _mlp_head(
@@ -117,16 +157,26 @@ def _masked_lm(
     layout = _masked_lm_layout(state, config)
     if layout is None:
         raise ModelLoadError(f"the checkpoint holds no {config.model_type} MLM head weights")
-    transform = _transform(layout.transform, state, config)
+    transform = [] if layout.transform is None else _transform(layout.transform, state, config)
     return torch.nn.Sequential(*transform, _decoder(layout, state, config))
 
 
 def _masked_lm_layout(
     state: dict[str, torch.Tensor], config: PretrainedConfig
 ) -> MaskedLMHead | None:
-    """The family's first MLM layout whose dense weight the checkpoint holds."""
+    """The family's first MLM layout whose dense weight (without a transform: its decoder's
+    weight, or the embeddings it is tied to) the checkpoint holds."""
     layouts = MASKED_LM_LAYOUTS.get(str(config.model_type), ())
-    return next((x for x in layouts if f"{x.transform.dense_prefix}weight" in state), None)
+    return next((x for x in layouts if _masked_lm_marker(x, config) in state), None)
+
+
+def _masked_lm_marker(layout: MaskedLMHead, config: PretrainedConfig) -> str:
+    """The tensor whose presence says the checkpoint holds this MLM head."""
+    if layout.transform is not None:
+        return f"{layout.transform.dense_prefix}weight"
+    if getattr(config, "tie_word_embeddings", True):
+        return layout.embeddings
+    return f"{layout.decoder_prefix}weight"
 
 
 def _decoder(

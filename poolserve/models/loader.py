@@ -25,7 +25,13 @@ from poolserve.models.encoder import EncoderModel
 from poolserve.models.encoder_config import encoder_max_len
 from poolserve.models.families.nomic import adopt_remote_nomic_fields
 from poolserve.models.float_kernels import TORCH, pack_linears
-from poolserve.models.heads import LMHeadRows, build_head, head_out_features, lm_head_method
+from poolserve.models.heads import (
+    LMHeadRows,
+    build_head,
+    classifier_pooling,
+    head_out_features,
+    lm_head_method,
+)
 from poolserve.models.late_interaction import check_plain_prompts
 from poolserve.models.packed import PackedModel
 from poolserve.models.quantization import INT_MM, check_quantization, quantize_linears
@@ -391,7 +397,7 @@ def _spec(
         labels=labels,
         supports_matryoshka=bool(getattr(config, "is_matryoshka", False)) or matryoshka is not None,
         matryoshka_dimensions=matryoshka,
-        classifier_pooling=None if decoder else getattr(config, "classifier_pooling", None),
+        classifier_pooling=classifier_pooling(entry, config),
         quantization=quantization,
         pair_separator=_pair_separator(config),
         score_tokens=_score_tokens(config),

@@ -73,7 +73,8 @@ ENCODER_LAYOUTS: dict[EncoderLayout, EncoderNames] = {
     **jina_v3.LAYOUTS,
 }
 # model_type -> the MLM head layouts a checkpoint may use, tried in order: the first whose dense
-# weight the checkpoint holds wins (transformers picks DeBERTa's by config.legacy instead).
+# weight the checkpoint holds wins (transformers picks DeBERTa's by config.legacy instead). Every
+# encoder family has one; a decoder family (EuroBERT) only where transformers has *ForMaskedLM.
 MASKED_LM_LAYOUTS: dict[str, tuple[MaskedLMHead, ...]] = {
     **bert.MASKED_LM,
     **distilbert.MASKED_LM,
@@ -84,13 +85,16 @@ MASKED_LM_LAYOUTS: dict[str, tuple[MaskedLMHead, ...]] = {
     **deberta.MASKED_LM,
     **gte.MASKED_LM,
     **jina_v3.MASKED_LM,
+    **eurobert.MASKED_LM,
 }
-# Classes outside the families' transformers classes (Hub remote code, ColBERT).
+# Classes outside the families' transformers classes (Hub remote code, ColBERT), and decoder
+# heads the suffix table does not describe (EuroBERT's).
 _EXTRA: dict[str, ArchitectureEntry] = {
     **colbert.ARCHITECTURES,
     **qwen.ARCHITECTURES,
     **gte.ARCHITECTURES,
     **jina_v3.ARCHITECTURES,
+    **eurobert.ARCHITECTURES,
 }
 # config.json model_types (or, where the model_type is a native one, architectures) written for
 # Hub remote code -> the reader that builds a native config.

@@ -36,7 +36,8 @@ class ModelSpec:
     supports_matryoshka: bool
     matryoshka_dimensions: tuple[int, ...] | None
     # How the checkpoint's sequence classifier pools, when its config says (ModernBERT's
-    # classifier_pooling: "cls" or "mean"); None = the backbone's default token.
+    # classifier_pooling: "cls" or "mean"; EuroBERT's read as "cls", "mean" or "late": the head
+    # on every token, its logits averaged); None = the backbone's default token.
     classifier_pooling: str | None = None
     # --quantization of the layers' projection weights (int8, fp8); None = the dtype's weights
     quantization: str | None = None

@@ -65,6 +65,10 @@ class ArchitectureEntry:
     backbone_prefixes: tuple[str, ...]  # tried in order; the first holding the embeddings wins
     head_prefix: str | None = None
     transform: HeadTransform | None = None  # applied to the pooled states before the head Linear
+    # config.classifier_pooling values -> the sequence classifier's pooling ("cls", "mean", or
+    # "late": the classifier on every token, its logits averaged); empty: an encoder reads the
+    # field as it is, a decoder pools its last token
+    classifier_pooling: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -140,7 +144,7 @@ EncoderNames = tuple[EmbeddingNames, LayerNames]
 class MaskedLMHead:
     """One MLM head layout: a transform (dense, activation, LayerNorm), then the decoder."""
 
-    transform: HeadTransform
+    transform: HeadTransform | None  # None: the decoder reads the final states (EuroBERT)
     decoder_prefix: str  # the decoder Linear; its own weight is read only when the config unties it
     embeddings: str  # the word embedding tensor `[vocab, hidden]` a tied decoder reuses
     bias: str | None = None  # the head's own bias (BERT's cls.predictions.bias), before decoder's
