@@ -16,6 +16,7 @@ import torch
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from poolserve.models.families.records import ArchitectureEntry, Backbone
+from poolserve.models.families.roberta import BGE_M3_BACKBONES
 from poolserve.types.errors import ModelLoadError
 from poolserve.types.model_info import M3_COLBERT, M3_SPARSE
 from poolserve.types.tasks import HeadKind
@@ -24,8 +25,6 @@ logger = logging.getLogger(__name__)
 
 SPARSE_FILE = "sparse_linear.pt"
 COLBERT_FILE = "colbert_linear.pt"
-# the backbone bge-m3 ships: its base model, no head of its own
-M3_MODEL_TYPES = frozenset({"xlm-roberta"})
 # the special tokens FlagEmbedding leaves out of the lexical weights
 UNUSED_TOKENS = ("cls_token", "eos_token", "pad_token", "unk_token")
 
@@ -35,7 +34,7 @@ def m3_entry(path: Path, config: PretrainedConfig, entry: ArchitectureEntry) -> 
     if (
         entry.backbone is not Backbone.ENCODER
         or entry.head_kind is not HeadKind.NONE
-        or str(config.model_type) not in M3_MODEL_TYPES
+        or str(config.model_type) not in BGE_M3_BACKBONES
     ):
         return entry
     present = [name for name in (SPARSE_FILE, COLBERT_FILE) if (path / name).is_file()]

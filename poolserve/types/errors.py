@@ -245,6 +245,12 @@ class InvalidRequestError(APIError):
     """Bad input (400)."""
 
 
+class RouteNotServedError(APIError):
+    """A route the model serves no task of (404: vLLM does not register the route for it)."""
+
+    status, type, code = 404, "not_found_error", "unsupported_task"
+
+
 class AuthenticationError(APIError):
     """Missing or wrong API key (401)."""
 

@@ -23,7 +23,8 @@ from poolserve.frontend.scoring import Scored, best_first
 from poolserve.http.api.schemas import RerankRequestBody, ScoreRequestBody
 from poolserve.http.calls import answer, score, service_state
 from poolserve.http.routing import StrictJSONRoute
-from poolserve.types.errors import InvalidRequestError
+from poolserve.types.errors import InvalidRequestError, RouteNotServedError, UnsupportedTaskError
+from poolserve.types.scoring import scorer_plan
 
 logger = logging.getLogger(__name__)
 router = APIRouter(route_class=StrictJSONRoute)
@@ -52,7 +53,11 @@ def _options(
     body: ScoreRequestBody | RerankRequestBody, request: Request, defaults: Defaults
 ) -> dict[str, Any]:
     """The scoring job's options, after vLLM's checks of its per-text token limits."""
-    _, model = check_serving(service_state(request), body.model)
+    engine, model = check_serving(service_state(request), body.model)
+    try:
+        scorer_plan(engine.pooling_info)
+    except UnsupportedTaskError as exc:  # vLLM serves no score route for it: 404
+        raise RouteNotServedError(str(exc)) from None
     doc_cap = body.max_tokens_per_doc
     if doc_cap is not None and doc_cap <= 0:  # vLLM's words
         raise InvalidRequestError(

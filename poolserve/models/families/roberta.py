@@ -46,3 +46,7 @@ MASKED_LM: dict[str, tuple[MaskedLMHead, ...]] = {
     "xlm-roberta": _LM_HEAD,
     "camembert": _LM_HEAD,
 }
+
+# BAAI's bge-m3 ships its sparse and ColBERT heads beside an XLM-R base model of this family
+# (poolserve/models/bge_m3.py).
+BGE_M3_BACKBONES = frozenset({"xlm-roberta"})
