@@ -30,4 +30,5 @@ def card_of(engine: Engine) -> ModelCard:
         device=engine.device.type,
         family=spec.family,
         score_tokens=spec.score_tokens,
+        adapters=loaded.model.adapter_names,
     )

@@ -28,6 +28,7 @@ from poolserve.types.admission import AdmissionControl
 from poolserve.types.errors import (
     DrainingError,
     EngineDeadError,
+    InvalidPoolingParamsError,
     OverloadedError,
     StepFailedError,
 )
@@ -167,6 +168,7 @@ class Engine:
             num_types = self.loaded.model.num_token_types
             types = checked_token_types(token_type_ids, token_ids, num_types)
             self.check_params(params)
+        adapter = self._adapter_index(params)  # refused before admission too
         # late chunking: each prompt its own token spans, within it (refused before admission)
         own_params = prompt_params(params, [len(ids) for ids in token_ids])
         try:
@@ -178,6 +180,9 @@ class Engine:
         futures = []
         for ids, type_ids, own in zip(token_ids, types, own_params, strict=True):
             request = self._new_request(ids, type_ids, own, priority, loop)
+            if adapter is not None:
+                # an adapter changes every state: cached blocks never serve another adapter
+                request.adapter, request.cache_use = adapter, CacheUse.NONE
             self.queues.add(request)
             futures.append(request.future)
         self._wake.set()
@@ -236,6 +241,17 @@ class Engine:
             cache_use=self._cache_use(pooler.pooling_type, token_type_ids),
             steps=[] if self.config.record_timelines else None,
         )
+
+    def _adapter_index(self, params: PoolingParams) -> int | None:
+        """The index of the LoRA adapter `params` names among the model's; None: none named."""
+        if params.adapter is None:
+            return None
+        names = self.loaded.model.adapter_names
+        if params.adapter not in names:
+            have = f"one of the model's adapters {list(names)}" if names else "served: no adapters"
+            why = f"{params.adapter!r} is not {have}"
+            raise InvalidPoolingParamsError("adapter", why)
+        return names.index(params.adapter)
 
     def _cache_use(self, pooling_type: PoolingType, token_type_ids: np.ndarray | None) -> CacheUse:
         """Share cached prefixes only when pooling reads nothing but the last position."""

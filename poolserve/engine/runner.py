@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from poolserve.engine.cpu_threads import StepThreads, matmul_flops_per_token
+from poolserve.models.adapters import AdapterSegments
 from poolserve.models.attention import build_attention_metadata
 from poolserve.models.kv_cache import PagedKVCache
 from poolserve.models.spec import LoadedModel
@@ -29,6 +30,7 @@ class ChunkWork:
     pooler: RequestPooler
     num_kv_tokens: int  # leading tokens whose keys and values the chunk stores in its blocks
     token_type_ids: np.ndarray | None = None  # [num_tokens] int64, a view; None: all type 0
+    adapter: int | None = None  # the LoRA adapter (index) its tokens run through; None: none
 
 
 @dataclass(frozen=True)
@@ -192,8 +194,12 @@ class Runner:
             device=self.device,
             causal=self.loaded.spec.is_causal,
         )
+        segments = AdapterSegments.from_chunks(
+            [c.adapter for c in step.chunks], [len(c.token_ids) for c in step.chunks], self.device
+        )
+        extra = {} if segments is None else {"adapters": segments}  # only adapted models take it
         return self.loaded.model(
-            ids, pos, attn, self.kv_cache, out=self.hidden, token_type_ids=types
+            ids, pos, attn, self.kv_cache, out=self.hidden, token_type_ids=types, **extra
         )
 
     def _to_host(

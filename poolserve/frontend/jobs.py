@@ -73,6 +73,7 @@ class TextJob:
     add_special_tokens: bool | None = None  # None: true for inputs, false for a chat template's
     priority: int = 0
     late_chunking: LateChunking | None = None  # one embedding per span of each text (spans.py)
+    adapter: str | None = None  # Jina's `task`: the LoRA adapter to run (frontend/adapters.py)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 
+from poolserve.frontend.adapters import choose_adapter
 from poolserve.frontend.chat import render_conversations
 from poolserve.frontend.client import EngineClient
 from poolserve.frontend.jobs import Requested, ScoreJob, TextJob, merge
@@ -67,12 +68,13 @@ def plan_texts(job: TextJob, engine: EngineClient, model: ModelHandle, state: Se
     if job.late_chunking is not None:
         check_late(job, raw, model, engine.max_model_len, limit)
     prompt = None
+    chosen = choose_adapter(job, model)
     if raw is not None:
-        prompt = model.prompts.resolve(job.prompt_name, job.prompt, texts=raw.texts is not None)
+        prompt = model.prompts.resolve(chosen.prompt_name, job.prompt, texts=raw.texts is not None)
     if raw is not None and prompt is not None:
         check_prompt(prompt, len(raw), model)
         raw = RawInputs(prepend(prompt, raw.texts or ()), None)
-    params = merge(job.task, job.requested, model.defaults)
+    params = replace(merge(job.task, job.requested, model.defaults), adapter=chosen.adapter)
     # vLLM's defaults: special tokens added to input, not on top of a chat template's
     specials = job.add_special_tokens if job.add_special_tokens is not None else chats is None
     if job.late_chunking is not None and raw is not None:

@@ -45,6 +45,7 @@ class ModelCard:
     # an LLM reranker's classifier_from_token (e.g. ("no", "yes")): with `family` and the name,
     # what tells the front end the prompt recipe of its checkpoint (frontend/score_recipes.py)
     score_tokens: tuple[str, ...] = ()
+    adapters: tuple[str, ...] = ()  # the LoRA adapters a request may name (jina-v3's tasks)
 
     def dumps(self) -> bytes:
         """The card as it travels."""

@@ -37,6 +37,9 @@ class PoolingParams:
     # ranges [start, end); each range is mean-pooled into one row of that prompt's output
     # (`[num_spans, dim]`). The engine hands each prompt its own entry (validation.py).
     token_spans: tuple[tuple[tuple[int, int], ...], ...] | None = None
+    # the LoRA adapter the prompt runs through, by name (jina-embeddings-v3's task: one of the
+    # model's `lora_adaptations`); None: none, the base model
+    adapter: str | None = None
 
     @property
     def is_token_level(self) -> bool:

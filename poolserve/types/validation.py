@@ -11,11 +11,12 @@ from poolserve.types.params import PoolingParams
 from poolserve.types.tasks import TASKS, HeadKind, PoolingTask
 
 # Optional request field -> the tasks that accept it (TASKS declares each task's fields), in
-# the order of PoolingParams' fields: the order in which a request's fields are checked.
+# the order of PoolingParams' fields: the order in which a request's fields are checked. The
+# adapter picks the forward's weights, whatever the task: the engine checks it against the model.
 FIELD_TASKS: dict[str, frozenset[PoolingTask]] = {
     f.name: frozenset(t for t, d in TASKS.items() if f.name in d.params)
     for f in fields(PoolingParams)
-    if f.name != "task"
+    if f.name not in ("task", "adapter")
 }
 
 # Parameters that also need a particular head (steps exist only for process reward models).

@@ -8,25 +8,35 @@ So the reference of a task is transformers' model with that task's adapter merge
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import functools
 import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import transformers
 from safetensors.torch import save_file
+from starlette.testclient import TestClient
+from transformers import AutoTokenizer
 
+from poolserve.config.settings import ServerSettings
+from poolserve.engine.loop import Engine
+from poolserve.http.app import create_app
 from poolserve.models import load_model
 from poolserve.models.adapters import AdapterSegments
 from poolserve.models.attention import build_attention_metadata
 from poolserve.models.spec import LoadedModel
-from poolserve.types.errors import ModelLoadError
+from poolserve.types.errors import InvalidPoolingParamsError, ModelLoadError
+from poolserve.types.limits import SchedulerConfig
+from poolserve.types.params import PoolingParams
+from poolserve.types.tasks import PoolingTask
 from tests.models.driver import BLOCK_SIZE, assert_close, make_prompts
 from tests.tiny_encoders import _perturb
-from tests.tiny_models import write_tokenizer
+from tests.tiny_models import write_st_modules, write_tokenizer
 
 CPU = torch.device("cpu")
 TASKS = ("retrieval.query", "retrieval.passage", "separation", "classification", "text-matching")
@@ -280,3 +290,112 @@ def test_remote_switches_without_a_native_twin_are_refused(tmp_path: Path) -> No
     (directory / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="rotary_emb_interleaved=True"):
         load_model(str(directory), device=CPU)
+
+
+# ---- served: the task picks the adapter (Jina's `task`, or a prompt_name that is a task) ------
+PROMPTS = {
+    "retrieval.query": "Represent the query for retrieving evidence documents: ",
+    "retrieval.passage": "Represent the document for retrieval: ",
+    "separation": "",
+    "classification": "",
+    "text-matching": "",
+}
+TEXTS = ["hello world", "a longer sentence about multilingual embeddings " * 8]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The Hub checkpoint with jina-v3's sentence-transformers files (mean pooling, prompts)."""
+    directory = write_remote(reference(), adapters(), tmp_path_factory.mktemp("jina_served"))
+    write_st_modules(directory, max_seq_length=None, do_lower_case=False)
+    st_config = {"prompts": PROMPTS, "default_prompt_name": None}
+    (directory / "config_sentence_transformers.json").write_text(json.dumps(st_config))
+    settings = ServerSettings(model=str(directory), served_model_name="jina")
+    with TestClient(create_app(settings)) as client:
+        yield client, AutoTokenizer.from_pretrained(str(directory))
+
+
+def expected_embedding(tokenizer: Any, text: str, task: int | None) -> torch.Tensor:
+    """sentence-transformers' output: the task's prompt prepended, mean-pooled, normalized."""
+    model = reference() if task is None else merged(reference(), adapters(), task)
+    prompt = "" if task is None else PROMPTS[TASKS[task]]
+    hidden = hf_hidden(model, tokenizer(prompt + text)["input_ids"])
+    return torch.nn.functional.normalize(hidden.mean(dim=0), dim=-1)
+
+
+@pytest.mark.parametrize("task", [0, 1, 4, None], ids=[*[TASKS[t] for t in (0, 1, 4)], "none"])
+def test_embeddings_task_field_runs_that_adapter(task: int | None, served: Any) -> None:
+    client, tokenizer = served
+    body: dict[str, Any] = {"input": TEXTS, "model": "jina"}
+    if task is not None:
+        body["task"] = TASKS[task]
+    response = client.post("/v1/embeddings", json=body)
+    assert response.status_code == 200, response.text
+    for text, item in zip(TEXTS, response.json()["data"], strict=True):
+        want = expected_embedding(tokenizer, text, task)
+        assert_close(torch.tensor(item["embedding"]), want, rel=1e-5)
+
+
+def test_pooling_prompt_name_that_is_a_task_runs_its_adapter(served: Any) -> None:
+    client, tokenizer = served
+    body = {"input": TEXTS, "model": "jina", "task": "embed", "prompt_name": "retrieval.passage"}
+    response = client.post("/v1/pooling", json=body)
+    assert response.status_code == 200, response.text
+    for text, item in zip(TEXTS, response.json()["data"], strict=True):
+        want = expected_embedding(tokenizer, text, 1)
+        assert_close(torch.tensor(item["data"]), want, rel=1e-5)
+
+
+def test_unknown_task_is_refused(served: Any) -> None:
+    client, _ = served
+    response = client.post("/v1/embeddings", json={"input": "x", "task": "summarization"})
+    assert response.status_code == 400, response.text
+    assert "summarization" in response.text
+
+
+# ---- the engine: requests of different tasks in one step ---------------------------------------
+def _engine_outputs(
+    loaded: LoadedModel, batch: list[tuple[list[int], int | None]]
+) -> tuple[list[np.ndarray], int]:
+    """Each (prompt, task) submitted before the engine starts, so one step takes them all."""
+
+    async def run() -> tuple[list[np.ndarray], int]:
+        config = SchedulerConfig(max_num_batched_tokens=1024, max_num_seqs=16, num_kv_blocks=64)
+        engine = Engine(loaded, config, CPU)
+        futures = [
+            engine.submit_many(
+                [prompt],
+                PoolingParams(PoolingTask.TOKEN_EMBED, adapter=None if t is None else TASKS[t]),
+            )[0]
+            for prompt, t in batch
+        ]
+        engine.start()
+        try:
+            outputs = await asyncio.gather(*futures)
+        finally:
+            await engine.stop()
+        return [np.asarray(o.data) for o in outputs], engine.num_steps
+
+    return asyncio.run(run())
+
+
+def test_engine_runs_different_tasks_in_one_step(
+    remote: LoadedModel, prompts: list[list[int]]
+) -> None:
+    tasks: list[int | None] = [3, None, 0, 4, 0]
+    mixed, steps = _engine_outputs(remote, list(zip(prompts, tasks, strict=True)))
+    assert steps == 1
+    for prompt, task, output in zip(prompts, tasks, mixed, strict=True):
+        (alone,), _ = _engine_outputs(remote, [(prompt, task)])
+        assert_close(torch.from_numpy(output), torch.from_numpy(alone), rel=1e-6)
+
+
+def test_engine_refuses_an_adapter_the_model_lacks(remote: LoadedModel) -> None:
+    params = PoolingParams(PoolingTask.EMBED, adapter="summarization")
+    engine = Engine(remote, SchedulerConfig(max_num_batched_tokens=1024), CPU)  # not started
+
+    async def submit() -> None:
+        engine.submit_many([[5, 6, 7]], params)
+
+    with pytest.raises(InvalidPoolingParamsError, match="summarization"):
+        asyncio.run(submit())

@@ -162,6 +162,7 @@ class RequestQueues:
             request.pooler,
             chunk.num_kv_tokens,
             None if types is None else types[span],
+            request.adapter,
         )
 
     def _take_hits(self, request: PoolingRequest, chunk: ScheduledChunk) -> None:

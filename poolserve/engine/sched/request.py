@@ -36,6 +36,7 @@ class PoolingRequest:
     priority: int = 0
     # [num_prompt_tokens] int64 segment ids (BERT pairs); None: every token is type 0
     token_type_ids: np.ndarray | None = None
+    adapter: int | None = None  # index of the LoRA adapter its tokens run through; None: none
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens already handed to a step (scheduled), not necessarily run
     block_ids: list[int] = field(default_factory=list)

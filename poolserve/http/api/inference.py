@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
@@ -162,7 +163,8 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     task = PoolingTask.EMBED
     normalize = _normalize(task, body.normalize, body.use_activation)
     requested = Requested(dimensions=body.dimensions, normalize=normalize)
-    run = await submit(request, body.job(task, requested))
+    job = dataclasses.replace(body.job(task, requested), adapter=body.task)  # Jina's `task`
+    run = await submit(request, job)
     outputs = await gather(run)
     rows = span_rows(run.char_spans, outputs)  # late chunking: an item per span
     fields: dict[str, object] = {

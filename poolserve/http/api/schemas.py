@@ -237,6 +237,10 @@ class EmbeddingRequest(InputBody, PromptFields, LateChunkingFields):
     dimensions: StrictInt | None = None
     normalize: bool | None = None
     use_activation: bool | None = Field(default=None, description="For embed: normalize (vLLM).")
+    # Jina's embeddings API: the task adapter (jina-embeddings-v3's LoRA) and its instruction
+    task: StrictStr | None = Field(
+        default=None, description="The model's task adapter to run (Jina: retrieval.query, ...)."
+    )
 
 
 class PoolingRequestBody(InputBody, PromptFields, LateChunkingFields):
