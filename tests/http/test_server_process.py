@@ -120,7 +120,12 @@ def test_sigterm_lets_the_inflight_request_finish_and_exits_zero() -> None:
 
     thread = threading.Thread(target=long_request)
     thread.start()
-    time.sleep(0.5)  # the request is in flight
+    deadline = time.monotonic() + 60
+    # the request is in flight: its inputs are in the engine (a fixed sleep was not enough on a
+    # loaded machine, where the request could still be on its way when SIGTERM came)
+    while _metric(url, "poolserve_running_requests") + _metric(url, "poolserve_queued_tokens") == 0:
+        assert time.monotonic() < deadline, "the long request never reached the engine"
+        time.sleep(0.02)
     process.send_signal(signal.SIGTERM)
     time.sleep(0.2)
     try:
