@@ -11,7 +11,6 @@ from typing import Any
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
-from poolserve.frontend.bodies import ChatMessage
 from poolserve.frontend.jobs import Chat
 from poolserve.frontend.state import ModelHandle
 from poolserve.frontend.texts import InputTooLongError, check_encodable, run_budgeted
@@ -39,15 +38,6 @@ class ChatRender:
     continue_final_message: bool
     template_kwargs: Mapping[str, Any]
     num_chars: int  # characters of the conversation, bounded like a text input
-
-
-def as_template_message(message: ChatMessage) -> dict[str, Any]:
-    """A message as chat templates read it: text parts joined by newlines, as vLLM does."""
-    fields = dict(message.model_extra or {})
-    content = message.content
-    if isinstance(content, list):
-        content = "\n".join(part.text for part in content)
-    return {**fields, "role": message.role, "content": content}
 
 
 def _num_chars(message: Mapping[str, Any]) -> int:
@@ -79,7 +69,7 @@ def prepare(chat: Chat, model: ModelHandle, trusted: bool) -> ChatRender:
     reserved = sorted(RESERVED_KWARGS & kwargs.keys())
     if reserved:
         logger.info("chat_template_kwargs: ignored %s (apply_chat_template's own)", reserved)
-    messages = tuple(as_template_message(m) for m in chat.messages or ())
+    messages = tuple(chat.messages or ())
     if not messages:
         raise InvalidRequestError("messages must not be empty", "messages")
     num_chars = sum(_num_chars(m) for m in messages)

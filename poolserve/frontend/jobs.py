@@ -14,7 +14,6 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal
 
 from poolserve.config.pooler import PoolerDefaults
-from poolserve.frontend.bodies import ChatMessage
 from poolserve.types.params import PoolingParams
 from poolserve.types.tasks import PoolingTask
 from poolserve.types.validation import FIELD_TASKS
@@ -51,7 +50,7 @@ class Requested:
 class Chat:
     """vLLM's chat form: one conversation rendered with the model's chat template."""
 
-    messages: tuple[ChatMessage, ...]
+    messages: tuple[Mapping[str, Any], ...]  # as chat templates read them: role, content, ...
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = False

@@ -23,7 +23,6 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
-from poolserve.frontend.bodies import QUIET
 from poolserve.frontend.pipeline import check_serving
 from poolserve.frontend.state import ModelHandle
 from poolserve.frontend.texts import check_batch_size
@@ -36,6 +35,7 @@ from poolserve.http.api.schemas import (
     ScoreRequestBody,
     TokenizeRequest,
 )
+from poolserve.http.bodies import QUIET
 from poolserve.http.calls import service_state
 from poolserve.http.compat import infinity, tei_embed, tei_predict, tei_rerank, tei_tokens
 from poolserve.http.compat.tei_common import TEIRoute, mark

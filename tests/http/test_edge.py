@@ -146,7 +146,7 @@ def test_malformed_bodies_get_a_code(
 def test_echoed_client_text_is_bounded(client: Any, caplog: pytest.LogCaptureFixture) -> None:
     long_name = "f" * 100_000
     # an unknown field is accepted (as vLLM does); the warning naming it is clipped
-    with caplog.at_level(logging.WARNING, logger="poolserve.frontend.bodies"):
+    with caplog.at_level(logging.WARNING, logger="poolserve.http.bodies"):
         assert client.post("/v1/embeddings", json={"input": "a", long_name: 1}).status_code == 200
     assert caplog.records and all(len(r.getMessage()) < 1000 for r in caplog.records)
     error = _error(client.post("/v1/embeddings", json={"input": "a", "messages": 1}), 400)
@@ -155,7 +155,16 @@ def test_echoed_client_text_is_bounded(client: Any, caplog: pytest.LogCaptureFix
     assert len(error["message"]) <= MAX_MESSAGE_CHARS + 3
 
 
-TEI_ONLY = {"/embed", "/embed_all", "/embed_sparse", "/similarity", "/predict", "/decode", "/"}
+TEI_ONLY = {
+    "/embed",
+    "/embed_all",
+    "/embed_sparse",
+    "/similarity",
+    "/predict",
+    "/decode",
+    "/",
+    "/vertex",  # Vertex AI's route, as TEI serves it
+}
 SHARED_WITH_TEI = {"/rerank", "/tokenize"}
 
 

@@ -15,16 +15,17 @@ from pydantic import (
 )
 from pydantic.json_schema import JsonDict
 
-from poolserve.frontend.bodies import (
+from poolserve.frontend.jobs import Chat, Requested, TextJob, Truncate
+from poolserve.frontend.spans import LateChunking
+from poolserve.http.bodies import (
     REQUEST_ID_PATTERN,
     ChatMessage,
     Input,
     RequestBody,
     TokenId,
     TokenIds,
+    as_template_message,
 )
-from poolserve.frontend.jobs import Chat, Requested, TextJob, Truncate
-from poolserve.frontend.spans import LateChunking
 from poolserve.types.tasks import PoolingTask
 
 # vLLM's wire vocabulary for binary outputs (its serial_utils)
@@ -90,7 +91,7 @@ class InputBody(RequestBody):
         if conversations is not None:
             chats = tuple(
                 Chat(
-                    messages,
+                    tuple(as_template_message(m) for m in messages),
                     self.chat_template,
                     self.chat_template_kwargs,
                     self.add_generation_prompt,
@@ -340,7 +341,7 @@ class TokenizeRequest(RequestBody):
         if self.messages is None:
             return None
         return Chat(
-            tuple(self.messages),
+            tuple(as_template_message(m) for m in self.messages),
             self.chat_template,
             self.chat_template_kwargs,
             self.add_generation_prompt,

@@ -19,12 +19,12 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 from starlette.responses import Response
 
-from poolserve.frontend.bodies import RequestBody
 from poolserve.frontend.encoding import dumps, to_dtype_bytes
 from poolserve.frontend.jobs import Requested, TextJob, Truncate
 from poolserve.frontend.pipeline import check_serving, gather
 from poolserve.frontend.state import ModelHandle
 from poolserve.frontend.texts import check_batch_size
+from poolserve.http.bodies import RequestBody
 from poolserve.http.calls import answer, service_state, submit
 from poolserve.http.routing import StrictJSONRoute
 from poolserve.types.errors import InvalidRequestError

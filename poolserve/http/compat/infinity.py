@@ -16,12 +16,12 @@ from fastapi import APIRouter, Request
 from pydantic import Field, StrictInt, StrictStr, StringConstraints
 from starlette.responses import Response
 
-from poolserve.frontend.bodies import RequestBody
 from poolserve.frontend.encoding import document, dumps, encode_item
 from poolserve.frontend.jobs import ScoreJob, TextJob
 from poolserve.frontend.pipeline import check_serving, gather
 from poolserve.frontend.state import ModelHandle, ServiceState
 from poolserve.frontend.texts import check_batch_size
+from poolserve.http.bodies import RequestBody
 from poolserve.http.calls import answer, score, service_state, submit
 from poolserve.http.routing import StrictJSONRoute
 from poolserve.types.errors import InvalidRequestError

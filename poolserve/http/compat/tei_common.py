@@ -14,11 +14,11 @@ from typing import Literal
 from fastapi import Request
 from starlette.responses import Response
 
-from poolserve.frontend.bodies import RequestBody
 from poolserve.frontend.encoding import JSON, Encoded, dumps
 from poolserve.frontend.jobs import Job, Truncate
 from poolserve.frontend.pipeline import check_serving, gather
 from poolserve.frontend.state import ModelHandle
+from poolserve.http.bodies import RequestBody
 from poolserve.http.calls import answer, service_state, submit
 from poolserve.http.errors import ERROR_FAMILY_KEY, TEI_FAMILY
 from poolserve.http.routing import StrictJSONRoute

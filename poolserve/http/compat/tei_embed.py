@@ -11,10 +11,10 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 from starlette.responses import Response
 
-from poolserve.frontend.bodies import TokenIds
 from poolserve.frontend.encoding import sparse_parts
 from poolserve.frontend.jobs import Requested, TextJob
 from poolserve.frontend.texts import check_batch_size
+from poolserve.http.bodies import TokenIds
 from poolserve.http.compat.tei_common import (
     Direction,
     Ran,

@@ -9,7 +9,6 @@ from fastapi import APIRouter, Request
 from pydantic import StrictStr
 from starlette.responses import Response
 
-from poolserve.frontend.bodies import TokenIds
 from poolserve.frontend.encoding import dumps
 from poolserve.frontend.pipeline import check_serving
 from poolserve.frontend.state import ModelHandle
@@ -19,6 +18,7 @@ from poolserve.frontend.texts import (
     check_encodable,
     run_budgeted,
 )
+from poolserve.http.bodies import TokenIds
 from poolserve.http.calls import service_state
 from poolserve.http.compat.tei_common import TEIBody, TEIRoute, empty, mark, prompt_for
 from poolserve.types.errors import InvalidRequestError

@@ -181,7 +181,7 @@ def test_output_dimension_on_a_matryoshka_model(make_client: Callable[..., Any])
 def test_unknown_fields_are_accepted_and_named_in_a_warning(
     client: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level("WARNING", logger="poolserve.frontend.bodies"):
+    with caplog.at_level("WARNING", logger="poolserve.http.bodies"):
         got = _embed(client, texts=TEXTS, unknown_field=1)["embeddings"]
     assert got == _embed(client, texts=TEXTS)["embeddings"]
     assert "CohereEmbedRequest: ignored unknown fields unknown_field" in caplog.text

@@ -23,9 +23,9 @@ from starlette.testclient import TestClient
 from transformers import AutoTokenizer
 
 from poolserve.config.settings import ServerSettings
-from poolserve.frontend.bodies import IGNORED_FIELDS
 from poolserve.http.api.schemas import EmbeddingRequest, PoolingRequestBody
 from poolserve.http.app import create_app
+from poolserve.http.bodies import IGNORED_FIELDS
 from tests.http.serving import assert_close, hf_hidden
 
 TEXT = "hello there general pooling"
@@ -161,7 +161,7 @@ def test_every_field_at_once_is_answered(client: TestClient, path: str) -> None:
 def test_unknown_fields_are_accepted_with_a_warning(
     client: TestClient, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="poolserve.frontend.bodies"):
+    with caplog.at_level(logging.WARNING, logger="poolserve.http.bodies"):
         got = _vec(client, input=TEXT, not_a_field=1, another={"x": 2})
     assert_close(got, _vec(client, input=TEXT))
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -178,7 +178,7 @@ def test_ignored_vllm_fields_are_logged_and_change_nothing(
     client: TestClient, caplog: pytest.LogCaptureFixture
 ) -> None:
     ignored = {k: VLLM_FIELDS[k] for k in IGNORED_FIELDS}
-    with caplog.at_level(logging.INFO, logger="poolserve.frontend.bodies"):
+    with caplog.at_level(logging.INFO, logger="poolserve.http.bodies"):
         got = _vec(client, input=TEXT, **ignored)
     assert_close(got, _vec(client, input=TEXT))
     logged = " ".join(r.getMessage() for r in caplog.records)

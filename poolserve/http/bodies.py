@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Annotated, Literal, Self
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import (
     BaseModel,
@@ -93,3 +93,12 @@ class ChatMessage(BaseModel):
 
     role: StrictStr
     content: StrictStr | list[TextPart] | None = None
+
+
+def as_template_message(message: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates read it: text parts joined by newlines, as vLLM does."""
+    fields = dict(message.model_extra or {})
+    content = message.content
+    if isinstance(content, list):
+        content = "\n".join(part.text for part in content)
+    return {**fields, "role": message.role, "content": content}
