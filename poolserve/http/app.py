@@ -124,5 +124,8 @@ def create_app(
     # paths whose errors may take TEI's shape: TEI's own routes and the shared ones
     tei_routes = {r.path for rt in routers for r in rt.routes if isinstance(r, TEIRoute)}
     tei_paths = tei_routes | dispatch.SHARED_WITH_TEI
-    app.openapi = partial(openapi_schema, app, open_paths(settings), tei_paths)  # type: ignore[method-assign]
+    ollama_paths = {r.path for r in ollama.router.routes if isinstance(r, ollama.OllamaRoute)}
+    app.openapi = partial(  # type: ignore[method-assign]
+        openapi_schema, app, open_paths(settings), tei_paths, ollama_paths
+    )
     return app

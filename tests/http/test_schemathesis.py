@@ -40,6 +40,13 @@ TEI_PATHS = {
     for operation in item.values()
     if "TEIErrorBody" in str(operation.get("responses", {}))
 }
+# where it documents Ollama's
+OLLAMA_PATHS = {
+    path
+    for path, item in SCHEMA["paths"].items()
+    for operation in item.values()
+    if "OllamaErrorBody" in str(operation.get("responses", {}))
+}
 EXAMPLES = 12  # per operation and mode: the whole file runs in seconds
 CHECKS = [
     not_a_server_error,
@@ -71,12 +78,16 @@ def _call(client: Any, case: Any) -> Any:
 
 def _check_error_body(response: Any) -> None:
     """Every 4xx: `{"error": {message, type, param, code}}` with string message, type and code,
-    or, on paths that serve TEI's bodies, TEI's `{"error", "error_type"}` (both strings)."""
+    or, on paths that serve TEI's bodies, TEI's `{"error", "error_type"}` (both strings), or on
+    Ollama's, its `{"error": message}`."""
     if 400 <= response.status_code < 500:
         document = response.json()
         if set(document) == {"error", "error_type"}:
             assert response.request.url.path in TEI_PATHS, document
             assert all(isinstance(value, str) for value in document.values()), document
+            return
+        if set(document) == {"error"} and isinstance(document["error"], str):
+            assert response.request.url.path in OLLAMA_PATHS, document
             return
         error = document["error"]
         assert set(error) == {"message", "type", "param", "code"}, error

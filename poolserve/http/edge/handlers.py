@@ -92,6 +92,12 @@ class TEIErrorBody(BaseModel):
     error_type: str
 
 
+class OllamaErrorBody(BaseModel):
+    """Ollama's error body, on Ollama's routes (`gin.H{"error": ...}`)."""
+
+    error: str
+
+
 # What each status means, for the schema; which apply depends on the operation.
 ERROR_DOCS = {
     400: "Invalid request: malformed JSON, wrong field, duplicate key or header.",
@@ -110,13 +116,19 @@ GET_ERRORS = (401, 503)
 OPENAI_BODY = {"$ref": "#/components/schemas/ErrorBody"}
 # on TEI's paths the edge's own refusals (401, 408, 413) keep the OpenAI body
 EITHER_BODY = {"anyOf": [OPENAI_BODY, {"$ref": "#/components/schemas/TEIErrorBody"}]}
+# likewise on Ollama's paths: its body, or the edge's OpenAI one
+OLLAMA_BODY = {"anyOf": [OPENAI_BODY, {"$ref": "#/components/schemas/OllamaErrorBody"}]}
 
 
 def openapi_schema(
-    app: FastAPI, open_paths: Iterable[str], tei_paths: Iterable[str]
+    app: FastAPI,
+    open_paths: Iterable[str],
+    tei_paths: Iterable[str],
+    ollama_paths: Iterable[str] = (),
 ) -> dict[str, Any]:
     """FastAPI's schema, with each operation's errors documented as sent: 400, never 422, but
-    on paths that serve TEI's bodies, where TEI's errors and statuses apply too."""
+    on paths that serve TEI's bodies, where TEI's errors and statuses apply too; Ollama's paths
+    answer its own body."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
@@ -126,15 +138,21 @@ def openapi_schema(
         components.update(body.pop("$defs", {}))
         components["ErrorBody"] = body
         components["TEIErrorBody"] = TEIErrorBody.model_json_schema()
-        is_open, is_tei = set(open_paths), set(tei_paths)
+        components["OllamaErrorBody"] = OllamaErrorBody.model_json_schema()
+        is_open, is_tei, is_ollama = set(open_paths), set(tei_paths), set(ollama_paths)
         for path, item in schema.get("paths", {}).items():
+            shape: dict[str, Any] = (
+                EITHER_BODY if path in is_tei else OLLAMA_BODY if path in is_ollama else OPENAI_BODY
+            )
             for operation in item.values():
-                _document_errors(operation, path in is_open, path in is_tei)
+                _document_errors(operation, path in is_open, path in is_tei, shape)
         app.openapi_schema = schema
     return app.openapi_schema
 
 
-def _document_errors(operation: dict[str, Any], is_open: bool, is_tei: bool) -> None:
+def _document_errors(
+    operation: dict[str, Any], is_open: bool, is_tei: bool, body: dict[str, Any]
+) -> None:
     """Replace FastAPI's 422 by the statuses this operation can answer with."""
     responses = operation.setdefault("responses", {})
     responses.pop("422", None)
@@ -147,5 +165,5 @@ def _document_errors(operation: dict[str, Any], is_open: bool, is_tei: bool) -> 
     for status in sorted({*statuses, *declared}):
         responses[str(status)] = {
             "description": responses.get(str(status), {}).get("description") or ERROR_DOCS[status],
-            "content": {"application/json": {"schema": EITHER_BODY if is_tei else OPENAI_BODY}},
+            "content": {"application/json": {"schema": body}},
         }
