@@ -459,7 +459,7 @@ def _check_serve(example: Example, job: Launched) -> None:
                 if httpx.get(f"{base}/ready", timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
-                pass
+                pass  # not listening yet: the server is still starting; poll again
             time.sleep(0.2)
         response = httpx.post(f"{base}/v1/embeddings", json={"input": ["hello world"]}, timeout=30)
         _assert_json_answer(response, None, example.id)
