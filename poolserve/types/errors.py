@@ -17,8 +17,10 @@ MAX_ECHO_CHARS = 128
 
 
 def clip(text: str, limit: int = MAX_ECHO_CHARS) -> str:
-    """At most limit characters of client-sent text, marked when cut."""
-    return text if len(text) <= limit else text[:limit] + "..."
+    """At most limit characters of client-sent text, marked when cut; a lone surrogate (valid
+    JSON, no UTF-8) is echoed escaped, so the error body that carries it can be encoded."""
+    cut = text if len(text) <= limit else text[:limit] + "..."
+    return cut.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def command_error(command: str, message: str, code: int = 1) -> int:

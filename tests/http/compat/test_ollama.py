@@ -59,6 +59,14 @@ def test_truncation_and_errors(make_client: Callable[..., Any]) -> None:
         missing = client.post("/api/embed", json={"model": "nomic-embed-text", "input": "a"})
         assert missing.status_code == 404
         assert missing.json() == {"error": "model 'nomic-embed-text' not found"}
+        # a lone surrogate is valid JSON: the name is echoed escaped, never a 500
+        for path in ("/api/embed", "/v1/embeddings"):
+            odd = client.post(
+                path,
+                content=b'{"model": "\\ud800x", "input": "a"}',
+                headers={"content-type": "application/json"},
+            )
+            assert odd.status_code == 404 and "\\ud800x" in odd.text, odd.text
         invalid = client.post("/api/embed", json={"model": minilm, "input": [1, 2]})
         assert invalid.status_code == 400 and list(invalid.json()) == ["error"]
 
