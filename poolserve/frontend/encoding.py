@@ -117,7 +117,12 @@ def encode_item(
     if encoding_format == "base64":
         raw = base64.b64encode(to_dtype_bytes(data, embed_dtype, endianness))
         return b"".join((_open(fields), _key(key), b'"', raw, b'"}'))  # one copy of the payload
-    return b"".join((_open(fields), _key(key), dumps(as_float32(data)), b"}"))
+    return b"".join((_open(fields), _key(key), dumps(as_numbers(data)), b"}"))
+
+
+def as_numbers(data: np.ndarray) -> np.ndarray:
+    """The output as JSON numbers: quantized integers as they are, anything else float32."""
+    return data if data.dtype.kind in "iu" else as_float32(data)
 
 
 def as_float32(data: np.ndarray) -> np.ndarray:

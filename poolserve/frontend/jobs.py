@@ -73,6 +73,7 @@ class TextJob:
     priority: int = 0
     late_chunking: LateChunking | None = None  # one embedding per span of each text (spans.py)
     adapter: str | None = None  # Jina's `task`: the LoRA adapter to run (frontend/adapters.py)
+    input_type: str | None = None  # query, document, ...: the prompt it means (input_types.py)
 
 
 @dataclass(frozen=True)

@@ -87,15 +87,34 @@ def test_prompt_name_equals_sentence_transformers(client: TestClient, reference:
 def test_cohere_input_type_selects_the_query_or_document_prompt(
     client: TestClient, reference: Any
 ) -> None:
-    # search_query -> "query", search_document -> "passage"; no matching prompt: the default
-    for input_type, name in (
-        ("search_query", "query"),
-        ("search_document", "passage"),
-        ("clustering", "query"),
-    ):
+    # search_query -> "query", search_document -> "passage"
+    for input_type, name in (("search_query", "query"), ("search_document", "passage")):
         response = client.post("/v2/embed", json={"texts": TEXTS, "input_type": input_type})
         assert response.status_code == 200, response.text
         _close(response.json()["embeddings"]["float"], reference.encode(TEXTS, prompt_name=name))
+    # no prompt for clustering: a 400 naming the model's prompts, never its default (query)
+    response = client.post("/v2/embed", json={"texts": TEXTS, "input_type": "clustering"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "input_type" and "empty, passage, query" in error["message"], error
+
+
+@pytest.mark.parametrize(
+    ("input_type", "name"), [("query", "query"), ("document", "passage"), ("passage", "passage")]
+)
+def test_voyage_and_nim_input_type_selects_the_prompt(
+    client: TestClient, reference: Any, input_type: str, name: str
+) -> None:
+    # Voyage says query/document, NIM query/passage, both on /v1/embeddings
+    _close(_openai(client, input_type=input_type), reference.encode(TEXTS, prompt_name=name))
+
+
+def test_input_type_and_a_prompt_of_its_own_are_refused_together(client: TestClient) -> None:
+    for fields in ({"prompt_name": "query"}, {"prompt": "x: "}):
+        body = {"input": TEXTS, "input_type": "query", **fields}
+        response = client.post("/v1/embeddings", json=body)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == "input_type"
 
 
 def test_tei_tokenize_with_a_prompt(client: TestClient, reference: Any) -> None:

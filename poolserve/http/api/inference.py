@@ -17,7 +17,6 @@ from starlette.types import Receive, Scope, Send
 
 from poolserve.frontend.encoding import (
     Encoded,
-    as_float32,
     binary_parts,
     document,
     dumps,
@@ -27,6 +26,8 @@ from poolserve.frontend.encoding import (
 )
 from poolserve.frontend.jobs import Requested
 from poolserve.frontend.pipeline import Submitted, as_completed, check_serving, gather
+from poolserve.frontend.quantize import quantize
+from poolserve.http.api.embedding_fields import agreed
 from poolserve.http.api.schemas import (
     ClassifyRequest,
     EmbeddingRequest,
@@ -159,11 +160,26 @@ def _pooling_head(index: int) -> dict[str, object]:
 
 @router.post("/v1/embeddings")
 async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
-    """OpenAI embeddings, with vLLM's fields (messages, request_id, embed_dtype, ...)."""
+    """OpenAI embeddings, with vLLM's fields (messages, request_id, embed_dtype, ...) and the
+    fields Voyage, NIM and Jina send to the same path (embedding_fields.py)."""
     task = PoolingTask.EMBED
-    normalize = _normalize(task, body.normalize, body.use_activation)
-    requested = Requested(dimensions=body.dimensions, normalize=normalize)
-    job = dataclasses.replace(body.job(task, requested), adapter=body.task)  # Jina's `task`
+    normalize = agreed(
+        ("normalize", _normalize(task, body.normalize, body.use_activation)),
+        ("normalized", body.normalized),
+    )
+    dimensions = agreed(
+        ("dimensions", body.dimensions), ("output_dimension", body.output_dimension)
+    )
+    form = body.output_form(body.encoding_format, body.embed_dtype, body.model_fields_set)
+    requested = Requested(dimensions=dimensions, normalize=normalize)
+    job = body.job(task, requested)
+    truncate = body.client_truncate(body.truncate_prompt_tokens)
+    job = dataclasses.replace(
+        job,
+        adapter=body.task,  # Jina's `task`
+        input_type=body.input_type,
+        truncate=job.truncate if truncate is None else truncate,
+    )
     run = await submit(request, job)
     outputs = await gather(run)
     rows = span_rows(run.char_spans, outputs)  # late chunking: an item per span
@@ -177,23 +193,26 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
 
     def encode() -> bytes:
         if rows is not None:
-            return document(fields, "data", rows.items(_embedding_head, "embedding", body))
-        if body.encoding_format == "float":  # one document, the floats straight from numpy
+            quantized = SpanRows([quantize(a, form.precision) for a in rows.arrays], rows.where)
+            items = quantized.items(_embedding_head, "embedding", form, body.endianness)
+            return document(fields, "data", items)
+        arrays = [quantize(o.data, form.precision) for o in outputs]
+        if form.encoding_format == "float":  # one document, the numbers straight from numpy
             data = [
-                {"object": "embedding", "index": i, "embedding": as_float32(o.data)}
-                for i, o in enumerate(outputs)
+                {"object": "embedding", "index": i, "embedding": array}
+                for i, array in enumerate(arrays)
             ]
             return dumps({**fields, "data": data})
         items = (
             encode_item(
                 {"object": "embedding", "index": i},
                 "embedding",
-                o.data,
-                body.encoding_format,
-                body.embed_dtype,
+                array,
+                form.encoding_format,
+                form.embed_dtype,
                 body.endianness,
             )
-            for i, o in enumerate(outputs)
+            for i, array in enumerate(arrays)
         )
         return document(fields, "data", items)
 
@@ -239,7 +258,8 @@ async def pooling(body: PoolingRequestBody, request: Request) -> Response:
     def encode() -> bytes:
         if rows is not None:
             base64 = body.encoding_format == "base64"
-            return document(fields, "data", rows.items(_pooling_head, "data", body, shape=base64))
+            items = rows.items(_pooling_head, "data", body, body.endianness, shape=base64)
+            return document(fields, "data", items)
         return document(
             fields, "data", (_pooling_item(i, o.data, body) for i, o in enumerate(outputs))
         )

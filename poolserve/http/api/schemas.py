@@ -17,6 +17,7 @@ from pydantic.json_schema import JsonDict
 
 from poolserve.frontend.jobs import Chat, Requested, TextJob, Truncate
 from poolserve.frontend.spans import LateChunking
+from poolserve.http.api.embedding_fields import ClientEmbeddingFields
 from poolserve.http.bodies import (
     REQUEST_ID_PATTERN,
     ChatMessage,
@@ -192,8 +193,8 @@ def _is_conversation(value: object) -> bool:
     )
 
 
-class EmbeddingRequest(InputBody, PromptFields, LateChunkingFields):
-    """OpenAI `POST /v1/embeddings` with vLLM's extra fields.
+class EmbeddingRequest(InputBody, PromptFields, LateChunkingFields, ClientEmbeddingFields):
+    """OpenAI `POST /v1/embeddings` with vLLM's extra fields (and Voyage's, NIM's, Jina's).
 
     As vLLM 0.33: `messages` may be one conversation or a batch of them, and `input` may carry
     either (then read as `messages`).

@@ -8,14 +8,24 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from poolserve.frontend.encoding import encode_item
 from poolserve.frontend.spans import CharSpans
-from poolserve.http.api.schemas import EmbeddingRequest, PoolingRequestBody
 from poolserve.types.errors import StepFailedError
 from poolserve.types.outputs import PoolingOutput
+
+
+class Encoding(Protocol):
+    """How the rows travel: a request body's fields, or the form /v1/embeddings resolved."""
+
+    @property
+    def encoding_format(self) -> str: ...
+
+    @property
+    def embed_dtype(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -29,7 +39,8 @@ class SpanRows:
         self,
         head: Callable[[int], dict[str, object]],
         key: str,
-        body: EmbeddingRequest | PoolingRequestBody,
+        encoding: Encoding,
+        endianness: str,
         *,
         shape: bool = False,
     ) -> Iterator[bytes]:
@@ -38,8 +49,8 @@ class SpanRows:
             fields = {**head(index), **where}
             if shape:
                 fields["shape"] = list(data.shape)
-            fmt, dtype, order = body.encoding_format, body.embed_dtype, body.endianness
-            yield encode_item(fields, key, data, fmt, dtype, order)
+            fmt, dtype = encoding.encoding_format, encoding.embed_dtype
+            yield encode_item(fields, key, data, fmt, dtype, endianness)
 
 
 def span_rows(spans: CharSpans | None, outputs: Sequence[PoolingOutput]) -> SpanRows | None:

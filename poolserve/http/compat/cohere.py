@@ -12,6 +12,7 @@ import base64
 import logging
 import uuid
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Annotated, Literal
 
 import numpy as np
@@ -22,6 +23,7 @@ from starlette.responses import Response
 from poolserve.frontend.encoding import dumps, to_dtype_bytes
 from poolserve.frontend.jobs import Requested, TextJob, Truncate
 from poolserve.frontend.pipeline import check_serving, gather
+from poolserve.frontend.quantize import PRECISIONS, quantize
 from poolserve.frontend.state import ModelHandle
 from poolserve.frontend.texts import check_batch_size
 from poolserve.http.bodies import RequestBody
@@ -39,9 +41,6 @@ InputType = Literal["search_document", "search_query", "classification", "cluste
 CohereTruncate = Literal["NONE", "START", "END"]
 # Cohere's truncate -> the side whose tokens are kept (START discards the start).
 KEPT_SIDE: dict[str, Literal["left", "right"]] = {"START": "left", "END": "right"}
-# 8-bit types are cut from a fixed range: every component of a unit vector lies in [-1, 1].
-UNIT_LOW, UNIT_HIGH = -1.0, 1.0
-NUM_LEVELS = 255
 # The text parts of one input become one text, joined as vLLM joins a message's text parts.
 PART_SEPARATOR = "\n"
 
@@ -79,25 +78,6 @@ class CohereEmbedRequest(RequestBody):
     embedding_types: list[EmbeddingType] | None = None
     truncate: CohereTruncate = "END"  # Cohere's default
     priority: Annotated[StrictInt, Field(ge=0, le=999)] = 0  # Cohere's range; 0 runs first
-
-
-# The sentence-transformers prompt names each input_type may select, most specific first: a
-# model whose config_sentence_transformers.json names its prompts after Cohere's input types, or
-# the query/document names retrieval embedders (E5, BGE, Qwen3-Embedding, nomic) use.
-PROMPTS_FOR_INPUT_TYPE: dict[str, tuple[str, ...]] = {
-    "search_query": ("search_query", "query"),
-    "search_document": ("search_document", "document", "passage", "corpus"),
-    "classification": ("classification",),
-    "clustering": ("clustering",),
-}
-
-
-def prompt_name_for(input_type: InputType | None, prompt_names: Sequence[str]) -> str | None:
-    """The model's prompt an `input_type` selects; None leaves the model's default prompt."""
-    for name in PROMPTS_FOR_INPUT_TYPE.get(input_type or "", ()):
-        if name in prompt_names:
-            return name
-    return None
 
 
 def _texts(body: CohereEmbedRequest, max_batch: int) -> tuple[str, list[str]]:
@@ -179,7 +159,7 @@ async def embed(body: CohereEmbedRequest, request: Request) -> Response:
         texts,
         requested=Requested(dimensions=body.output_dimension),
         model=body.model,
-        prompt_name=prompt_name_for(body.input_type, model.prompts.names),
+        input_type=body.input_type,
         truncate=truncate,
         priority=body.priority,
     )
@@ -200,29 +180,12 @@ def _encode(
     return dumps(
         {
             "id": str(uuid.uuid4()),
-            "embeddings": {kind: QUANTIZERS[kind](floats) for kind in kinds},
+            "embeddings": {kind: ENCODERS[kind](floats) for kind in kinds},
             "texts": texts,
             "meta": {"api_version": {"version": "2"}, "billed_units": units, "tokens": units},
             "response_type": "embeddings_by_type",
         }
     )
-
-
-def _levels(floats: np.ndarray) -> np.ndarray:
-    """Each component of the unit-length vector as one of 256 levels over [-1, 1].
-
-    sentence-transformers' `quantize_embeddings` rule with the fixed range [-1, 1] in every
-    dimension, so a text's bytes never depend on what else is in the request.
-    """
-    norms = np.linalg.norm(floats, axis=-1, keepdims=True)  # [n, 1]
-    units = floats / np.where(norms == 0, 1, norms)
-    step = np.float32((UNIT_HIGH - UNIT_LOW) / NUM_LEVELS)
-    return np.clip(np.floor((units - np.float32(UNIT_LOW)) / step), 0, NUM_LEVELS)  # [n, dim]
-
-
-def _bits(floats: np.ndarray) -> np.ndarray:
-    """One bit per component (1 where it is positive), packed 8 to a byte, first bit highest."""
-    return np.packbits(floats > 0, axis=-1)  # [n, ceil(dim / 8)] uint8
 
 
 def _base64(floats: np.ndarray) -> list[str]:
@@ -232,11 +195,8 @@ def _base64(floats: np.ndarray) -> list[str]:
     ]
 
 
-QUANTIZERS: dict[str, Callable[[np.ndarray], np.ndarray | list[str]]] = {
-    "float": lambda floats: floats,
-    "uint8": lambda floats: _levels(floats).astype(np.uint8),
-    "int8": lambda floats: (_levels(floats) - 128).astype(np.int8),
-    "ubinary": _bits,
-    "binary": lambda floats: (_bits(floats).astype(np.int16) - 128).astype(np.int8),
+# each embedding type's matrix: sentence-transformers' quantization rules (frontend/quantize.py)
+ENCODERS: dict[str, Callable[[np.ndarray], np.ndarray | list[str]]] = {
+    **{precision: partial(quantize, precision=precision) for precision in PRECISIONS},
     "base64": _base64,
 }

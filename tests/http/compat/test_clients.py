@@ -15,6 +15,8 @@ import httpx
 import numpy as np
 import openai
 import pytest
+import voyageai
+import voyageai.error
 from langchain_openai import OpenAIEmbeddings
 from sentence_transformers import SentenceTransformer, quantize_embeddings
 
@@ -116,21 +118,26 @@ def test_cohere_v2_embed_quantised_types(server: LiveProcess, reference: Any) ->
     answer = client.embed(
         model=DEFAULT_MODEL_ID, texts=TEXTS, input_type="search_query", embedding_types=kinds
     )
+    for kind in kinds:
+        assert_quantized(np.asarray(getattr(answer.embeddings, kind)), reference, kind)
+
+
+def assert_quantized(got: np.ndarray, reference: np.ndarray, kind: str) -> None:
+    """`got` equals sentence-transformers' quantization of the reference floats over the
+    documented range [-1, 1], wherever a component is clear of a rounding edge."""
     dim = reference.shape[1]
     ranges = np.array([[-1.0] * dim, [1.0] * dim], dtype=np.float32)  # the documented range
     level = (reference.astype(np.float64) + 1.0) / (2.0 / 255)  # 8-bit level before flooring
-    for kind in kinds:
-        got = np.asarray(getattr(answer.embeddings, kind))
-        want = quantize_embeddings(reference, precision=kind, ranges=ranges)  # type: ignore[arg-type]
-        assert got.shape == want.shape, kind
-        if kind.endswith("binary"):
-            # compare bit by bit wherever the sign is clear of float noise
-            clear = np.abs(reference) > SIGN_MARGIN
-            assert np.array_equal(_bits(got, kind, dim)[clear], _bits(want, kind, dim)[clear])
-        else:
-            clear = np.abs(level - np.round(level)) > LEVEL_MARGIN
-            assert np.array_equal(got[clear], want[clear]), kind
-            assert int(np.abs(got.astype(np.int16) - want.astype(np.int16)).max()) <= 1, kind
+    want = quantize_embeddings(reference, precision=kind, ranges=ranges)  # type: ignore[arg-type]
+    assert got.shape == want.shape, kind
+    if kind.endswith("binary"):
+        # compare bit by bit wherever the sign is clear of float noise
+        clear = np.abs(reference) > SIGN_MARGIN
+        assert np.array_equal(_bits(got, kind, dim)[clear], _bits(want, kind, dim)[clear])
+    else:
+        clear = np.abs(level - np.round(level)) > LEVEL_MARGIN
+        assert np.array_equal(got[clear], want[clear]), kind
+        assert int(np.abs(got.astype(np.int16) - want.astype(np.int16)).max()) <= 1, kind
 
 
 def _bits(packed: np.ndarray, kind: str, dim: int) -> np.ndarray:
@@ -147,3 +154,31 @@ def test_cohere_refusals_raise_the_sdks_errors(server: LiveProcess) -> None:
         )
     with pytest.raises(cohere.errors.NotFoundError):
         client.embed(model="embed-v4.0", texts=TEXTS, input_type="search_query")
+
+
+def test_voyage_client_embeds_and_quantizes(server: LiveProcess, reference: Any) -> None:
+    # voyageai's own client: base64 on the wire, decoded by output_dtype; input_type on a model
+    # without prompts embeds as it is (a model with prompts: tests/frontend/test_prompts.py)
+    client = voyageai.Client(api_key="unused", base_url=f"{server.base_url}/v1", max_retries=0)
+    floats = client.embed(TEXTS, model=DEFAULT_MODEL_ID, input_type="document")
+    assert floats.total_tokens > 0
+    assert_cosine(floats.embeddings, reference)
+    for kind in ("int8", "uint8", "binary", "ubinary"):
+        answer = client.embed(TEXTS, model=DEFAULT_MODEL_ID, input_type="query", output_dtype=kind)
+        assert_quantized(np.asarray(answer.embeddings), reference, kind)
+    with pytest.raises(voyageai.error.APIError):  # over-long with truncation off: refused
+        client.embed([" ".join(["word"] * 400)], model=DEFAULT_MODEL_ID, truncation=False)
+
+
+def test_nim_fields_through_the_openai_client(server: LiveProcess, reference: Any) -> None:
+    # NIM's documented call: the OpenAI client with input_type and truncate in extra_body
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
+    nim = {"input_type": "passage", "truncate": "END"}
+    answer = client.embeddings.create(model=DEFAULT_MODEL_ID, input=TEXTS, extra_body=nim)
+    assert_cosine([d.embedding for d in answer.data], reference)
+    with pytest.raises(openai.BadRequestError):
+        client.embeddings.create(
+            model=DEFAULT_MODEL_ID,
+            input=[" ".join(["word"] * 400)],
+            extra_body={"input_type": "query", "truncate": "NONE"},
+        )
