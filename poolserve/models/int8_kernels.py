@@ -12,6 +12,8 @@ which GEMM computes `sum(q_x * q_w)` fastest, or at all:
   (scale 1, zero point `levels + 1`), so the per-token scheme, and so batch invariance, is
   kept. Without dot-product units these kernels add u8 x s8 products in int16 pairs, which
   saturate at 8 bits: the reduced-range variants keep 7 (levels 63), where a pair cannot overflow.
+  Their 128 levels span each token's own [min, max] (`asymmetric`), not [-max|x|, max|x|]: on
+  MiniLM with AVX2 only, the worst text's cosine to float32 rose from 0.988 to 0.992-0.994.
 
 Each kernel is checked once on the worst case before it may run (`is_exact`).
 """
@@ -38,6 +40,12 @@ class Int8Kernel:
     levels: int
 
     @property
+    def asymmetric(self) -> bool:
+        """7-bit activations span each token's own [min, max] rather than [-max|x|, max|x|]:
+        a skewed input (an MLP's GELU output, mostly above -0.17) keeps about one more bit."""
+        return self.levels != INT8_LEVELS
+
+    @property
     def name(self) -> str:
         """e.g. 'int_mm', 'fbgemm', 'onednn 7-bit'."""
         base = self.engine or "int_mm"
@@ -57,10 +65,12 @@ class Int8Kernel:
     def matmul(
         self,
         x: torch.Tensor,  # [num_tokens, in] float32
-        x_scale: torch.Tensor,  # [num_tokens, 1] float32: max |x| of each token / levels
+        x_scale: torch.Tensor,  # [num_tokens, 1] float32: each token's step
         packed: Any,
+        offset: torch.Tensor | None = None,  # [num_tokens, 1]: asymmetric kernels' shift
     ) -> torch.Tensor:  # [num_tokens, out] float32
-        """sum over `in` of round(x / x_scale) * qweight, times the weight's scale per channel."""
+        """sum over `in` of round(x / x_scale - offset) * qweight, times the weight's scale per
+        channel (offset None: 0)."""
         if self.engine is None:
             weight, scale = packed
             q = torch.div(x, x_scale).round_().to(torch.int8)  # [num_tokens, in]
@@ -70,7 +80,10 @@ class Int8Kernel:
         # levels + 1), so the per-token integers are what it multiplies
         num_tokens = x.shape[0]
         scaled = x.new_empty(num_tokens + 2, x.shape[1])  # [num_tokens + 2, in]
-        torch.div(x, x_scale, out=scaled[:num_tokens])
+        if offset is None:
+            torch.div(x, x_scale, out=scaled[:num_tokens])
+        else:  # x / x_scale - offset in one pass
+            torch.addcmul(offset.neg(), x, x_scale.reciprocal(), out=scaled[:num_tokens])
         scaled[num_tokens].fill_(-self.levels - 1.0)
         scaled[num_tokens + 1].fill_(float(self.levels))
         reduce_range = self.levels != INT8_LEVELS

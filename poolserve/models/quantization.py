@@ -113,6 +113,8 @@ class Int8Linear(torch.nn.Module):
         keep = qweight if kernel.engine is None else qweight.to("meta")
         self.register_buffer("qweight", keep.contiguous())
         self.register_buffer("scale", scale.contiguous())
+        # an asymmetric kernel's shift adds offset * sum(qweight) per channel back, weight-scaled
+        self.register_buffer("weight_sums", qweight.float().sum(1).mul_(scale).contiguous())
 
     def forward(
         self,
@@ -121,11 +123,21 @@ class Int8Linear(torch.nn.Module):
     ) -> torch.Tensor:  # [num_tokens, out] in the compute dtype
         """x @ W.T + bias with x quantized per token: int8 GEMM, exact sums, float32 scaling."""
         dtype, x = x.dtype, x.float()
-        # max |x| per token from the two extremes: no |x| tensor is written
-        x_scale = torch.maximum(x.amax(-1, keepdim=True), x.amin(-1, keepdim=True).neg_())
-        x_scale = x_scale.clamp_min_(torch.finfo(torch.float32).eps).div_(self.kernel.levels)
-        # |x / x_scale| <= levels by construction: no clamp is needed before the GEMM rounds
-        y = self.kernel.matmul(x, x_scale, self.packed)  # [num_tokens, out], weight-scaled
+        levels = self.kernel.levels
+        high, low = x.amax(-1, keepdim=True), x.amin(-1, keepdim=True)  # [num_tokens, 1] each
+        if self.kernel.asymmetric:
+            # each token's [low, high] in 2 * levels + 1 steps: x / x_scale - offset spans
+            # [-levels - 1, levels], the range the engine's sentinel rows fix
+            x_scale = (high - low).clamp_min_(torch.finfo(torch.float32).eps).div_(2 * levels + 1)
+            offset = low.div(x_scale).add_(levels + 1)
+            y = self.kernel.matmul(x, x_scale, self.packed, offset)  # [num_tokens, out]
+            y.addcmul_(offset, self.weight_sums)  # the shift's share, weight-scaled
+        else:
+            # max |x| per token from the two extremes: no |x| tensor is written
+            x_scale = torch.maximum(high, low.neg_())
+            x_scale = x_scale.clamp_min_(torch.finfo(torch.float32).eps).div_(levels)
+            # |x / x_scale| <= levels by construction: no clamp is needed before the GEMM rounds
+            y = self.kernel.matmul(x, x_scale, self.packed)  # [num_tokens, out], weight-scaled
         if bias is None:
             return y.mul_(x_scale).to(dtype)
         return torch.addcmul(bias, y, x_scale, out=y).to(dtype)  # one pass: bias + y * x_scale

@@ -49,13 +49,27 @@ def fresh_measurements(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     cpu_kernels._measure.cache_clear()
 
 
-def _scheme(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, levels: int) -> torch.Tensor:
-    """Int8Linear's arithmetic in float64: per-token activations, per-channel weights."""
+def _scheme(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, kernel: Int8Kernel
+) -> torch.Tensor:
+    """Int8Linear's arithmetic in float64: per-token activations, per-channel weights; the
+    7-bit kernels' activations span each token's [min, max] (asymmetric), the others' are
+    symmetric."""
     w_scale = weight.abs().amax(1) / INT8_LEVELS  # [out] (float32, as Int8Linear rounds it)
     qw = torch.round(weight / w_scale[:, None]).double()  # [out, in]
-    x_scale = x.abs().amax(-1, keepdim=True) / levels  # [tokens, 1]
-    qx = torch.round(x / x_scale).double()  # [tokens, in]
-    return (qx @ qw.t()) * x_scale.double() * w_scale.double() + bias.double()
+    levels = kernel.levels
+    if not kernel.asymmetric:
+        x_scale = x.abs().amax(-1, keepdim=True) / levels  # [tokens, 1]
+        qx = torch.round(x / x_scale).double()  # [tokens, in]
+        return (qx @ qw.t()) * x_scale.double() * w_scale.double() + bias.double()
+    low, high = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)  # [tokens, 1] each
+    x_scale = (high - low) / (2 * levels + 1)
+    offset = low / x_scale + (levels + 1)
+    # the kernel's float32 rounding of x / x_scale - offset, mirrored
+    qx = torch.addcmul(-offset, x, x_scale.reciprocal()).round()  # [tokens, in]
+    assert int(qx.min()) >= -levels - 1 and int(qx.max()) <= levels
+    shifted = qx.double() + offset.double()
+    return (shifted @ qw.t()) * x_scale.double() * w_scale.double() + bias.double()
 
 
 def _exact_kernels() -> list[Int8Kernel]:
@@ -69,7 +83,7 @@ def test_each_exact_kernel_computes_the_scheme_and_stays_close(kernel: Int8Kerne
     bias = torch.randn(96, generator=generator)
     x = torch.randn(37, 200, generator=generator)
     got = Int8Linear(weight, kernel)(x, bias)
-    want = _scheme(x, weight, bias, kernel.levels)
+    want = _scheme(x, weight, bias, kernel)
     # the same integer sums; only float32's rounding of the scaling differs
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     exact = F.linear(x, weight, bias)
