@@ -100,6 +100,7 @@ class Int8Linear(torch.nn.Module):
 
     qweight: torch.Tensor
     scale: torch.Tensor
+    weight_sums: torch.Tensor
 
     def __init__(self, weight: torch.Tensor, kernel: Int8Kernel = INT_MM) -> None:  # [out, in]
         super().__init__()
