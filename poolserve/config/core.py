@@ -9,7 +9,7 @@ from typing import Any
 from poolserve.config.models_file import ServedModels
 from poolserve.config.pooler import PoolerDefaults
 from poolserve.config.settings import ServerSettings, default_of
-from poolserve.types.tasks import PoolingType
+from poolserve.types.tasks import PoolingTask, PoolingType
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,7 @@ class CoreConfig:
     hf_overrides: dict[str, Any] | None = None
     max_model_len: int | None = default_of("max_model_len")
     embed_pooling: PoolingType | None = None
+    pooler_task: PoolingTask | None = None  # --pooler-config's task (vLLM's PoolerConfig.task)
     # vLLM's logit_mean/logit_sigma (--pooler-config): classifier logits calibrated in the core
     logit_mean: float | None = None
     logit_sigma: float | None = None
@@ -46,7 +47,8 @@ class CoreConfig:
 
 # CoreConfig fields that a setting of the same name does not give as is.
 NOT_COPIED = frozenset(
-    {"hf_overrides", "embed_pooling", "logit_mean", "logit_sigma", "record_timelines"}
+    {"hf_overrides", "embed_pooling", "pooler_task", "logit_mean", "logit_sigma"}
+    | {"record_timelines"}
     | {"priority", "gpu_memory_fraction"}  # a --models-config entry's own keys
 )
 
@@ -63,6 +65,7 @@ def core_config(settings: ServerSettings, defaults: PoolerDefaults) -> CoreConfi
         **same,
         hf_overrides=settings.hf_overrides_dict,  # with --matryoshka-dimensions folded in
         embed_pooling=defaults.embed_pooling,
+        pooler_task=defaults.task,
         # model-level, as in vLLM: the core applies them, whichever front end asks
         logit_mean=defaults.calibration.mean,
         logit_sigma=defaults.calibration.sigma,

@@ -21,7 +21,7 @@ from pydantic import (
 )
 
 from poolserve.types.params import LogitCalibration
-from poolserve.types.tasks import PoolingType
+from poolserve.types.tasks import PoolingTask, PoolingType
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +36,9 @@ class PoolerDefaults(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    # vLLM's: the model's one pooling task (a task it serves, checked at load): the task of a
+    # /v1/pooling request that names none, and how /score compares (token_embed: MaxSim)
+    task: PoolingTask | None = None
     pooling_type: Literal["CLS", "LAST", "MEAN"] | None = None
     normalize: bool | None = None
     use_activation: bool | None = None
@@ -55,7 +58,13 @@ class PoolerDefaults(BaseModel):
 
     @model_validator(mode="after")
     def _calibration(self) -> PoolerDefaults:
-        """vLLM's refusals: a new name with its deprecated one, a zero divisor."""
+        """vLLM's refusals: a new name with its deprecated one, a zero divisor; score, which
+        is a route (its pooling follows the task), is no pooling task."""
+        if self.task is PoolingTask.SCORE:
+            raise ValueError(
+                "task: score is a route, not a pooling task: /score and /rerank follow the "
+                "model's task (embed, token_embed, or a one-label classify)"
+            )
         for old, new in (("logit_bias", "logit_mean"), ("logit_scale", "logit_sigma")):
             if getattr(self, old) is None:
                 continue

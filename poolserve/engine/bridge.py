@@ -15,7 +15,7 @@ from poolserve.models.registry import ARCHITECTURES, Backbone
 from poolserve.models.spec import LoadedModel
 from poolserve.types.errors import ModelLoadError
 from poolserve.types.model_info import HEAD_FIELDS, PoolingModelInfo, ScoreActivation
-from poolserve.types.tasks import HeadKind, PoolingType
+from poolserve.types.tasks import HeadKind, PoolingTask, PoolingType
 
 logger = logging.getLogger(__name__)
 
@@ -31,9 +31,12 @@ ST_SCORE_ACTIVATIONS = {
 
 
 def pooling_info_from(
-    loaded: LoadedModel, embed_pooling: PoolingType | None = None
+    loaded: LoadedModel,
+    embed_pooling: PoolingType | None = None,
+    pooler_task: PoolingTask | None = None,
 ) -> PoolingModelInfo:
-    """Build pooling's view of a model from the loader's records (embed_pooling overrides)."""
+    """Build pooling's view of a model from the loader's records (embed_pooling overrides;
+    pooler_task: --pooler-config's task)."""
     spec, st = loaded.spec, loaded.sentence_transformers
     projection = st.dense if st is not None else None
     # the loader's one head module, in the field of its kind
@@ -58,6 +61,7 @@ def pooling_info_from(
         or (st is not None and st.truncate_dim is not None),
         matryoshka_dimensions=spec.matryoshka_dimensions,
         default_pooling_type=embed_pooling,
+        pooler_task=pooler_task,
         classifier_pooling_type=_classifier_pooling(spec.classifier_pooling),
         score_activation=_score_activation(loaded.path)
         if spec.head_kind is HeadKind.SEQUENCE_CLASSIFIER

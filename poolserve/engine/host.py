@@ -160,6 +160,7 @@ def _load_and_build(
         device,
         max_model_len=max_model_len,
         embed_pooling=config.embed_pooling,
+        pooler_task=config.pooler_task,
         observer=observer,
         calibration=calibration,
         turns_seat=turns_seat,

@@ -38,7 +38,7 @@ from poolserve.types.outputs import PoolingOutput, StepTiming
 from poolserve.types.params import NO_CALIBRATION, LogitCalibration, PoolingParams
 from poolserve.types.prompts import checked_prompt, checked_token_types
 from poolserve.types.stats import EngineSnapshot
-from poolserve.types.tasks import PoolingType
+from poolserve.types.tasks import PoolingTask, PoolingType
 from poolserve.types.validation import prompt_params, validate_params
 
 logger = logging.getLogger(__name__)
@@ -55,6 +55,7 @@ class Engine:
         *,
         max_model_len: int | None = None,
         embed_pooling: PoolingType | None = None,
+        pooler_task: PoolingTask | None = None,
         observer: EngineObserver | None = None,
         calibration: LogitCalibration = NO_CALIBRATION,
         turns_seat: Seat | None = None,
@@ -65,8 +66,14 @@ class Engine:
         limit = min(max_model_len or loaded.spec.max_model_len, loaded.spec.max_model_len)
         self.max_model_len = min(limit, max_prompt_tokens(config))
         self.observer = observer or NullObserver()
-        self.pooling_info = pooling_info_from(loaded, embed_pooling)
+        self.pooling_info = pooling_info_from(loaded, embed_pooling, pooler_task)
         self.supported_tasks = get_supported_tasks(self.pooling_info)
+        if pooler_task is not None and pooler_task not in self.supported_tasks:
+            served = ", ".join(sorted(self.supported_tasks))
+            raise ValueError(  # vLLM's words first: "Unsupported task"
+                f"--pooler-config: Unsupported task {pooler_task.value!r}: the model serves "
+                f"{served}"
+            )
         # --pooler-config's logit_mean/logit_sigma: part of the model, as in vLLM's pooler
         self.calibration = calibration
         self.clone_stats = CloneStats()

@@ -116,7 +116,11 @@ class ModelHandle:
 
     @property
     def default_task(self) -> PoolingTask:
-        """The task of a /v1/pooling request that names none."""
+        """The task of a /v1/pooling request that names none: --pooler-config's task, else the
+        first the model serves in DEFAULT_TASK_ORDER."""
+        chosen = self.card.pooling_info.pooler_task
+        if chosen is not None:
+            return chosen
         return next(t for t in DEFAULT_TASK_ORDER if t in self.card.supported_tasks)
 
     @property

@@ -99,6 +99,8 @@ class PoolingModelInfo:
     # The head kind when the modules are not carried (a front end's card, torch-free); None:
     # derived from the module that is set.
     head: HeadKind | None = None
+    # --pooler-config's task (vLLM's PoolerConfig.task): the default task and the scorer
+    pooler_task: PoolingTask | None = None
 
     def __post_init__(self) -> None:
         carried = [name for name in HEAD_FIELDS.values() if getattr(self, name) is not None]

@@ -13,7 +13,7 @@ import numpy as np
 
 from poolserve.types.errors import UnsupportedTaskError
 from poolserve.types.model_info import PoolingModelInfo, get_supported_tasks
-from poolserve.types.tasks import HeadKind, PoolingTask
+from poolserve.types.tasks import TASKS, HeadKind, PairScoring, PoolingTask
 
 # Below this product of norms two embeddings have no direction to compare (torch's own eps).
 COSINE_EPS = 1e-8
@@ -63,10 +63,24 @@ SCORER_PLANS: dict[HeadKind, ScorerPlan] = {
 }
 
 
+# A task's pair scoring (types/tasks.py) -> its scorer, for --pooler-config's task: token_embed
+# makes a plain encoder a late-interaction (MaxSim) scorer, as vLLM does.
+PAIR_SCORERS: dict[PairScoring, ScorerPlan] = {
+    PairScoring.COSINE: SCORER_PLANS[HeadKind.NONE],
+    PairScoring.MAXSIM: SCORER_PLANS[HeadKind.LATE_INTERACTION],
+    PairScoring.JOINT: SCORER_PLANS[HeadKind.SEQUENCE_CLASSIFIER],
+}
+
+
 def scorer_plan(info: PoolingModelInfo) -> ScorerPlan:
-    """The model's scorer; UnsupportedTaskError naming what it serves when it has none."""
+    """The model's scorer (by --pooler-config's task when set, else by its head kind);
+    UnsupportedTaskError naming what it serves when it has none."""
     supported = get_supported_tasks(info)
-    plan = SCORER_PLANS.get(info.head_kind)
+    if info.pooler_task is not None:
+        scoring = TASKS[info.pooler_task].pair_scoring
+        plan = None if scoring is None else PAIR_SCORERS[scoring]
+    else:
+        plan = SCORER_PLANS.get(info.head_kind)
     if plan is None or plan.task not in supported:
         raise UnsupportedTaskError(PoolingTask.SCORE.value, [t.value for t in supported])
     return plan

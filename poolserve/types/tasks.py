@@ -79,6 +79,14 @@ class Output(Enum):
     SPARSE = "sparse"  # [2, nnz]: vocabulary ids and weights
 
 
+class PairScoring(Enum):
+    """How /score and /rerank score a pair when --pooler-config names the model's task."""
+
+    COSINE = "cosine"  # the two sides' vectors compared
+    MAXSIM = "maxsim"  # every token vector of the query with every one of the document (ColBERT)
+    JOINT = "joint"  # the pair's one prompt scored by a one-label classifier (the score task)
+
+
 @dataclass(frozen=True)
 class TaskDecl:
     """One task: the heads that serve it, the request fields it takes, what it returns."""
@@ -95,6 +103,9 @@ class TaskDecl:
     default_rank: int | None = None
     # the capability Infinity's /models lists it under (None: not offered there)
     capability: str | None = None
+    # as --pooler-config's task (vLLM's PoolerConfig.task), how pairs are scored (None: the
+    # score routes are not served, as vLLM enables them for embed, token_embed and classify)
+    pair_scoring: PairScoring | None = None
 
 
 def _heads(*kinds: HeadKind) -> frozenset[HeadKind]:
@@ -114,6 +125,7 @@ TASKS: dict[PoolingTask, TaskDecl] = {
         _fields("dimensions", "normalize", "prompt_tokens", "token_spans"),
         default_rank=0,
         capability="embed",
+        pair_scoring=PairScoring.COSINE,
     ),
     PoolingTask.CLASSIFY: TaskDecl(
         _heads(HeadKind.SEQUENCE_CLASSIFIER),
@@ -122,6 +134,7 @@ TASKS: dict[PoolingTask, TaskDecl] = {
         calibrated=True,
         default_rank=1,
         capability="classify",
+        pair_scoring=PairScoring.JOINT,  # served by a one-label classifier only (score's heads)
     ),
     PoolingTask.REWARD: TaskDecl(
         _heads(HeadKind.PROCESS_REWARD, HeadKind.TOKEN_REWARD),
@@ -143,6 +156,7 @@ TASKS: dict[PoolingTask, TaskDecl] = {
         Output.PER_TOKEN,
         _fields("normalize"),
         default_rank=4,
+        pair_scoring=PairScoring.MAXSIM,
     ),
     PoolingTask.EMBED_TOKEN_CLASSIFY: TaskDecl(
         _heads(HeadKind.TOKEN_CLASSIFIER),

@@ -1,0 +1,93 @@
+"""--pooler-config's `task` (vLLM's PoolerConfig.task): the model's one pooling task, the
+default of /v1/pooling and the scorer of /score; a task the model does not serve stops the start."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModel, AutoTokenizer
+
+from poolserve.config.pooler import parse_pooler_config
+from tests.tiny_models import MINILM_DIR
+
+QUERY = "what is the capital of france"
+DOCUMENTS = ["paris is the capital of france", "the cat sat on the mat"]
+
+
+@pytest.fixture(scope="module")
+def token_embed(make_client: Callable[..., Any]) -> Iterator[Any]:
+    with make_client(None, pooler_config='{"task": "token_embed"}') as started:
+        yield started
+
+
+def _maxsim_reference(query: str, document: str) -> float:
+    """ColBERT's MaxSim over MiniLM's unit-length token states, computed with transformers."""
+    tokenizer = AutoTokenizer.from_pretrained(MINILM_DIR)
+    model = AutoModel.from_pretrained(MINILM_DIR).eval()
+
+    def states(text: str) -> torch.Tensor:
+        with torch.inference_mode():
+            hidden = model(**tokenizer(text, return_tensors="pt")).last_hidden_state[0]
+        return torch.nn.functional.normalize(hidden.double(), dim=-1)  # [tokens, hidden]
+
+    return float((states(query) @ states(document).T).max(dim=1).values.sum())
+
+
+def test_token_embed_is_the_pooling_default_and_scores_by_maxsim(token_embed: Any) -> None:
+    pooled = token_embed.post("/v1/pooling", json={"input": QUERY}).json()["data"][0]["data"]
+    assert np.asarray(pooled).ndim == 2  # one vector per token, as task token_embed
+    explicit = token_embed.post("/v1/pooling", json={"input": QUERY, "task": "token_embed"})
+    assert explicit.json()["data"][0]["data"] == pooled
+    answer = token_embed.post("/score", json={"text_1": QUERY, "text_2": DOCUMENTS})
+    assert answer.status_code == 200, answer.text
+    scores = [item["score"] for item in answer.json()["data"]]
+    for got, document in zip(scores, DOCUMENTS, strict=True):
+        want = _maxsim_reference(QUERY, document)
+        assert abs(got - want) <= 1e-4 * abs(want), (got, want)
+    assert scores[0] > scores[1]  # the related document ranks first
+    rerank = token_embed.post("/rerank", json={"query": QUERY, "documents": DOCUMENTS})
+    assert [r["relevance_score"] for r in rerank.json()["results"]] == sorted(scores, reverse=True)
+
+
+def test_embed_task_keeps_cosine_scores(make_client: Callable[..., Any]) -> None:
+    with make_client(None) as plain, make_client(None, pooler_config='{"task": "embed"}') as embed:
+        body = {"text_1": QUERY, "text_2": DOCUMENTS}
+        assert (
+            embed.post("/score", json=body).json()["data"]
+            == plain.post("/score", json=body).json()["data"]
+        )
+
+
+def test_classify_task_on_a_one_label_classifier_scores_and_on_three_labels_is_404(
+    make_client: Callable[..., Any],
+) -> None:
+    body = {"text_1": QUERY, "text_2": DOCUMENTS}
+    task = '{"task": "classify"}'
+    with make_client("llama_cls1") as plain, make_client("llama_cls1", pooler_config=task) as one:
+        assert (
+            one.post("/score", json=body).json()["data"]
+            == plain.post("/score", json=body).json()["data"]
+        )
+    with make_client("llama_cls3", pooler_config=task) as three:
+        assert three.post("/score", json=body).status_code == 404
+        pooled = three.post("/v1/pooling", json={"input": QUERY}).json()["data"][0]["data"]
+        assert len(pooled) == 3  # classify: one probability per label
+
+
+def test_a_task_the_model_does_not_serve_stops_the_start(make_client: Callable[..., Any]) -> None:
+    unsupported = pytest.raises(Exception, match="Unsupported task 'classify'")
+    with unsupported as raised, make_client(None, pooler_config='{"task": "classify"}'):
+        pass
+    assert "embed" in str(raised.value)
+
+
+def test_score_is_no_pooling_task() -> None:
+    with pytest.raises(ValueError, match="score is a route"):
+        parse_pooler_config('{"task": "score"}')
+    with pytest.raises(ValueError, match="task"):
+        parse_pooler_config('{"task": "plugin"}')
+    assert parse_pooler_config('{"task": "token_classify"}').task == "token_classify"
