@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Annotated, Any, Literal, Self
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal, Self
 
 from pydantic import (
     BaseModel,
@@ -15,7 +16,7 @@ from pydantic import (
     model_validator,
 )
 
-from poolserve.types.errors import clip
+from poolserve.types.errors import InvalidRequestError, clip
 
 logger = logging.getLogger(__name__)
 
@@ -43,17 +44,31 @@ QUIET: dict[str, bool] = {"quiet": True}
 
 
 class RequestBody(BaseModel):
-    """Fields nobody defines are accepted and named in a warning, as vLLM does."""
+    """Fields nobody defines are accepted and named in a warning, as vLLM does; a field another
+    API defines that would change the answer, and that this body does not honour, is refused."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
 
+    # another API's field -> whose it is and what this body takes instead: dropping it would
+    # answer something else than the client asked for, silently (a 400 names it instead)
+    foreign_fields: ClassVar[Mapping[str, str]] = {}
+
     @model_validator(mode="after")
     def _log_unused(self, info: ValidationInfo) -> Self:
-        """One warning naming unknown fields; one info line naming vLLM's ignored ones (none
-        when validated with the QUIET context: a body tried against several shapes)."""
+        """A foreign field refused; one warning naming unknown fields; one info line naming
+        vLLM's ignored ones (none when validated with the QUIET context: a body tried against
+        several shapes, which then fails this shape instead of answering)."""
+        extra = self.model_extra or {}
+        foreign = next(
+            (n for n, v in extra.items() if n in self.foreign_fields and v is not None), None
+        )
+        if foreign is not None:
+            message = f"{foreign} is {self.foreign_fields[foreign]}"
+            if info.context is QUIET:
+                raise ValueError(message)
+            raise InvalidRequestError(message, foreign)
         if info.context is QUIET:
             return self
-        extra = self.model_extra or {}
         if extra:
             names = ", ".join(clip(name, 64) for name in list(extra)[:MAX_LOGGED_FIELDS])
             more = len(extra) - MAX_LOGGED_FIELDS

@@ -109,6 +109,22 @@ def test_voyage_and_nim_input_type_selects_the_prompt(
     _close(_openai(client, input_type=input_type), reference.encode(TEXTS, prompt_name=name))
 
 
+def test_nim_model_suffix_says_the_input_type(client: TestClient, reference: Any) -> None:
+    # NIM's OpenAI-compatible form: "-query" or "-passage" on the model's name
+    name = client.get("/v1/models").json()["data"][0]["id"]
+    for suffix, prompt_name in (("-query", "query"), ("-passage", "passage")):
+        answer = client.post("/v1/embeddings", json={"input": TEXTS, "model": name + suffix})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["model"] == name
+        embeddings = [item["embedding"] for item in answer.json()["data"]]
+        _close(embeddings, reference.encode(TEXTS, prompt_name=prompt_name))
+    body = {"input": TEXTS, "model": name + "-query", "input_type": "passage"}
+    refused = client.post("/v1/embeddings", json=body)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "model"
+    unknown = client.post("/v1/embeddings", json={"input": TEXTS, "model": name + "-doc"})
+    assert unknown.status_code == 404
+
+
 def test_input_type_and_a_prompt_of_its_own_are_refused_together(client: TestClient) -> None:
     for fields in ({"prompt_name": "query"}, {"prompt": "x: "}):
         body = {"input": TEXTS, "input_type": "query", **fields}

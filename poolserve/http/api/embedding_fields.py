@@ -10,6 +10,7 @@ repeats another one's choice must agree with it, or the answer is a 400 naming b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
@@ -33,6 +34,9 @@ TRUNCATIONS: dict[str | bool, Truncate] = {
     True: Truncate(-1, "right"),
     False: Truncate(auto=False),
 }
+# NIM's OpenAI-compatible spelling of input_type, for clients that cannot send the field: the
+# served name with "-query" or "-passage" appended (NIM's docs: NV-Embed-QA-query)
+NIM_MODEL_SUFFIXES: dict[str, str] = {"-query": "query", "-passage": "passage"}
 # the numpy dtype each quantized precision travels as (base64 bytes, vLLM's binary formats)
 WIRE_DTYPES = {"int8": "int8", "uint8": "uint8", "binary": "int8", "ubinary": "uint8"}
 assert set(WIRE_DTYPES) == set(QUANTIZERS)
@@ -137,3 +141,16 @@ def agreed(first: tuple[str, T | None], second: tuple[str, T | None]) -> T | Non
     if value is not None and other_value is not None and value != other_value:
         raise InvalidRequestError(f"{name} and {other} disagree: send one of them", other)
     return value if value is not None else other_value
+
+
+def nim_model_suffix(
+    model: str | None, served: Callable[[str], bool]
+) -> tuple[str | None, str | None]:
+    """(the model's name, the input_type its NIM suffix says): a name served as it is keeps it."""
+    if model is None or served(model):
+        return model, None
+    for suffix, input_type in NIM_MODEL_SUFFIXES.items():
+        stem = model.removesuffix(suffix)
+        if stem != model and served(stem):
+            return stem, input_type
+    return model, None

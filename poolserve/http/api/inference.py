@@ -27,7 +27,7 @@ from poolserve.frontend.encoding import (
 from poolserve.frontend.jobs import Requested
 from poolserve.frontend.pipeline import Submitted, as_completed, check_serving, gather
 from poolserve.frontend.quantize import quantize
-from poolserve.http.api.embedding_fields import agreed
+from poolserve.http.api.embedding_fields import agreed, nim_model_suffix
 from poolserve.http.api.schemas import (
     ClassifyRequest,
     EmbeddingRequest,
@@ -174,10 +174,13 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     requested = Requested(dimensions=dimensions, normalize=normalize)
     job = body.job(task, requested)
     truncate = body.client_truncate(body.truncate_prompt_tokens)
+    state = service_state(request)
+    model, named_type = nim_model_suffix(body.model, lambda name: state.find(name) is not None)
     job = dataclasses.replace(
         job,
+        model=model,
         adapter=body.task,  # Jina's `task`
-        input_type=body.input_type,
+        input_type=agreed(("input_type", body.input_type), ("model", named_type)),
         truncate=job.truncate if truncate is None else truncate,
     )
     run = await submit(request, job)

@@ -35,6 +35,25 @@ EmbedDType = Literal["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"]
 Endianness = Literal["native", "big", "little"]
 
 
+# Other APIs' fields that change the answer, refused where the body does not honour them
+# (RequestBody.foreign_fields): whose each is, and what to send here instead.
+COHERE_TEI_FOREIGN: dict[str, str] = {
+    "embedding_types": "Cohere's (POST /v2/embed) and not honoured here: send output_dtype "
+    "(POST /v1/embeddings)",
+    "max_tokens": "Cohere's (POST /v2/embed) and not honoured here: send truncate_prompt_tokens",
+    "truncation_direction": "TEI's and not honoured here: send truncation_side",
+}
+EMBEDDING_CLIENTS_FOREIGN: dict[str, str] = {
+    "input_type": "Voyage's and NIM's, honoured on POST /v1/embeddings: send prompt_name here",
+    "output_dtype": "Voyage's, honoured on POST /v1/embeddings, not here",
+    "embedding_type": "Jina's and NIM's, honoured on POST /v1/embeddings, not here",
+    "output_dimension": "Voyage's and not honoured here: send dimensions",
+    "normalized": "Jina's and not honoured here: send normalize",
+    "truncate": "NIM's and Jina's and not honoured here: send truncate_prompt_tokens",
+    "truncation": "Voyage's and not honoured here: send truncate_prompt_tokens",
+}
+
+
 class InputBody(RequestBody):
     """Fields shared by every route that takes `input` (or, vLLM's chat form, `messages`)."""
 
@@ -233,6 +252,8 @@ class EmbeddingRequest(InputBody, PromptFields, LateChunkingFields, ClientEmbedd
         # an empty list is one empty conversation, refused as such when it is checked
         return (tuple(cast(list[ChatMessage], messages)),)
 
+    foreign_fields = COHERE_TEI_FOREIGN
+
     encoding_format: EncodingFormat = "float"
     embed_dtype: EmbedDType = "float32"
     endianness: Endianness = "native"
@@ -248,6 +269,7 @@ class EmbeddingRequest(InputBody, PromptFields, LateChunkingFields, ClientEmbedd
 class PoolingRequestBody(InputBody, PromptFields, LateChunkingFields):
     """vLLM-compatible `POST /v1/pooling`."""
 
+    foreign_fields = {**COHERE_TEI_FOREIGN, **EMBEDDING_CLIENTS_FOREIGN}
     task: PoolingTask | None = None
     encoding_format: EncodingFormat = "float"
     embed_dtype: EmbedDType = "float32"
@@ -263,6 +285,7 @@ class PoolingRequestBody(InputBody, PromptFields, LateChunkingFields):
 class ClassifyRequest(InputBody):
     """`POST /v1/classify`."""
 
+    foreign_fields = COHERE_TEI_FOREIGN
     use_activation: bool | None = None
     # vLLM's older names for use_activation, still sent by its clients
     softmax: bool | None = None

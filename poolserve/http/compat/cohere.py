@@ -11,9 +11,9 @@ from __future__ import annotations
 import base64
 import logging
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 import numpy as np
 from fastapi import APIRouter, Request
@@ -64,7 +64,14 @@ class EmbedInput(BaseModel):
 
 
 class CohereEmbedRequest(RequestBody):
-    """Cohere's v2 embed body (unknown fields accepted and named in a warning, as everywhere)."""
+    """Cohere's v2 embed body (unknown fields accepted and named in a warning, as everywhere;
+    other APIs' names for Cohere's own choices refused)."""
+
+    foreign_fields: ClassVar[Mapping[str, str]] = {
+        "dimensions": "OpenAI's and not honoured on /v2/embed: send output_dimension",
+        "truncate_prompt_tokens": "vLLM's and not honoured on /v2/embed: send max_tokens",
+        "encoding_format": "OpenAI's and not honoured on /v2/embed: send embedding_types",
+    }
 
     model: StrictStr | None = None
     input_type: InputType | None = Field(

@@ -7,9 +7,9 @@ Shapes and rules read from TEI's router and core (`router/src/http/types.rs`, `s
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from fastapi import Request
 from starlette.responses import Response
@@ -33,7 +33,15 @@ class TEIBody(RequestBody):
     """A TEI body: fields TEI does not define are ignored with a log line, as TEI ignores them.
 
     huggingface_hub's InferenceClient adds fields of its own (`parameters`, `encoding_format`).
+    vLLM's and Voyage's names for TEI's own choices are refused rather than dropped.
     """
+
+    foreign_fields: ClassVar[Mapping[str, str]] = {
+        "truncate_prompt_tokens": "vLLM's and not honoured on TEI's routes: send truncate",
+        "truncation_side": "vLLM's and not honoured on TEI's routes: send truncation_direction",
+        "input_type": "Cohere's, Voyage's and NIM's and not honoured on TEI's routes: send "
+        "prompt_name",
+    }
 
 
 def mark(request: Request) -> None:

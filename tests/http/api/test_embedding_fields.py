@@ -165,3 +165,57 @@ def test_input_type_keeps_a_model_without_prompts(client: Any) -> None:
     plain = _data(client, input=TEXTS)
     for input_type in ("query", "document", "passage"):
         assert _data(client, input=TEXTS, input_type=input_type) == plain
+
+
+@pytest.mark.parametrize(
+    ("route", "field", "value", "instead"),
+    [
+        ("/v1/embeddings", "embedding_types", ["int8"], "output_dtype"),
+        ("/v1/embeddings", "max_tokens", 8, "truncate_prompt_tokens"),
+        ("/v1/embeddings", "truncation_direction", "left", "truncation_side"),
+        ("/v1/pooling", "output_dtype", "int8", "/v1/embeddings"),
+        ("/v1/pooling", "input_type", "query", "prompt_name"),
+        ("/v1/pooling", "truncate", "END", "truncate_prompt_tokens"),
+        ("/v1/classify", "truncation_direction", "left", "truncation_side"),
+    ],
+)
+def test_another_apis_field_that_would_change_the_answer_is_refused(
+    client: Any, route: str, field: str, value: Any, instead: str
+) -> None:
+    message = _error_at(client, route, field, {"input": TEXTS, field: value})
+    assert instead in message, message
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "field", "status"),
+    [
+        # TEI answers a body off its schema with 422 (its `Validation` error type)
+        ("/embed", {"inputs": TEXTS, "truncate_prompt_tokens": 8}, "truncate_prompt_tokens", 422),
+        ("/embed", {"inputs": TEXTS, "input_type": "query"}, "input_type", 422),
+        ("/v2/embed", {"texts": TEXTS, "dimensions": 64}, "dimensions", 400),
+        ("/v2/embed", {"texts": TEXTS, "encoding_format": "base64"}, "encoding_format", 400),
+    ],
+)
+def test_compat_routes_refuse_other_apis_names_for_their_own_choices(
+    client: Any, route: str, body: dict[str, Any], field: str, status: int
+) -> None:
+    response = client.post(route, json=body)
+    assert response.status_code == status, response.text
+    assert field in response.text
+
+
+def test_a_foreign_field_left_null_and_unknown_fields_are_still_only_logged(client: Any) -> None:
+    plain = _data(client, input=TEXTS)
+    assert _data(client, input=TEXTS, embedding_types=None, some_field_nobody_defines=1) == plain
+    # huggingface_hub's InferenceClient sends encoding_format to TEI's /embed: still accepted
+    response = client.post("/embed", json={"inputs": TEXTS, "encoding_format": "float"})
+    assert response.status_code == 200, response.text
+
+
+def _error_at(client: Any, route: str, param: str, body: dict[str, Any]) -> str:
+    response = client.post(route, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param, error
+    message: str = error["message"]
+    return message
