@@ -38,6 +38,9 @@ CLOSE = {"connection": "close"}  # the rest of the request was not read: the con
 ERROR_FAMILY_KEY = "poolserve.error_family"
 TEI_FAMILY = "tei"
 OLLAMA_FAMILY = "ollama"
+# Voyage's client posts to OpenAI's path and reads its errors from `{"detail": message}`
+# (voyageai 0.5, api_requestor.handle_error_response); /v1/embeddings marks its requests.
+VOYAGE_FAMILY = "voyage"
 
 
 class EdgeError(StarletteHTTPException):
@@ -165,6 +168,10 @@ def tei_error_response(
     return Response(body, status_code=status, media_type="application/json", headers=headers)
 
 
+# the families whose error body is one key holding the message
+MESSAGE_KEYS: dict[str, str] = {OLLAMA_FAMILY: "error", VOYAGE_FAMILY: "detail"}
+
+
 def family_error_response(
     family: str | None,
     status: int,
@@ -175,9 +182,10 @@ def family_error_response(
     headers: Mapping[str, str] | None = None,
 ) -> Response:
     """The error body of the route's client family: TEI's on TEI's routes, Ollama's on
-    Ollama's (`{"error": message}`, the status unchanged), else OpenAI's."""
-    if family == OLLAMA_FAMILY:
-        body = orjson.dumps({"error": clip(message, MAX_MESSAGE_CHARS)})
+    Ollama's (`{"error": message}`) and Voyage's for its client (`{"detail": message}`), the
+    status unchanged, else OpenAI's."""
+    if family in MESSAGE_KEYS:
+        body = orjson.dumps({MESSAGE_KEYS[family]: clip(message, MAX_MESSAGE_CHARS)})
         return Response(body, status_code=status, media_type="application/json", headers=headers)
     if family != TEI_FAMILY:
         return error_response(status, message, type_, param, code, headers)

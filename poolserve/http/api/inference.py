@@ -36,7 +36,7 @@ from poolserve.http.api.schemas import (
 )
 from poolserve.http.api.span_items import SpanRows, span_rows
 from poolserve.http.calls import answer, service_state, submit
-from poolserve.http.errors import error_line
+from poolserve.http.errors import ERROR_FAMILY_KEY, VOYAGE_FAMILY, error_line
 from poolserve.http.routing import StrictJSONRoute
 from poolserve.types.errors import InvalidRequestError
 from poolserve.types.outputs import PoolingOutput
@@ -162,6 +162,10 @@ def _pooling_head(index: int) -> dict[str, object]:
 async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     """OpenAI embeddings, with vLLM's fields (messages, request_id, embed_dtype, ...) and the
     fields Voyage, NIM and Jina send to the same path (embedding_fields.py)."""
+    if "truncation" in body.model_fields_set:
+        # Voyage's client always sends `truncation` (Voyage's field alone): it reads its errors
+        # from Voyage's body, `{"detail"}` (the body's own schema errors came before: OpenAI's)
+        request.scope.setdefault("state", {})[ERROR_FAMILY_KEY] = VOYAGE_FAMILY
     task = PoolingTask.EMBED
     normalize = agreed(
         ("normalize", _normalize(task, body.normalize, body.use_activation)),

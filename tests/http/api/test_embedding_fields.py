@@ -33,6 +33,10 @@ def _data(client: Any, **body: Any) -> list[Any]:
 def _error(client: Any, param: str, **body: Any) -> str:
     response = client.post("/v1/embeddings", json=body)
     assert response.status_code == 400, response.text
+    if "truncation" in body:  # Voyage's request: Voyage's body, the message naming the field
+        detail: str = response.json()["detail"]
+        assert param in detail, detail
+        return detail
     error = response.json()["error"]
     assert error["param"] == param, error
     message: str = error["message"]
@@ -219,3 +223,12 @@ def _error_at(client: Any, route: str, param: str, body: dict[str, Any]) -> str:
     assert error["param"] == param, error
     message: str = error["message"]
     return message
+
+
+def test_voyages_requests_answer_voyages_error_body(client: Any) -> None:
+    # Voyage's client always sends `truncation`: its errors come as {"detail": message}
+    response = client.post("/v1/embeddings", json={"input": [LONG], "truncation": False})
+    assert response.status_code == 400
+    assert set(response.json()) == {"detail"} and "tokens" in response.json()["detail"]
+    other = client.post("/v1/embeddings", json={"input": [LONG], "truncate": False})
+    assert other.status_code == 400 and set(other.json()) == {"error"}

@@ -166,8 +166,14 @@ def test_voyage_client_embeds_and_quantizes(server: LiveProcess, reference: Any)
     for kind in ("int8", "uint8", "binary", "ubinary"):
         answer = client.embed(TEXTS, model=DEFAULT_MODEL_ID, input_type="query", output_dtype=kind)
         assert_quantized(np.asarray(answer.embeddings), reference, kind)
-    with pytest.raises(voyageai.error.APIError):  # over-long with truncation off: refused
+    # over-long with truncation off: refused, in Voyage's error body ({"detail"}), which its
+    # client raises as its own InvalidRequestError with the server's words
+    with pytest.raises(voyageai.error.InvalidRequestError, match="more than 256 tokens"):
         client.embed([" ".join(["word"] * 400)], model=DEFAULT_MODEL_ID, truncation=False)
+    # a body off the schema is refused before it is known to be Voyage's: OpenAI's body, which
+    # the client raises as its generic APIError, status and body included
+    with pytest.raises(voyageai.error.APIError, match="output_dtype"):
+        client.embed(TEXTS, model=DEFAULT_MODEL_ID, output_dtype="int4")
 
 
 def test_nim_fields_through_the_openai_client(server: LiveProcess, reference: Any) -> None:
