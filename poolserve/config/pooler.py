@@ -6,11 +6,13 @@ core, the front end's start-up for its handle); both read the same validated rec
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from typing import Literal
 
 from pydantic import (
+    AliasChoices,
     BaseModel,
     ConfigDict,
     Field,
@@ -37,8 +39,11 @@ class PoolerDefaults(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     # vLLM's: the model's one pooling task (a task it serves, checked at load): the task of a
-    # /v1/pooling request that names none, and how /score compares (token_embed: MaxSim)
-    task: PoolingTask | None = None
+    # /v1/pooling request that names none, and how /score compares (token_embed: MaxSim).
+    # vLLM 0.33 spells it pooling_task; its earlier releases, task: both are read.
+    task: PoolingTask | None = Field(
+        default=None, validation_alias=AliasChoices("pooling_task", "task")
+    )
     pooling_type: Literal["CLS", "LAST", "MEAN"] | None = None
     normalize: bool | None = None
     use_activation: bool | None = None
@@ -100,6 +105,12 @@ def parse_pooler_config(text: str | None) -> PoolerDefaults:
     """Parse the JSON flag (empty means no overrides); raises ValueError naming the problem."""
     if not text:
         return PoolerDefaults()
+    try:
+        keys = json.loads(text)
+    except ValueError:
+        keys = None  # pydantic says what is wrong with it
+    if isinstance(keys, dict) and {"task", "pooling_task"} <= keys.keys():
+        raise ValueError("--pooler-config: send one of pooling_task and task (the same key)")
     try:
         return PoolerDefaults.model_validate_json(text)
     except ValidationError as exc:

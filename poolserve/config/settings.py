@@ -263,8 +263,8 @@ class ServerSettings(BaseSettings):
         '{"enable_chunked_processing": true, "max_embed_len": 32768} (embed inputs longer than '
         'the model, pooled in slices), {"logit_mean": 2.65, "logit_sigma": 1.0} (classifier '
         "logits calibrated before the activation; deprecated logit_bias, logit_scale), "
-        '{"task": "token_embed"} (the model\'s pooling task: /v1/pooling\'s default and how '
-        "/score compares, token_embed by MaxSim).",
+        '{"pooling_task": "token_embed"} (the model\'s pooling task: /v1/pooling\'s default '
+        "and how /score compares, token_embed by MaxSim).",
         json_schema_extra=MODEL_OUTPUTS,
     )
     hf_overrides: str | None = Field(

@@ -108,7 +108,8 @@ class UnsupportedTaskError(PoolingError):
         self.task = task
         self.supported = tuple(sorted(supported))
         names = ", ".join(self.supported) or "none"
-        super().__init__(f"task {task!r} is not supported by this model; supported tasks: {names}")
+        # vLLM's words first ("Unsupported task: 'embed'"), which its clients and tests match
+        super().__init__(f"Unsupported task: {task!r}; this model's supported tasks: {names}")
 
 
 class InvalidPoolingParamsError(PoolingError):

@@ -20,8 +20,43 @@ DOCUMENTS = ["paris is the capital of france", "the cat sat on the mat"]
 
 @pytest.fixture(scope="module")
 def token_embed(make_client: Callable[..., Any]) -> Iterator[Any]:
-    with make_client(None, pooler_config='{"task": "token_embed"}') as started:
+    # vLLM 0.33's spelling (tests/entrypoints/pooling/token_embed/test_online.py); its earlier
+    # releases' `task` is read too
+    with make_client(None, pooler_config='{"pooling_task": "token_embed"}') as started:
         yield started
+
+
+# Ported from vLLM 0.33's tests/entrypoints/pooling/token_embed/test_online.py (its model,
+# multilingual-e5-small, is 384 wide as MiniLM is; the token count is the tokenizer's own).
+VLLM_TEXT = "The best thing about vLLM is that it supports many different models"
+
+
+def test_vllm_pooling_token_embed(token_embed: Any) -> None:
+    body = {"model": "minilm", "input": VLLM_TEXT, "encoding_format": "float"}
+    response = token_embed.post("/pooling", json={**body, "task": "token_embed"})
+    data = response.json()["data"]
+    tokens = AutoTokenizer.from_pretrained(MINILM_DIR)(VLLM_TEXT)["input_ids"]
+    assert len(data) == 1
+    assert len(data[0]["data"]) == len(tokens)
+    assert len(data[0]["data"][0]) == 384
+
+
+@pytest.mark.parametrize("task", ["classify", "token_classify", "plugin"])
+def test_vllm_pooling_not_supported(token_embed: Any, task: str) -> None:
+    body = {"model": "minilm", "input": "test", "encoding_format": "float", "task": task}
+    response = token_embed.post("/pooling", json=body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    # vLLM: type "BadRequestError"; this server keeps OpenAI's type (docs/api.md, error body)
+    assert error["type"] == "invalid_request_error"
+    if task != "plugin":  # a task no model here has: refused by the body's schema, naming it
+        assert error["message"].startswith(f"Unsupported task: {task!r}"), error
+    else:
+        assert error["param"] == "task", error
+    # vLLM also refuses "embed" here; this server serves a model's other tasks whatever its
+    # pooling_task (docs/api.md, --pooler-config): an answer, where vLLM gives an error
+    served = token_embed.post("/pooling", json={**body, "task": "embed"})
+    assert served.status_code == 200 and len(served.json()["data"][0]["data"]) == 384
 
 
 def _maxsim_reference(query: str, document: str) -> float:
@@ -91,3 +126,5 @@ def test_score_is_no_pooling_task() -> None:
     with pytest.raises(ValueError, match="task"):
         parse_pooler_config('{"task": "plugin"}')
     assert parse_pooler_config('{"task": "token_classify"}').task == "token_classify"
+    with pytest.raises(ValueError, match="one of pooling_task and task"):
+        parse_pooler_config('{"task": "embed", "pooling_task": "embed"}')
