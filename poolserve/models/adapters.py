@@ -68,11 +68,13 @@ class AdapterSegments:
         return cls(tuple(groups))
 
 
-class LoraLinear(torch.nn.Module):
-    """Stacked LoRA of one projection: A [num_adapters, rank, in], B [num_adapters, out, rank]."""
+class StackedLora(torch.nn.Module):
+    """Every adapter's A and B of one module, stacked on a first axis, and their scale."""
 
     a: torch.Tensor
     b: torch.Tensor
+    # where the rank sits in A and in B (after the adapter axis), which must agree
+    RANK_AXES: tuple[int, int]
 
     def __init__(
         self,
@@ -82,11 +84,23 @@ class LoraLinear(torch.nn.Module):
         placement: tuple[torch.device, torch.dtype],
     ) -> None:
         super().__init__()
-        if a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0] or a.shape[1] != b.shape[2]:
+        in_a, in_b = self.RANK_AXES
+        if (
+            a.dim() != 3
+            or b.dim() != 3
+            or a.shape[0] != b.shape[0]
+            or a.shape[in_a] != b.shape[in_b]
+        ):
             raise ModelLoadError(f"LoRA shapes do not fit: A {tuple(a.shape)}, B {tuple(b.shape)}")
         self.scale = scale
         self.register_buffer("a", to_device(a, *placement))
         self.register_buffer("b", to_device(b, *placement))
+
+
+class LoraLinear(StackedLora):
+    """Stacked LoRA of one projection: A [num_adapters, rank, in], B [num_adapters, out, rank]."""
+
+    RANK_AXES = (1, 2)
 
     def add_to(
         self,
@@ -105,26 +119,11 @@ class LoraLinear(torch.nn.Module):
         return y
 
 
-class LoraEmbedding(torch.nn.Module):
+class LoraEmbedding(StackedLora):
     """Stacked LoRA of an embedding table: A [num_adapters, rows, rank], B [.., rank, dim];
     the row of id t under adapter i moves by scale * A_i[t] @ B_i."""
 
-    a: torch.Tensor
-    b: torch.Tensor
-
-    def __init__(
-        self,
-        a: torch.Tensor,
-        b: torch.Tensor,
-        scale: float,
-        placement: tuple[torch.device, torch.dtype],
-    ) -> None:
-        super().__init__()
-        if a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
-            raise ModelLoadError(f"LoRA shapes do not fit: A {tuple(a.shape)}, B {tuple(b.shape)}")
-        self.scale = scale
-        self.register_buffer("a", to_device(a, *placement))
-        self.register_buffer("b", to_device(b, *placement))
+    RANK_AXES = (2, 1)
 
     def add_to(
         self,
