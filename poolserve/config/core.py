@@ -9,6 +9,7 @@ from typing import Any
 from poolserve.config.models_file import ServedModels
 from poolserve.config.pooler import PoolerDefaults
 from poolserve.config.settings import ServerSettings, default_of
+from poolserve.types.lora import LoraServing
 from poolserve.types.tasks import PoolingTask, PoolingType
 
 
@@ -43,6 +44,7 @@ class CoreConfig:
     priority: int = 0
     # CUDA: the most of the device's memory this model may hold (weights + KV pool); None: no cap
     gpu_memory_fraction: float | None = None
+    lora: LoraServing | None = None  # --lora-modules, --max-loras, --max-lora-rank
 
 
 # CoreConfig fields that a setting of the same name does not give as is.
@@ -50,6 +52,7 @@ NOT_COPIED = frozenset(
     {"hf_overrides", "embed_pooling", "pooler_task", "logit_mean", "logit_sigma"}
     | {"record_timelines"}
     | {"priority", "gpu_memory_fraction"}  # a --models-config entry's own keys
+    | {"lora"}  # the settings' lora property: --lora-modules parsed, with its limits
 )
 
 
@@ -70,6 +73,7 @@ def core_config(settings: ServerSettings, defaults: PoolerDefaults) -> CoreConfi
         logit_mean=defaults.calibration.mean,
         logit_sigma=defaults.calibration.sigma,
         record_timelines=settings.otlp_traces_endpoint is not None,
+        lora=settings.lora,
     )
 
 

@@ -70,6 +70,7 @@ GROUPS: tuple[Group, ...] = (
             "score_template",
         ),
     ),
+    Group("LoRA adapters", ("enable_lora", "lora_modules", "max_loras", "max_lora_rank")),
     Group("input bounds", ("max_input_chars", "max_request_chars", "max_tokenizing_chars")),
     Group(
         "requests",

@@ -13,6 +13,8 @@ from urllib.parse import urlsplit
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from poolserve.types.lora import DEFAULT_MAX_LORA_RANK, LoraServing, parse_lora_module
+
 
 class Scope(StrEnum):
     """Whom a setting belongs to; marked on each field, read by `scope_of`."""
@@ -298,6 +300,33 @@ class ServerSettings(BaseSettings):
         "'{\"matryoshka_dimensions\": [...]}' (e.g. 1024,512,256,128,64).",
         json_schema_extra=MODEL_OUTPUTS,
     )
+    enable_lora: bool = Field(
+        False,
+        description="Serve LoRA adapters on the model (vLLM's switch; --lora-modules implies it).",
+        json_schema_extra=MODEL,
+    )
+    lora_modules: Annotated[list[str] | None, NoDecode] = Field(
+        None,
+        description="PEFT LoRA adapters served on the model, each a name clients send as `model` "
+        "and its folder (adapter_config.json, adapter_model.safetensors): name=path, or vLLM's "
+        'JSON \'{"name": ..., "path": ..., "base_model_name": ...}\'. Listed in /v1/models with '
+        "the model as parent; requests of different adapters run in one step.",
+        json_schema_extra=MODEL,
+    )
+    max_loras: int | None = Field(
+        None,
+        gt=0,
+        le=256,
+        description="Adapters held at once (default: as many as --lora-modules names, at least 1).",
+        json_schema_extra=MODEL,
+    )
+    max_lora_rank: int = Field(
+        DEFAULT_MAX_LORA_RANK,
+        gt=0,
+        le=512,
+        description="The largest adapter rank served; an adapter above it is refused.",
+        json_schema_extra=MODEL,
+    )
     api_server_count: int = Field(
         1,
         ge=0,
@@ -379,6 +408,32 @@ class ServerSettings(BaseSettings):
         if not names and info.field_name == "served_model_name":
             raise ValueError("must name at least one model name")
         return names
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _lora_list(cls, value: object) -> object:
+        """Each adapter entry as text (name=path or a JSON object), from flags, a JSON list or
+        one entry; every one is parsed here, so a bad entry fails at start."""
+        if value is None:
+            return None
+        if isinstance(value, str) and value.strip().startswith("["):
+            value = json.loads(value)
+        items = value if isinstance(value, list | tuple) else [value]
+        texts = [json.dumps(item) if isinstance(item, dict) else item for item in items]
+        modules = [parse_lora_module(text) for text in texts]
+        names = [m.name for m in modules]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"adapter names must differ: {twice} given twice")
+        return texts
+
+    @property
+    def lora(self) -> LoraServing | None:
+        """The model's adapters and their room; None when LoRA is not served."""
+        if not self.enable_lora and not self.lora_modules:
+            return None
+        modules = tuple(parse_lora_module(text) for text in self.lora_modules or ())
+        return LoraServing(modules, self.max_loras or max(1, len(modules)), self.max_lora_rank)
 
     @field_validator("allowed_origins")
     @classmethod

@@ -30,5 +30,7 @@ def card_of(engine: Engine) -> ModelCard:
         device=engine.device.type,
         family=spec.family,
         score_tokens=spec.score_tokens,
-        adapters=loaded.model.adapter_names,
+        # the checkpoint's own (a request's task); PEFT adapters are reached by model name
+        adapters=loaded.model.adapter_names if not loaded.lora_modules else (),
+        lora_modules=loaded.lora_modules,
     )

@@ -149,6 +149,7 @@ def _load_and_build(
         revision=config.revision,
         quantization=config.quantization,
         allow_slower_precision=config.allow_slower_precision,
+        lora=config.lora,
     )
     limit = loaded.spec.max_model_len
     max_model_len = min(config.max_model_len or limit, limit)

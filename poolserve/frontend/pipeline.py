@@ -91,6 +91,8 @@ async def submit_job(state: ServiceState, job: Job, caller: Caller = IN_PROCESS)
     limit = embed_limit(job, model, engine.max_model_len)  # vLLM's max_embed_len, chunking
     tokenizing = model if limit is None else tokenizing_model(limit, model, job.truncate)
     plan = PLANNERS[type(job)](job, engine, tokenizing, state)
+    if model.lora is not None:
+        plan = plan.through(model.lora.name)
     engine.check_params(plan.params)
     engine.precheck(plan.num_prompts)  # 429 before any tokenization work
     started = time.monotonic()

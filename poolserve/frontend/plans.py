@@ -30,6 +30,7 @@ from poolserve.frontend.texts import (
     tokenize,
     truncation_for,
 )
+from poolserve.types.errors import InvalidRequestError
 from poolserve.types.params import PoolingParams
 from poolserve.types.scoring import PairMode, scorer_plan
 from poolserve.types.tasks import PoolingTask
@@ -54,6 +55,23 @@ class Plan:
     params: PoolingParams
     num_prompts: int
     tokenize: Callable[[], Awaitable[Batch]]
+
+    def through(self, adapter: str) -> Plan:
+        """The plan with every prompt run through LoRA adapter `adapter` (the request's model);
+        a job that chose another adapter (a jina-v3 task) is refused: one adapter per prompt."""
+        if self.params.adapter is not None:
+            raise InvalidRequestError(
+                f"model {adapter!r} is a LoRA adapter: it cannot also run the model's task "
+                f"adapter {self.params.adapter!r}",
+                "task",
+            )
+        tokenize = self.tokenize
+
+        async def adapted() -> Batch:
+            batch = await tokenize()
+            return replace(batch, params=replace(batch.params, adapter=adapter))
+
+        return Plan(replace(self.params, adapter=adapter), self.num_prompts, adapted)
 
 
 def plan_texts(job: TextJob, engine: EngineClient, model: ModelHandle, state: ServiceState) -> Plan:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -19,6 +19,7 @@ from poolserve.observability.metrics import ServiceMetrics
 from poolserve.observability.tracing import NO_TRACING, Tracing
 from poolserve.types.admission import CharBudget
 from poolserve.types.card import ModelCard
+from poolserve.types.lora import LoraModule
 from poolserve.types.tasks import DEFAULT_TASK_ORDER, PoolingTask
 
 if TYPE_CHECKING:  # loaded only where the engine core runs in this process
@@ -97,6 +98,14 @@ class ModelHandle:
     pair_template: PairLayout | None = None
     # how pairs are rendered before tokenizing (an LLM reranker's prompt; None: no template)
     score_template: ScoreTemplate | None = None
+    # a LoRA adapter served on the model: its requests run through it (None: the model itself)
+    lora: LoraModule | None = None
+    parent: str | None = None  # an adapter's base model, by its served name
+
+    def as_adapter(self, lora: LoraModule) -> ModelHandle:
+        """This model as a request naming adapter `lora` sees it: answers report its name."""
+        parent = lora.base_model_name or self.served_name
+        return replace(self, served_name=lora.name, aliases=(), lora=lora, parent=parent)
 
     def label_of(self, probs: np.ndarray) -> str:
         """The best class's name: the model's id2label entry, else LABEL_<index>."""
@@ -171,6 +180,16 @@ class ServiceState:
         """The models to route to, and the one requests without a `model` get."""
         self.models, self.default = models, default
         self.served = {name: m for m in models for name in m.handle.served_names}
+        for model in models:
+            for lora in model.handle.card.lora_modules:
+                if lora.name in self.served:
+                    raise ValueError(f"LoRA adapter {lora.name!r} has a served model's name")
+                self.served[lora.name] = Served(model.handle.as_adapter(lora), model.engine)
+
+    @property
+    def adapters(self) -> tuple[Served, ...]:
+        """Every LoRA adapter served, as a model of its own name."""
+        return tuple(s for s in self.served.values() if s.handle.lora is not None)
 
     def find(self, name: str | None) -> Served | None:
         """The model a request's `model` names (the default when it names none); None if none."""

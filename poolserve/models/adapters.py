@@ -93,14 +93,64 @@ class StackedLora(torch.nn.Module):
         ):
             raise ModelLoadError(f"LoRA shapes do not fit: A {tuple(a.shape)}, B {tuple(b.shape)}")
         self.scale = scale
+        # the adapters with weights here; the others add nothing and are skipped
+        self.held = set(range(a.shape[0]))
         self.register_buffer("a", to_device(a, *placement))
         self.register_buffer("b", to_device(b, *placement))
+
+
+@dataclass(frozen=True)
+class LoraSite:
+    """Where the LoRA of one module of a checkpoint lands: a part of a layer's projection slot.
+
+    The forward fuses projections a checkpoint may store apart (query, key and value; gate and
+    up): the slot's output rows are its parts' in order, and each part's adapter takes its own
+    rank rows, so fused parts stay independent (a block-diagonal B).
+    """
+
+    layer: int
+    slot: str  # the layer's projection slot: "qkv", "o", "up" or "gate_up", "down"
+    part: int  # which of the slot's parts this module is
+    parts: tuple[int, ...]  # each part's output rows, in the fused order
+    in_features: int
+    # GTE stores its fused gated projection (up, gate); the forward runs (gate, up)
+    swap_halves: bool = False
 
 
 class LoraLinear(StackedLora):
     """Stacked LoRA of one projection: A [num_adapters, rank, in], B [num_adapters, out, rank]."""
 
     RANK_AXES = (1, 2)
+
+    @classmethod
+    def empty(
+        cls,
+        capacity: int,
+        rank: int,
+        shape: tuple[int, int],  # (out, in) of the projection
+        placement: tuple[torch.device, torch.dtype],
+    ) -> LoraLinear:
+        """Room for `capacity` adapters of up to `rank`, all zero (a zero adapter adds nothing);
+        the scale is folded into each B as it is written."""
+        out_features, in_features = shape
+        a = torch.zeros(capacity, rank, in_features)
+        b = torch.zeros(capacity, out_features, rank)
+        lora = cls(a, b, 1.0, placement)
+        lora.held.clear()
+        return lora
+
+    def write(self, index: int, site: LoraSite, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Adapter `index`'s A [r, in] and scaled B [out_part, r] as `site`'s part of the slot."""
+        rank = a.shape[0]
+        room = self.a.shape[1] // len(site.parts)  # rank rows per part
+        first = site.part * room
+        start = sum(site.parts[: site.part])
+        if site.swap_halves:
+            up, gate = b.chunk(2)
+            b = torch.cat([gate, up])
+        self.a[index, first : first + rank] = a.to(self.a.dtype)
+        self.b[index, start : start + b.shape[0], first : first + rank] = b.to(self.b.dtype)
+        self.held.add(index)
 
     def add_to(
         self,
@@ -110,6 +160,8 @@ class LoraLinear(StackedLora):
     ) -> torch.Tensor:  # y
         """y + scale * (x @ A^T) @ B^T on each adapter's tokens."""
         for adapter, index in segments.groups:
+            if adapter not in self.held:
+                continue
             a, b = self.a[adapter], self.b[adapter]  # [rank, in], [out, rank]
             if index is None:
                 y.add_(F.linear(F.linear(x, a), b), alpha=self.scale)

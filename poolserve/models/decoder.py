@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PretrainedConfig
 
+from poolserve.models.adapters import AdapterSegments, LoraLinear, LoraSite
 from poolserve.models.attention import AttentionBackend, AttentionMetadata
 from poolserve.models.decoder_config import (
     DecoderGeometry,
@@ -45,6 +46,30 @@ class AttentionStep:
     backend: AttentionBackend
     meta: AttentionMetadata
     kv_cache: PagedKVCache | None
+    adapters: AdapterSegments | None = None  # each token's LoRA adapter (None: none runs)
+
+
+# Our projection slots -> the checkpoint's module, fused (Phi-3) or its parts (the others).
+_PROJECTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "qkv": ("self_attn.qkv_proj", tuple(f"self_attn.{n}_proj" for n in ("q", "k", "v"))),
+    "o": ("self_attn.o_proj", ("self_attn.o_proj",)),
+    "gate_up": ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+    "down": ("mlp.down_proj", ("mlp.down_proj",)),
+}
+
+
+def _layer_sites(index: int, state: dict[str, torch.Tensor]) -> dict[str, LoraSite]:
+    """Where each stored projection of layer `index` lands among the forward's fused slots."""
+    sites = {}
+    for slot, (fused, parts) in _PROJECTIONS.items():
+        stored = (fused,) if f"{fused}.weight" in state else parts
+        weights = [take(state, f"{name}.weight") for name in stored]
+        sizes = tuple(int(w.shape[0]) for w in weights)
+        for k, name in enumerate(stored):
+            sites[f"layers.{index}.{name}"] = LoraSite(
+                index, slot, k, sizes, int(weights[k].shape[1])
+            )
+    return sites
 
 
 def _projection(
@@ -61,10 +86,8 @@ def _projection(
 
 def _layer_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
     """One layer's projection weights under our names, fused where the checkpoint splits them."""
-    qkv, qkv_bias = _projection(
-        state, "self_attn.qkv_proj", tuple(f"self_attn.{n}_proj" for n in ("q", "k", "v"))
-    )
-    gate_up, gate_up_bias = _projection(state, "mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"))
+    qkv, qkv_bias = _projection(state, *_PROJECTIONS["qkv"])
+    gate_up, gate_up_bias = _projection(state, *_PROJECTIONS["gate_up"])
     return {
         "qkv_weight": qkv,
         "qkv_bias": qkv_bias,
@@ -124,6 +147,8 @@ class DecoderLayer(torch.nn.Module):
         super().__init__()
         self.geometry = geometry
         self.act = act
+        # stacked LoRA adapters by projection slot ("qkv", "o", "gate_up", "down"), when served
+        self.lora = torch.nn.ModuleDict()
         # layer index, sliding window (None: full attention), index of the rope it uses
         self.index, self.window, self.rope_index = position
         for name, tensor in _layer_weights(state).items():
@@ -145,9 +170,9 @@ class DecoderLayer(torch.nn.Module):
             h = rms_norm(h, self.attn_out_norm, g.eps)
         x.add_(h, alpha=g.residual_multiplier)
         h = rms_norm(x, self.mlp_norm, g.eps)  # [num_tokens, hidden]
-        gate_up = linear(h, self.gate_up_weight, self.gate_up_bias)  # [num_tokens, 2 * inter]
+        gate_up = self._linear("gate_up", h, step)  # [num_tokens, 2 * inter]
         gate, up = gate_up.chunk(2, dim=-1)  # [num_tokens, inter] each
-        h = linear(self.act(gate).mul_(up), self.down_weight, self.down_bias)
+        h = self._linear("down", self.act(gate).mul_(up), step)
         if self.mlp_out_norm is not None:
             h = rms_norm(h, self.mlp_out_norm, g.eps)
         x.add_(h, alpha=g.residual_multiplier)
@@ -162,7 +187,7 @@ class DecoderLayer(torch.nn.Module):
         """Self-attention of the packed stream, output projection included."""
         g = self.geometry
         num_tokens = h.shape[0]
-        qkv = linear(h, self.qkv_weight, self.qkv_bias)  # [num_tokens, (H + 2 KV) * D]
+        qkv = self._linear("qkv", h, step)  # [num_tokens, (H + 2 KV) * D]
         q_size, kv_size = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(num_tokens, g.num_heads, g.head_dim)  # [num_tokens, H, D]
@@ -182,7 +207,20 @@ class DecoderLayer(torch.nn.Module):
             scale=g.scale,
             softcap=g.softcap,
         )  # [num_tokens, H, D]
-        return linear(attended.reshape(num_tokens, q_size), self.o_weight, self.o_bias)
+        return self._linear("o", attended.reshape(num_tokens, q_size), step)
+
+    def _linear(self, slot: str, x: torch.Tensor, step: AttentionStep) -> torch.Tensor:
+        """The slot's projection of x, plus each token's LoRA adapter where it has one."""
+        y = linear(x, getattr(self, f"{slot}_weight"), getattr(self, f"{slot}_bias"))
+        if step.adapters is None or slot not in self.lora:
+            return y
+        return cast(LoraLinear, self.lora[slot]).add_to(y, x, step.adapters)
+
+
+def _layer_state(state: dict[str, torch.Tensor], index: int) -> dict[str, torch.Tensor]:
+    """The tensors of layer `index`, its prefix removed."""
+    prefix = f"layers.{index}."
+    return {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
 
 
 class DecoderModel(PackedModel):
@@ -218,13 +256,12 @@ class DecoderModel(PackedModel):
             "norm", norm_weight(take(state, "norm.weight"), family.norm_offset, placement)
         )
         windows = layer_windows(config)
+        self._sites: dict[str, LoraSite] = {}
+        for i in range(config.num_hidden_layers):
+            self._sites.update(_layer_sites(i, _layer_state(state, i)))
         self.layers = torch.nn.ModuleList(
             DecoderLayer(
-                {
-                    k.removeprefix(f"layers.{i}."): v
-                    for k, v in state.items()
-                    if k.startswith(f"layers.{i}.")
-                },
+                _layer_state(state, i),
                 family,
                 geometry,
                 act,
@@ -233,6 +270,10 @@ class DecoderModel(PackedModel):
             )
             for i in range(config.num_hidden_layers)
         )
+
+    def lora_sites(self) -> dict[str, LoraSite]:
+        """Each stored projection of each layer, by its name in the checkpoint."""
+        return self._sites
 
     @torch.inference_mode()
     def forward(
@@ -243,14 +284,17 @@ class DecoderModel(PackedModel):
         kv_cache: PagedKVCache | None,
         out: torch.Tensor | None = None,  # [>= num_tokens, hidden]
         token_type_ids: torch.Tensor | None = None,  # [num_tokens]; ignored: no type table
+        adapters: AdapterSegments | None = None,  # each token's LoRA adapter (None: none runs)
     ) -> torch.Tensor:  # [num_tokens, hidden]
         """Embeds, runs every layer with chunk-aware attention, applies the final norm."""
         self.check_inputs(input_ids)
+        if adapters is not None and not self.adapter_names:
+            raise ValueError("this model has no adapters")
         x = F.embedding(input_ids, self.embed_tokens)  # [num_tokens, hidden]
         if self.embed_scale is not None:
             x = x * self.embed_scale
         ropes = [cast(Rotary, rotary).cos_sin(positions, x.dtype) for rotary in self.rotary]
-        step = AttentionStep(self.backend, attn, kv_cache)
+        step = AttentionStep(self.backend, attn, kv_cache, adapters)
         for layer in self.layers:
             x = layer(x, ropes, step)
         return self.deliver(rms_norm(x, self.norm, self.eps), out)

@@ -13,6 +13,7 @@ from poolserve.models.adapters import (
     AdapterSegments,
     LoraEmbedding,
     LoraLinear,
+    LoraSite,
     adapter_names,
     take_lora_linear,
 )
@@ -189,14 +190,16 @@ def _layers(
     geometry: EncoderGeometry,
     placement: tuple[torch.device, torch.dtype],
     rope_index: list[int | None],
+    sites: dict[str, LoraSite],
 ) -> torch.nn.ModuleList:
-    """Every layer, with its window and rope."""
+    """Every layer, with its window and rope; each projection's LoRA site added to `sites`."""
     names: LayerNames = ENCODER_LAYOUTS[family.layout][1]
     windows = layer_windows(config)
     act = activation(getattr(config, family.activation_key))
     layers = []
     for i in range(config.num_hidden_layers):
         tensors = layer_state(state, names, i)
+        sites.update(_layer_sites(i, names, tensors))
         layers.append(
             EncoderLayer(
                 layer_tensors(tensors, names, family.pre_norm),
@@ -209,6 +212,22 @@ def _layers(
             )
         )
     return torch.nn.ModuleList(layers)
+
+
+def _layer_sites(
+    index: int, names: LayerNames, tensors: dict[str, torch.Tensor]
+) -> dict[str, LoraSite]:
+    """Where each stored projection of layer `index` lands among the forward's fused slots."""
+    prefix = names.prefix.format(i=index)
+    slots = {"qkv": names.qkv, "o": (names.o,), "up": names.up, "down": (names.down,)}
+    sites = {}
+    for slot, parts in slots.items():
+        weights = [tensors[f"{part}.weight"] for part in parts]
+        sizes = tuple(int(w.shape[0]) for w in weights)
+        for k, part in enumerate(parts):
+            swap = names.gate_second and slot == "up"
+            sites[prefix + part] = LoraSite(index, slot, k, sizes, int(weights[k].shape[1]), swap)
+    return sites
 
 
 def _layer_lora(
@@ -265,9 +284,14 @@ class EncoderModel(PackedModel):
             Rotary(config, geometry.head_dim, kind) for kind in (distinct if rotary else [])
         ).to(placement[0])
         rope_index = [distinct.index(kind) if rotary else None for kind in rope_types]
-        self.layers = _layers(config, state, family, geometry, placement, rope_index)
+        self._sites: dict[str, LoraSite] = {}
+        self.layers = _layers(config, state, family, geometry, placement, rope_index, self._sites)
         # the stacked LoRA adapters' names, by index (jina-embeddings-v3's tasks); () if none
         self.adapter_names = adapter_names(config) if _has_lora(self) else ()
+
+    def lora_sites(self) -> dict[str, LoraSite]:
+        """Each stored projection of each layer, by its name in the checkpoint."""
+        return self._sites
 
     @torch.inference_mode()
     def forward(

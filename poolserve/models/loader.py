@@ -34,6 +34,7 @@ from poolserve.models.heads import (
 )
 from poolserve.models.late_interaction import check_plain_prompts
 from poolserve.models.packed import PackedModel
+from poolserve.models.peft import install_adapters, read_peft_adapter
 from poolserve.models.quantization import INT_MM, check_quantization, quantize_linears
 from poolserve.models.registry import (
     ARCHITECTURES,
@@ -49,11 +50,13 @@ from poolserve.models.spec import LoadedModel, ModelSpec
 from poolserve.models.static import find_static, load_static
 from poolserve.models.weights import load_state_dict, strip_prefix
 from poolserve.types.errors import (
+    LoraAdapterError,
     ModelLoadError,
     UnsafeCheckpointError,
     UnsupportedArchitectureError,
     UnsupportedDtypeError,
 )
+from poolserve.types.lora import LoraModule, LoraServing
 from poolserve.types.tasks import CLASSIFIER_HEADS, HeadKind
 
 logger = logging.getLogger(__name__)
@@ -74,6 +77,7 @@ def load_model(
     revision: str | None = None,
     quantization: str | None = None,
     allow_slower_precision: bool = False,
+    lora: LoraServing | None = None,
 ) -> LoadedModel:
     """Loads a checkpoint (local dir, Hub id, or None = all-MiniLM-L6-v2) for packed forwards.
 
@@ -90,6 +94,8 @@ def load_model(
     overrides = dict(hf_overrides or {})
     static = find_static(path)  # model2vec / StaticEmbedding: a token table, no config.json model
     if static is not None:
+        if lora is not None:
+            raise LoraAdapterError("", "a static embedding model has no projections to adapt")
         return load_static(
             path,
             static,
@@ -115,6 +121,9 @@ def load_model(
         kernels = choose_kernels(packed, dtype, quantization, allow_slower_precision)
     quantized = quantize_linears(packed, quantization, device, kernel=kernels.int8_kernel or INT_MM)
     pack_linears(packed, kernels.float_kernel)
+    if lora is not None:
+        _install_lora(packed, lora, placement)
+    lora_modules = () if lora is None else lora.modules
     tokenizer = _load_tokenizer(path)
     if entry.head_kind is HeadKind.BGE_M3:
         head: torch.nn.Module | None = load_m3_heads(path, config, device)
@@ -143,7 +152,36 @@ def load_model(
         head=head,
         tokenizer=tokenizer,
         sentence_transformers=st_config,
+        lora_modules=lora_modules,
     )
+
+
+def _install_lora(
+    packed: PackedModel, lora: LoraServing, placement: tuple[torch.device, torch.dtype]
+) -> None:
+    """Room for --max-loras adapters in every projection, --lora-modules' adapters written in."""
+    if len(lora.modules) > lora.max_loras:
+        raise LoraAdapterError(
+            "",
+            f"--lora-modules names {len(lora.modules)} adapters, more than --max-loras "
+            f"{lora.max_loras} holds",
+        )
+    adapters = [read_peft_adapter(m.name, _adapter_path(m)) for m in lora.modules]
+    install_adapters(packed, adapters, lora.max_lora_rank, lora.max_loras, placement)
+    logger.info(
+        "LoRA: room for %d adapters of rank <= %d; serving %s",
+        lora.max_loras,
+        lora.max_lora_rank,
+        ", ".join(a.name for a in adapters) or "none yet",
+    )
+
+
+def _adapter_path(module: LoraModule) -> Path:
+    """The adapter's folder: a local one, or a Hub id's download."""
+    try:
+        return resolve_model_path(module.path, None)
+    except (ModelLoadError, OSError) as exc:
+        raise LoraAdapterError(module.name, str(exc)) from exc
 
 
 def resolve_dtype(dtype: torch.dtype | None, device: torch.device) -> torch.dtype:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from poolserve.models.adapters import LoraSite
 from poolserve.models.attention import AttentionMetadata
 from poolserve.models.kv_cache import PagedKVCache
 from poolserve.types.prompts import check_token_ids, check_token_type_ids
@@ -53,6 +54,17 @@ class PackedModel(torch.nn.Module, abc.ABC):
         """Validates ids still on the host; device ids were validated before their copy."""
         if input_ids.device.type == "cpu":
             validate_token_ids(input_ids, self.vocab_size)
+
+    def lora_sites(self) -> dict[str, LoraSite]:
+        """Each module a LoRA adapter may train, by its checkpoint name inside the backbone (a
+        PEFT module path ends with it); {} where the model has no projections to adapt."""
+        return {}
+
+    def lora_slots(self, index: int) -> torch.nn.ModuleDict:
+        """Layer `index`'s stacked adapters by projection slot (its `lora` ModuleDict)."""
+        slots = self.get_submodule(f"layers.{index}.lora")
+        assert isinstance(slots, torch.nn.ModuleDict)
+        return slots
 
     @staticmethod
     def deliver(hidden: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from poolserve.types.lora import LoraModule
 from poolserve.types.model import SentenceTransformersConfig
 from poolserve.types.tasks import HeadKind
 
@@ -60,3 +61,4 @@ class LoadedModel:
     head: torch.nn.Module | None
     tokenizer: PreTrainedTokenizerBase
     sentence_transformers: SentenceTransformersConfig | None
+    lora_modules: tuple[LoraModule, ...] = ()  # the PEFT adapters installed (--lora-modules)

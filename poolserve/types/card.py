@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from poolserve.types.limits import SchedulerConfig
+from poolserve.types.lora import LoraModule
 from poolserve.types.model import SentenceTransformersConfig
 from poolserve.types.model_info import PoolingModelInfo
 from poolserve.types.tasks import PoolingTask
@@ -46,6 +47,8 @@ class ModelCard:
     # what tells the front end the prompt recipe of its checkpoint (frontend/score_recipes.py)
     score_tokens: tuple[str, ...] = ()
     adapters: tuple[str, ...] = ()  # the LoRA adapters a request may name (jina-v3's tasks)
+    # PEFT adapters (--lora-modules): each a name a request's `model` may send
+    lora_modules: tuple[LoraModule, ...] = ()
 
     def dumps(self) -> bytes:
         """The card as it travels."""

@@ -44,6 +44,15 @@ class ModelLoadError(ModelError):
     """A model directory, Hub id or checkpoint file could not be read."""
 
 
+class LoraAdapterError(ModelLoadError):
+    """A LoRA adapter that cannot run on the model exactly: the reason, never a fallback."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        self.name = name
+        self.reason = reason
+        super().__init__(f"LoRA adapter {name!r}: {reason}" if name else f"LoRA adapters: {reason}")
+
+
 class UnsafeCheckpointError(ModelError):
     """The checkpoint needs pickle weights or remote code, which are refused."""
 

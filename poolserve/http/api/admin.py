@@ -105,6 +105,20 @@ async def models(request: Request) -> Response:
         for served in state.models
         for name in served.handle.served_names
     ]
+    # LoRA adapters as vLLM lists them: the folder as root, the base model as parent
+    cards += [
+        {
+            "id": served.name,
+            "object": "model",
+            "created": created,
+            "owned_by": "poolserve",
+            "root": lora.path,
+            "parent": served.handle.parent,
+            "max_model_len": served.handle.max_model_len,
+        }
+        for served in state.adapters
+        if (lora := served.handle.lora) is not None
+    ]
     return _json({"object": "list", "data": cards})
 
 

@@ -1,0 +1,211 @@
+"""PEFT LoRA adapter folders (`adapter_config.json` + `adapter_model.safetensors`) on a loaded
+model: read, checked against the model's projections, written into its stacked LoRA slots.
+
+Every adapter takes one index of each adapted projection's `LoraLinear` (models/adapters.py); a
+step runs each token through its own request's adapter. Each module's scale (PEFT's
+`lora_alpha / r`, or `/ sqrt(r)` with rsLoRA; `alpha_pattern` per module) is folded into its B,
+and ranks below the slot's room are zero-padded: a zero row adds nothing. What the forward
+cannot apply exactly (DoRA, trained biases, embedding tables, modules outside the layers'
+projections) is refused with the reason, never skipped: an adapter either changes every module
+it trained or does not load.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from poolserve.models.adapters import LoraLinear, LoraSite
+from poolserve.models.packed import PackedModel
+from poolserve.types.errors import LoraAdapterError
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PICKLED_FILE = "adapter_model.bin"
+PEFT_PREFIX = "base_model.model."
+_LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>A|B)\.weight$")
+
+# adapter_config.json switches the forward cannot apply exactly, with the value it can
+_EXACT_ONLY: dict[str, tuple[Any, ...]] = {
+    "peft_type": ("LORA",),
+    "use_dora": (False, None),  # DoRA rescales the whole weight per column
+    "bias": ("none", None),  # trained biases of the base projections
+    "lora_bias": (False, None),  # a bias on B
+    "fan_in_fan_out": (False, None),  # GPT-2's Conv1D layout
+    "layer_replication": (None,),  # layers stacked again
+    "use_qalora": (False, None),
+    "use_bdlora": (False, None, {}),
+    "trainable_token_indices": (None, [], {}),  # new token rows of the embedding table
+    "alora_invocation_tokens": (None, []),  # activated LoRA: from a token on only
+}
+
+
+@dataclass(frozen=True)
+class PeftAdapter:
+    """One adapter folder, read: its name, where it lies, each module's A and scaled B."""
+
+    name: str
+    path: Path
+    rank: int  # the largest rank of its modules
+    # module path (PEFT's, its `base_model.model.` removed) -> (A [r, in], B [out, r] * scale)
+    modules: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def read_peft_adapter(name: str, path: Path) -> PeftAdapter:
+    """The adapter in folder `path`; LoraAdapterError naming the reason when it cannot load."""
+    config = _read_config(name, path)
+    tensors = _read_tensors(name, path)
+    saved = sorted(k for k in tensors if not _LORA_KEY.match(k))
+    if saved:
+        raise LoraAdapterError(
+            name,
+            f"it saves whole modules ({', '.join(saved[:3])}): modules_to_save and embedding "
+            "adapters are not served; adapters of the layers' projections are",
+        )
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        found = _LORA_KEY.match(key)
+        assert found is not None  # every other key was refused above
+        pairs.setdefault(found["module"], {})[found["which"]] = tensor
+    modules = {}
+    for module, pair in pairs.items():
+        if set(pair) != {"A", "B"}:
+            raise LoraAdapterError(name, f"{module} has lora_{''.join(pair)} without its pair")
+        a, b = pair["A"].float(), pair["B"].float()
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+            raise LoraAdapterError(
+                name, f"{module}: lora_A {list(a.shape)} and lora_B {list(b.shape)} do not pair"
+            )
+        modules[module] = (a, b * _scale(config, module, int(a.shape[0])))
+    if not modules:
+        raise LoraAdapterError(name, f"{WEIGHTS_FILE} holds no LoRA weights")
+    rank = max(int(a.shape[0]) for a, _ in modules.values())
+    return PeftAdapter(name, path, rank, modules)
+
+
+def _read_config(name: str, path: Path) -> dict[str, Any]:
+    """adapter_config.json, with every switch the forward cannot apply exactly refused."""
+    file = path / CONFIG_FILE
+    if not file.is_file():
+        raise LoraAdapterError(name, f"{path} has no {CONFIG_FILE}")
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise LoraAdapterError(name, f"cannot read {CONFIG_FILE}: {exc}") from exc
+    if not isinstance(config, dict):
+        raise LoraAdapterError(name, f"{CONFIG_FILE} is not a JSON object")
+    refused = [
+        f"{key}={config[key]!r}"
+        for key, exact in _EXACT_ONLY.items()
+        if key in config and config[key] not in exact
+    ]
+    if refused:
+        raise LoraAdapterError(name, "not served: " + ", ".join(refused))
+    return config
+
+
+def _read_tensors(name: str, path: Path) -> dict[str, torch.Tensor]:
+    """The adapter's tensors, PEFT's prefix removed; pickled weights are refused."""
+    file = path / WEIGHTS_FILE
+    if not file.is_file():
+        why = "pickled weights are not loaded" if (path / PICKLED_FILE).is_file() else "none"
+        raise LoraAdapterError(name, f"{path} has no {WEIGHTS_FILE} ({why})")
+    try:
+        with safe_open(str(file), framework="pt") as opened:
+            keys = list(opened.keys())
+            return {k.removeprefix(PEFT_PREFIX): opened.get_tensor(k) for k in keys}
+    except Exception as exc:  # safetensors raises its own untyped errors for corrupt files
+        raise LoraAdapterError(name, f"cannot read {WEIGHTS_FILE}: {exc}") from exc
+
+
+def _pattern_value(patterns: Mapping[str, Any], module: str) -> Any:
+    """PEFT's rank_pattern/alpha_pattern lookup: the first key that names the module's tail."""
+    for pattern, value in patterns.items():
+        if re.match(rf"(.*\.)?({pattern})$", module):
+            return value
+    return None
+
+
+def _scale(config: Mapping[str, Any], module: str, rank: int) -> float:
+    """PEFT's scaling of one module: alpha / r, or alpha / sqrt(r) with rsLoRA."""
+    alpha = _pattern_value(config.get("alpha_pattern") or {}, module)
+    if alpha is None:
+        alpha = config.get("lora_alpha", 8)  # PEFT's LoraConfig default
+    root = math.sqrt(rank) if config.get("use_rslora") else rank
+    return float(alpha) / root
+
+
+def site_of(sites: Mapping[str, LoraSite], module: str) -> LoraSite | None:
+    """The site of a PEFT module path: the model's module name it ends with (any head class's
+    prefix before it, `bert.` or `model.`)."""
+    for name, site in sites.items():
+        if module == name or module.endswith(f".{name}"):
+            return site
+    return None
+
+
+def install_adapters(
+    model: PackedModel,
+    adapters: Sequence[PeftAdapter],
+    max_rank: int,
+    capacity: int,
+    placement: tuple[torch.device, torch.dtype],
+) -> None:
+    """Room for `capacity` adapters of rank up to `max_rank` in every projection the model
+    adapts; `adapters` written into the first indices, their names the model's adapter names."""
+    if model.adapter_names:
+        raise LoraAdapterError(
+            adapters[0].name if adapters else "",
+            "the model carries its own task adapters (jina-embeddings-v3); PEFT adapters on it "
+            "are not served",
+        )
+    sites = model.lora_sites()
+    if not sites:
+        raise LoraAdapterError("", f"{type(model).__name__} has no projections to adapt")
+    slots = {(s.layer, s.slot): s for s in sites.values()}
+    for (layer, slot), site in slots.items():
+        shape = (sum(site.parts), site.in_features)
+        model.lora_slots(layer)[slot] = LoraLinear.empty(
+            capacity, max_rank * len(site.parts), shape, placement
+        )
+    for index, adapter in enumerate(adapters):
+        write_adapter(model, index, adapter, max_rank)
+    model.adapter_names = tuple(a.name for a in adapters)
+
+
+def write_adapter(model: PackedModel, index: int, adapter: PeftAdapter, max_rank: int) -> None:
+    """Checks the adapter against the model, then writes it as adapter `index`."""
+    if adapter.rank > max_rank:
+        raise LoraAdapterError(
+            adapter.name, f"its rank {adapter.rank} is above --max-lora-rank {max_rank}"
+        )
+    sites = model.lora_sites()
+    placed = []
+    for module, (a, b) in adapter.modules.items():
+        site = site_of(sites, module)
+        if site is None:
+            raise LoraAdapterError(
+                adapter.name,
+                f"{module} is not one of the model's layer projections (for example "
+                f"{next(iter(sites))})",
+            )
+        out_features = site.parts[site.part]
+        if a.shape[1] != site.in_features or b.shape[0] != out_features:
+            raise LoraAdapterError(
+                adapter.name,
+                f"{module} maps {a.shape[1]} -> {b.shape[0]} features where the model's "
+                f"projection maps {site.in_features} -> {out_features}",
+            )
+        placed.append((site, a, b))
+    for site, a, b in placed:
+        lora = model.lora_slots(site.layer)[site.slot]
+        assert isinstance(lora, LoraLinear)
+        lora.write(index, site, a, b)

@@ -1,0 +1,244 @@
+"""PEFT LoRA adapters served per request: each adapter's outputs equal PEFT's model with that
+adapter (and its merge_and_unload), alone and mixed with the base model and other adapters in
+one step, on an encoder (BERT) and a decoder (Llama, chunked), async scheduling on and off;
+an adapter that does not fit the model is refused with its reason, never served as the base."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+
+from poolserve.offline import AsyncPoolingEngine
+from poolserve.types.errors import ModelStartError
+from tests.tiny_encoders import build_hf_encoder, save_tiny_encoder
+from tests.tiny_models import build_hf_model, save_tiny_model
+
+# float32; the adapters' deltas are added in another order than PEFT's (segmented, after the
+# fused base projection), which moves the last bits only
+TOLERANCE = 1e-4
+TEXTS = (
+    "the quick brown fox jumps over the lazy dog",
+    "a b c",
+    "pack my box with five dozen liquor jugs and then some more words to make it longer",
+)
+
+
+def _random_adapter(base: torch.nn.Module, config: LoraConfig, seed: int) -> PeftModel:
+    """`base` with a LoRA adapter whose A and B are both random (PEFT starts B at zero)."""
+    model = get_peft_model(copy.deepcopy(base), config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
+    return model.eval()
+
+
+# family -> (base builder, saver, the layers' module names a PEFT config targets, adapters)
+ADAPTERS: dict[str, list[tuple[str, dict[str, Any]]]] = {
+    "bert": [
+        ("legal", {"r": 4, "lora_alpha": 8, "target_modules": ["query", "value", "output.dense"]}),
+        (
+            "medical",
+            {
+                "r": 8,
+                "lora_alpha": 4,
+                "use_rslora": True,
+                "target_modules": ["query", "key", "value", "intermediate.dense"],
+                "alpha_pattern": {"key": 2},
+            },
+        ),
+    ],
+    "llama": [
+        ("legal", {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}),
+        (
+            "medical",
+            {
+                "r": 8,
+                "lora_alpha": 16,
+                "target_modules": ["k_proj", "o_proj", "gate_proj", "up_proj"],
+            },
+        ),
+    ],
+}
+
+
+def _states(model: torch.nn.Module, ids: list[int]) -> np.ndarray:
+    """The backbone's last hidden states of one prompt: what token_embed returns unnormalized
+    (a PEFT model's backbone carries its LoRA layers)."""
+    hf = model.get_base_model() if isinstance(model, PeftModel) else model
+    with torch.no_grad():
+        return hf.base_model(input_ids=torch.tensor([ids])).last_hidden_state[0].numpy()
+
+
+class Served:
+    """A tiny base model, its adapters saved as PEFT folders, and their reference models."""
+
+    def __init__(self, family: str, directory: Path) -> None:
+        self.family = family
+        if family == "bert":
+            base = build_hf_encoder("bert")
+            self.path = save_tiny_encoder("bert", directory / "base", base)
+        else:
+            base = build_hf_model("llama")
+            self.path = save_tiny_model("llama", directory / "base")
+        self.base = base
+        self.references: dict[str, torch.nn.Module] = {"base": base}
+        self.folders: dict[str, Path] = {}
+        for seed, (name, options) in enumerate(ADAPTERS[family]):
+            adapted = _random_adapter(base, LoraConfig(**options), seed)
+            folder = directory / name
+            adapted.save_pretrained(folder)
+            self.folders[name] = folder
+            self.references[name] = adapted
+
+    def lora_modules(self) -> list[str]:
+        return [f"{name}={folder}" for name, folder in self.folders.items()]
+
+
+@pytest.fixture(scope="module", params=["bert", "llama"])
+def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Served:
+    return Served(request.param, tmp_path_factory.mktemp(f"lora-{request.param}"))
+
+
+def _run(coroutine: Any) -> Any:
+    return asyncio.run(coroutine)
+
+
+async def _token_states(
+    engine: AsyncPoolingEngine, names: list[str], texts: tuple[str, ...]
+) -> dict[str, list[np.ndarray]]:
+    """Every text's token states under each name (base: the model), all submitted at once."""
+
+    async def one(name: str) -> list[np.ndarray]:
+        model = None if name == "base" else name
+        pooled = await engine.encode(list(texts), "token_embed", normalize=False, model=model)
+        return [np.asarray(p.data) for p in pooled]
+
+    results = await asyncio.gather(*(one(name) for name in names))
+    return dict(zip(names, results, strict=True))
+
+
+def _token_ids(engine: AsyncPoolingEngine, text: str) -> list[int]:
+    return list(engine.state.model.tokenizer(text)["input_ids"])  # type: ignore[union-attr]
+
+
+def _close(got: np.ndarray, want: np.ndarray) -> None:
+    assert got.shape == want.shape, (got.shape, want.shape)
+    scale = max(1.0, float(np.abs(want).max()))
+    assert float(np.abs(got - want).max()) <= TOLERANCE * scale
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_adapters_alone_and_mixed_equal_peft(served: Served, async_scheduling: bool) -> None:
+    """Base + both adapters in one submission wave (several per step; the decoder chunked):
+    each output equals PEFT's model with that adapter, and each adapter moves every output."""
+    names = ["base", *served.folders]
+    settings: dict[str, Any] = {
+        "lora_modules": served.lora_modules(),
+        "max_loras": 2,
+        "max_lora_rank": 8,
+        "async_scheduling": async_scheduling,
+        "max_num_seqs": 8,
+    }
+    if served.family == "llama":  # a step budget under the long prompt: chunked prefill
+        settings["max_num_batched_tokens"] = 16
+        settings["max_model_len"] = 64
+
+    async def run() -> tuple[dict[str, list[np.ndarray]], list[list[int]]]:
+        async with AsyncPoolingEngine(str(served.path), **settings) as engine:
+            ids = [_token_ids(engine, text) for text in TEXTS]
+            return await _token_states(engine, names, TEXTS), ids
+
+    got, ids = _run(run())
+    for name in names:
+        reference = served.references[name]
+        for index, token_ids in enumerate(ids):
+            _close(got[name][index], _states(reference, token_ids))
+    for name in served.folders:  # no silent fallback: every adapter changes every text
+        for index in range(len(TEXTS)):
+            assert float(np.abs(got[name][index] - got["base"][index]).max()) > 1e-2
+
+
+def test_adapter_equals_merged_weights(served: Served) -> None:
+    """PEFT's merge_and_unload of an adapter: the same states as the adapter served unmerged."""
+    name = next(iter(served.folders))
+    merged = copy.deepcopy(served.references[name]).merge_and_unload().eval()  # type: ignore[operator]
+
+    async def run() -> tuple[list[np.ndarray], list[list[int]]]:
+        async with AsyncPoolingEngine(
+            str(served.path), lora_modules=served.lora_modules(), max_lora_rank=8
+        ) as engine:
+            ids = [_token_ids(engine, text) for text in TEXTS]
+            return (await _token_states(engine, [name], TEXTS))[name], ids
+
+    got, ids = _run(run())
+    for index, token_ids in enumerate(ids):
+        _close(got[index], _states(merged, token_ids))
+
+
+def _edit_config(folder: Path, tmp: Path, **changes: Any) -> Path:
+    """A copy of the adapter folder with adapter_config.json changed."""
+    copied = tmp / f"edited-{len(list(tmp.iterdir()))}"
+    copied.mkdir()
+    for file in folder.iterdir():
+        (copied / file.name).write_bytes(file.read_bytes())
+    config = json.loads((copied / "adapter_config.json").read_text())
+    config.update(changes)
+    (copied / "adapter_config.json").write_text(json.dumps(config))
+    return copied
+
+
+REFUSALS: dict[str, tuple[Callable[[Served, Path], list[str]], dict[str, Any], str]] = {
+    "rank above the limit": (lambda s, t: s.lora_modules(), {"max_lora_rank": 4}, "above"),
+    "more than max_loras": (lambda s, t: s.lora_modules(), {"max_loras": 1}, "max-loras"),
+    "DoRA": (
+        lambda s, t: [f"x={_edit_config(next(iter(s.folders.values())), t, use_dora=True)}"],
+        {},
+        "use_dora",
+    ),
+    "not a folder": (lambda s, t: [f"x={t / 'missing'}"], {}, "x"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+def test_adapters_that_do_not_fit_are_refused(served: Served, tmp_path: Path, case: str) -> None:
+    """Each refusal names its reason; the model does not start on the base weights instead."""
+    modules, extra, words = REFUSALS[case]
+    settings = {"lora_modules": modules(served, tmp_path), "max_lora_rank": 8, **extra}
+
+    async def run() -> None:
+        async with AsyncPoolingEngine(str(served.path), **settings):
+            pass
+
+    with pytest.raises(ModelStartError) as raised:  # it wraps the load error's message
+        _run(run())
+    assert words in str(raised.value), str(raised.value)
+
+
+def test_a_module_the_model_lacks_is_refused(served: Served, tmp_path: Path) -> None:
+    """An adapter trained on another architecture's modules names the first it cannot place."""
+    other = "llama" if served.family == "bert" else "bert"
+    base = build_hf_encoder("bert") if other == "bert" else build_hf_model("llama")
+    target = ADAPTERS[other][0][1]
+    folder = tmp_path / "foreign"
+    _random_adapter(base, LoraConfig(**target), 0).save_pretrained(folder)
+
+    async def run() -> None:
+        async with AsyncPoolingEngine(
+            str(served.path), lora_modules=[f"foreign={folder}"], max_lora_rank=8
+        ):
+            pass
+
+    with pytest.raises(ModelStartError) as raised:
+        _run(run())
+    assert "LoRA adapter 'foreign'" in str(raised.value), str(raised.value)
