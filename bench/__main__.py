@@ -10,8 +10,8 @@ machine for minutes. So are `fleet` (replicas behind HAProxy), `fleet-ray` (Ray 
 `frontend` (per-request cost of the HTTP front ends on a near-free model, driven by wrk) with
 `frontend-interleaved` (the same servers up at once, taking turns, for same-moment ratios), and
 `footprint` (the command line's answer times, every server process's memory, the modules one
-request runs), and `static` (a model2vec model through the offline engine against model2vec's
-own encode).
+request runs), `static` (a model2vec model through the offline engine against model2vec's
+own encode) and `lora` (LoRA adapters mixed in one step against the base model alone).
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ SEPARATE: dict[str, Callable[[Sequence[str]], None]] = {
     "embed-job": lambda argv: _with_list("jobs.embed", argv),
     "step-threads": lambda argv: _with_list("engine.step_threads", argv),
     "static": lambda argv: _with_list("offline.static", argv),
+    "lora": lambda argv: _with_list("offline.lora", argv),
 }
 
 

@@ -123,6 +123,9 @@ class Runner:
     def prepare(self, step_index: int, chunks: Sequence[ChunkWork]) -> PreparedStep:
         """Fill the host slot of this step with token ids, positions and types (loop thread)."""
         slot = step_index % self.NUM_SLOTS
+        if any(c.adapter is not None for c in chunks):
+            # each LoRA adapter's tokens in one run: its matmuls read a slice, no gather/scatter
+            chunks = sorted(chunks, key=lambda c: -1 if c.adapter is None else c.adapter)
         ids = np.concatenate([c.token_ids for c in chunks])  # [num_tokens]
         positions = np.concatenate(
             [np.arange(c.context_len, c.context_len + len(c.token_ids)) for c in chunks]

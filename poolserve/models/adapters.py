@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import numpy as np
 import torch
@@ -36,12 +37,13 @@ def unparametrize(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 @dataclass(frozen=True)
 class AdapterSegments:
-    """Which tokens of a step run which adapter: (adapter index, token indices) per adapter.
+    """Which tokens of a step run which adapter: (adapter index, its rows) per adapter.
 
-    `None` indices: every token of the step runs that adapter (no gather, no scatter).
+    The rows are a slice where the adapter's tokens are one run (the runner packs a step's
+    chunks grouped by adapter: a view, no gather, no scatter), else their indices.
     """
 
-    groups: tuple[tuple[int, torch.Tensor | None], ...]
+    groups: tuple[tuple[int, slice | torch.Tensor], ...]
 
     @classmethod
     def from_chunks(
@@ -52,18 +54,18 @@ class AdapterSegments:
         present = {a for a in adapters if a is not None}
         if not present:
             return None
-        if len(present) == 1 and None not in adapters:
-            return cls(((present.pop(), None),))
         ends = np.cumsum(lengths)
-        groups = []
+        groups: list[tuple[int, slice | torch.Tensor]] = []
         for adapter in sorted(present):
-            index = np.concatenate(
-                [
-                    np.arange(end - length, end)
-                    for a, length, end in zip(adapters, lengths, ends, strict=True)
-                    if a == adapter
-                ]
-            )
+            runs = [
+                (int(end - length), int(end))
+                for a, length, end in zip(adapters, lengths, ends, strict=True)
+                if a == adapter
+            ]
+            if all(stop == start for (_, stop), (start, _) in pairwise(runs)):
+                groups.append((adapter, slice(runs[0][0], runs[-1][1])))
+                continue
+            index = np.concatenate([np.arange(start, stop) for start, stop in runs])
             groups.append((adapter, torch.from_numpy(index).to(device, non_blocking=True)))
         return cls(tuple(groups))
 
@@ -159,15 +161,15 @@ class LoraLinear(StackedLora):
         segments: AdapterSegments,
     ) -> torch.Tensor:  # y
         """y + scale * (x @ A^T) @ B^T on each adapter's tokens."""
-        for adapter, index in segments.groups:
+        for adapter, rows in segments.groups:
             if adapter not in self.held:
                 continue
             a, b = self.a[adapter], self.b[adapter]  # [rank, in], [out, rank]
-            if index is None:
-                y.add_(F.linear(F.linear(x, a), b), alpha=self.scale)
+            if isinstance(rows, slice):
+                y[rows].add_(F.linear(F.linear(x[rows], a), b), alpha=self.scale)
             else:
-                delta = F.linear(F.linear(x.index_select(0, index), a), b)  # [n, out]
-                y.index_add_(0, index, delta, alpha=self.scale)
+                delta = F.linear(F.linear(x.index_select(0, rows), a), b)  # [n, out]
+                y.index_add_(0, rows, delta, alpha=self.scale)
         return y
 
 
@@ -184,13 +186,13 @@ class LoraEmbedding(StackedLora):
         segments: AdapterSegments,
     ) -> torch.Tensor:  # y
         """y + scale * A_i[ids] @ B_i on each adapter's tokens."""
-        for adapter, index in segments.groups:
+        for adapter, rows in segments.groups:
             a, b = self.a[adapter], self.b[adapter]  # [rows, rank], [rank, dim]
-            if index is None:
-                y.add_(F.embedding(ids, a) @ b, alpha=self.scale)
+            if isinstance(rows, slice):
+                y[rows].add_(F.embedding(ids[rows], a) @ b, alpha=self.scale)
             else:
-                delta = F.embedding(ids.index_select(0, index), a) @ b  # [n, dim]
-                y.index_add_(0, index, delta, alpha=self.scale)
+                delta = F.embedding(ids.index_select(0, rows), a) @ b  # [n, dim]
+                y.index_add_(0, rows, delta, alpha=self.scale)
         return y
 
 
