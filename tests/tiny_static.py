@@ -66,8 +66,9 @@ def exact_model2vec(directory: Path) -> Any:
     """model2vec's StaticModel of a saved folder, averaging in float64.
 
     Its encode() sums a prompt's rows one after another in the table's float32 (numpy's mean
-    along a strided axis): 1.2e-6 off the exact mean of 512 rows, where poolserve's sum is
-    within 3e-8. In float64 its tokenization, unknown-token drop and cut are the same.
+    along a strided axis): 1.2e-6 off the exact mean of 512 rows, where poolserve's float64
+    sum rounded to float32 is within 6e-8. In float64 its tokenization, unknown-token drop and
+    cut are the same.
     """
     from model2vec import StaticModel
 

