@@ -98,6 +98,9 @@ class ScoreJob:
     # the template's further variables (chat_template_kwargs)
     instruction: str | None = None
     template_kwargs: Mapping[str, Any] | None = None
+    # FlagEmbedding's weights_for_different_modes (dense, sparse, ColBERT): bge-m3's combined
+    # score of each pair; None: the model's scorer
+    mode_weights: tuple[float, ...] | None = None
 
     @classmethod
     def one_query(

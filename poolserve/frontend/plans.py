@@ -32,8 +32,9 @@ from poolserve.frontend.texts import (
 )
 from poolserve.types.errors import InvalidRequestError
 from poolserve.types.params import PoolingParams
-from poolserve.types.scoring import PairMode, scorer_plan
+from poolserve.types.scoring import PairMode, job_scorer
 from poolserve.types.tasks import PoolingTask
+from poolserve.types.validation import check_public
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ class Plan:
 def plan_texts(job: TextJob, engine: EngineClient, model: ModelHandle, state: ServiceState) -> Plan:
     """One prompt per input (a sentence-transformers prompt prepended), or per conversation;
     with late chunking each input's spans ride in the parameters (spans.py)."""
+    check_public(engine.pooling_info, job.task)  # a client never runs an internal task
     on_reject = state.metrics.model(model.served_name).on_reject
     chats = job.chats
     limit = model.settings.max_client_batch_size
@@ -159,7 +161,7 @@ def plan_pairs(
     check_pairs(job, model.settings.max_client_batch_size)
     task, joint = job.task, True
     if task is PoolingTask.SCORE:
-        scorer = scorer_plan(engine.pooling_info)
+        scorer = job_scorer(engine.pooling_info, job.mode_weights)
         task, joint = scorer.task, scorer.mode is PairMode.JOINT
     if not joint and job.use_activation is not None:
         logger.debug("use_activation ignored: %s compares embeddings", model.served_name)

@@ -1,4 +1,5 @@
-"""A scoring job's answer: one score per pair, from the head or by comparing two outputs."""
+"""A scoring job's answer: one score per pair, from the head or by comparing two outputs
+(bge-m3's combined score with FlagEmbedding's weights_for_different_modes among them)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import dataclass
 from poolserve.frontend.jobs import ScoreJob
 from poolserve.frontend.pipeline import Submitted, gather
 from poolserve.types.outputs import PoolingOutput
-from poolserve.types.scoring import scorer_plan
+from poolserve.types.scoring import job_scorer
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,7 @@ class Scored:
 async def scores_of(job: ScoreJob, run: Submitted) -> Scored:
     """The submitted job's outputs, then each pair's score."""
     outputs = await gather(run)
-    compare = scorer_plan(run.engine.pooling_info).compare
+    compare = job_scorer(run.engine.pooling_info, job.mode_weights).compare
     if compare is None:  # the head scored each pair's prompt
         scores = tuple(float(o.data.reshape(-1)[0]) for o in outputs)
     else:

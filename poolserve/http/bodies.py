@@ -39,6 +39,14 @@ IGNORED_FIELDS: dict[str, str] = {
 }
 
 
+# FlagEmbedding's weights of bge-m3's scores: honoured by vLLM's scoring bodies (api/schemas.py),
+# refused by the other rerank bodies rather than dropped (the scores would be the dense ones).
+MODE_WEIGHTS_FOREIGN: dict[str, str] = {
+    "weights_for_different_modes": "FlagEmbedding's (bge-m3) and not honoured with this body: "
+    "send it with vLLM's body (query, documents) on POST /rerank, or on POST /score",
+}
+
+
 # The validation context of a body tried against several shapes: no lines are logged for it.
 QUIET: dict[str, bool] = {"quiet": True}
 

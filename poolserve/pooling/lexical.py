@@ -5,7 +5,9 @@ the largest of its tokens', the tokenizer's CLS, EOS, PAD and UNK left out and w
 dropped (FlagEmbedding's `lexical_weights`). The ids are known on the host, so the method finds
 each request's distinct ids there and the device only reduces `[num_tokens]` weights into
 `[num_ids]` slots: no vocabulary-sized buffer. ColBERT: colbert_linear of every token after CLS
-(EOS included), each vector L2-normalized (FlagEmbedding's `colbert_vecs`).
+(EOS included), each vector L2-normalized (FlagEmbedding's `colbert_vecs`). The three together
+(EMBED_M3, for the combined pair score): one prompt's dense vector, lexical weights and ColBERT
+vectors from the same chunks, packed as one output's parts.
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from poolserve.pooling.heads import Head, run_fp32
-from poolserve.pooling.methods import PoolingMethod
+from poolserve.pooling.heads import SEQUENCE_REDUCERS, EmbeddingHead, Head, run_fp32
+from poolserve.pooling.methods import AllPool, PoolingMethod
 from poolserve.pooling.stats import CloneStats
 from poolserve.types.errors import PoolingConfigError
 from poolserve.types.model_info import M3_COLBERT, M3_SPARSE, PoolingModelInfo
+from poolserve.types.outputs import parts_header
 from poolserve.types.params import PoolingParams
 from poolserve.types.tasks import PoolingType
 
@@ -104,6 +107,53 @@ class ColbertVectorsHead(Head):
         return F.normalize(vectors, p=2.0, dim=-1) if self.normalize else vectors
 
 
+class M3Pool(PoolingMethod):
+    """bge-m3's three outputs of one prompt from the same chunks, as FlagEmbedding's
+    compute_score takes them from one forward: the dense vector (the embed task's), the lexical
+    weights (`LexicalPool`, then `LexicalHead`) and the ColBERT vectors, packed as parts
+    `[1, D]`, `[2, nnz]`, `[T - 1, dim]` (types/outputs.py)."""
+
+    pooling_type = PoolingType.ALL  # every position is read
+
+    def __init__(
+        self, info: PoolingModelInfo, *, async_scheduling: bool, stats: CloneStats
+    ) -> None:
+        super().__init__(async_scheduling=async_scheduling, stats=stats)
+        self._reduce = SEQUENCE_REDUCERS[info.embed_pooling_type]
+        self._dense = EmbeddingHead(info.embed_projection, None, normalize=True)
+        self._colbert = ColbertVectorsHead(_m3_module(info, M3_COLBERT), normalize=True)
+        self._lexical = lexical_method(info, async_scheduling=False, stats=stats)
+        # the rows are read in the step of the last chunk and never returned: no clone for async
+        self._rows = AllPool(async_scheduling=False, stats=stats)
+
+    def add_chunk(
+        self, hidden: torch.Tensor, token_ids: Sequence[int], is_last: bool
+    ) -> torch.Tensor | None:
+        """Weigh and keep this chunk's tokens; the packed parts on the last chunk."""
+        weights = self._lexical.add_chunk(hidden, token_ids, is_last)  # [2, U] on the last
+        rows = self._rows.add_chunk(hidden, token_ids, is_last)  # [T, hidden] on the last
+        if weights is None or rows is None:
+            return None
+        dense = self._dense(self._reduce(rows))[None]  # [1, D]
+        parts = (dense, LexicalHead()(weights), self._colbert(rows))
+        header = parts_header([(p.shape[0], p.shape[1]) for p in parts])
+        head = torch.tensor(header, dtype=torch.float32, device=rows.device)
+        return torch.cat([head, *(p.float().reshape(-1) for p in parts)])
+
+    def close(self) -> None:
+        """Drop the kept rows and weights."""
+        self._lexical.close()
+        self._rows.close()
+
+
+class PartsHead(Head):
+    """The method packed the outputs (M3Pool): nothing is left to compute."""
+
+    def __call__(self, pooled: torch.Tensor) -> torch.Tensor:
+        """The packed parts as they are (new storage: never a view of the step's buffer)."""
+        return pooled
+
+
 def _m3_module(info: PoolingModelInfo, key: str) -> nn.Module:
     if info.m3_heads is None:
         raise PoolingConfigError("model info lacks m3_heads")
@@ -131,3 +181,15 @@ def colbert_vectors_head(info: PoolingModelInfo, params: PoolingParams) -> Head:
     """The request's bge-m3 ColBERT head: normalized unless the request says normalize false."""
     normalize = True if params.normalize is None else params.normalize
     return ColbertVectorsHead(_m3_module(info, M3_COLBERT), normalize)
+
+
+def m3_method(
+    info: PoolingModelInfo, *, async_scheduling: bool, stats: CloneStats
+) -> PoolingMethod:
+    """The request's bge-m3 method of all three outputs (EMBED_M3)."""
+    return M3Pool(info, async_scheduling=async_scheduling, stats=stats)
+
+
+def parts_head(info: PoolingModelInfo, params: PoolingParams) -> Head:
+    """EMBED_M3's head: its method packed everything (nothing in it depends on the request)."""
+    return PartsHead()

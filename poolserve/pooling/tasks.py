@@ -16,7 +16,13 @@ from poolserve.pooling.heads import (
     TokenEmbeddingHead,
     TokenRewardHead,
 )
-from poolserve.pooling.lexical import colbert_vectors_head, lexical_head, lexical_method
+from poolserve.pooling.lexical import (
+    colbert_vectors_head,
+    lexical_head,
+    lexical_method,
+    m3_method,
+    parts_head,
+)
 from poolserve.pooling.methods import PoolingMethod, build_method
 from poolserve.pooling.pooler import ChunkInput, RequestPooler, pool_step
 from poolserve.pooling.scorers import CrossEncoderHead
@@ -154,6 +160,8 @@ TASK_PLANS: dict[tuple[HeadKind, PoolingTask], TaskPlan] = {
     (HeadKind.BGE_M3, PoolingTask.EMBED): TaskPlan(_embed_pooling, _embed_head),
     (HeadKind.BGE_M3, PoolingTask.TOKEN_EMBED): TaskPlan(_all, colbert_vectors_head),
     (HeadKind.BGE_M3, PoolingTask.EMBED_SPARSE): TaskPlan(_lexical, lexical_head, lexical_method),
+    # all three from one forward, for FlagEmbedding's combined score (internal: types/tasks.py)
+    (HeadKind.BGE_M3, PoolingTask.EMBED_M3): TaskPlan(_all, parts_head, m3_method),
 }
 
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from poolserve.types.errors import PoolingConfigError
 from poolserve.types.tasks import (
     LABELLED_HEADS,
+    PUBLIC_TASKS,
     SUPPORTED_TASKS,
     HeadKind,
     PoolingTask,
@@ -132,7 +133,12 @@ class PoolingModelInfo:
 
     @cached_property  # asked per request
     def supported_tasks(self) -> frozenset[PoolingTask]:
-        """Tasks this model serves: the tasks its heads allow, intersected with SUPPORTED."""
+        """Tasks this model serves to clients: the public tasks its heads allow."""
+        return self.runnable_tasks & PUBLIC_TASKS
+
+    @cached_property  # asked per request
+    def runnable_tasks(self) -> frozenset[PoolingTask]:
+        """Tasks its heads allow, the server's internal ones included (bge-m3's EMBED_M3)."""
         return head_tasks(self.head_kind, self.num_labels) & SUPPORTED_TASKS
 
     @property
@@ -158,5 +164,5 @@ class PoolingModelInfo:
 
 
 def get_supported_tasks(info: PoolingModelInfo) -> frozenset[PoolingTask]:
-    """Tasks this model serves: the tasks its heads allow, intersected with SUPPORTED."""
+    """Tasks this model serves to clients: the public tasks its heads allow."""
     return info.supported_tasks

@@ -26,6 +26,8 @@ class PoolingTask(StrEnum):
     SCORE = "score"  # one relevance score per (query, document) prompt
     # vocabulary ids and weights: SPLADE over the MLM head, or bge-m3's lexical weights
     EMBED_SPARSE = "embed_sparse"
+    # bge-m3's three outputs of one text from one forward (its combined pair score); internal
+    EMBED_M3 = "embed_m3"
 
 
 class PoolingType(Enum):
@@ -77,6 +79,7 @@ class Output(Enum):
     PER_TOKEN = "per_token"  # [num_tokens, dim]: grows with the prompt
     STEPS = "steps"  # [num_step_tags, num_labels] or [num_tokens]: a reward per step or token
     SPARSE = "sparse"  # [2, nnz]: vocabulary ids and weights
+    PARTS = "parts"  # several 2-D arrays of one prompt in one buffer (types/outputs.py)
 
 
 class PairScoring(Enum):
@@ -106,6 +109,9 @@ class TaskDecl:
     # as --pooler-config's task (vLLM's PoolerConfig.task), how pairs are scored (None: the
     # score routes are not served, as vLLM enables them for embed, token_embed and classify)
     pair_scoring: PairScoring | None = None
+    # offered to clients (/v1/pooling, /info, --pooler-config); False: the server runs it for
+    # a route of its own and no client names it (its output is not an answer's shape)
+    public: bool = True
 
 
 def _heads(*kinds: HeadKind) -> frozenset[HeadKind]:
@@ -174,11 +180,16 @@ TASKS: dict[PoolingTask, TaskDecl] = {
         capability="rerank",
     ),
     PoolingTask.EMBED_SPARSE: TaskDecl(_heads(HeadKind.MASKED_LM, HeadKind.BGE_M3), Output.SPARSE),
+    # dense [1, D], lexical weights [2, nnz] and ColBERT vectors [T - 1, dim] of one forward,
+    # for FlagEmbedding's compute_score (weights_for_different_modes on /score and /rerank)
+    PoolingTask.EMBED_M3: TaskDecl(_heads(HeadKind.BGE_M3), Output.PARTS, public=False),
 }
 
 # What follows is derived from TASKS: edit the declarations above, never these.
 
 SUPPORTED_TASKS: frozenset[PoolingTask] = frozenset(TASKS)
+# What clients may name and a model's task list shows.
+PUBLIC_TASKS = frozenset(t for t, d in TASKS.items() if d.public)
 TOKEN_LEVEL_TASKS = frozenset(t for t, d in TASKS.items() if d.output is Output.PER_TOKEN)
 CALIBRATED_TASKS = frozenset(t for t, d in TASKS.items() if d.calibrated)
 # Heads whose logits --pooler-config's calibration applies to.

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import fields, replace
+from typing import NoReturn
 
 from poolserve.types.errors import InvalidPoolingParamsError, UnsupportedTaskError
 from poolserve.types.model_info import PoolingModelInfo, get_supported_tasks
 from poolserve.types.params import PoolingParams
-from poolserve.types.tasks import TASKS, HeadKind, PoolingTask
+from poolserve.types.tasks import PUBLIC_TASKS, TASKS, HeadKind, PoolingTask
 
 # Optional request field -> the tasks that accept it (TASKS declares each task's fields), in
 # the order of PoolingParams' fields: the order in which a request's fields are checked. The
@@ -107,10 +108,23 @@ FIELD_CHECKS: dict[str, Callable[[PoolingModelInfo, PoolingParams], None]] = {
 
 
 def check_task(info: PoolingModelInfo, task: PoolingTask) -> None:
-    """Raise `UnsupportedTaskError` naming the supported tasks when the model lacks `task`."""
+    """Raise `UnsupportedTaskError` naming the supported tasks when the model cannot run
+    `task` (an internal task included: the server submits those itself)."""
+    if task not in info.runnable_tasks:
+        _unsupported(info, task)
+
+
+def check_public(info: PoolingModelInfo, task: PoolingTask) -> None:
+    """A task a client named: an internal one (the server submits it for a route of its own)
+    is refused as a task the model lacks; any other is checked with the parameters."""
+    if task not in PUBLIC_TASKS:
+        _unsupported(info, task)
+
+
+def _unsupported(info: PoolingModelInfo, task: PoolingTask) -> NoReturn:
+    """UnsupportedTaskError naming the tasks the model offers."""
     supported = get_supported_tasks(info)
-    if task not in supported:
-        raise UnsupportedTaskError(task.value, [t.value for t in supported])
+    raise UnsupportedTaskError(task.value, [t.value for t in supported])
 
 
 def validate_params(info: PoolingModelInfo, params: PoolingParams) -> None:

@@ -19,6 +19,11 @@ from poolserve.models.bge_m3 import COLBERT_FILE, SPARSE_FILE, m3_unused_ids
 from poolserve.offline import PoolingEngine
 from poolserve.pooling.lexical import LexicalHead, LexicalPool
 from poolserve.pooling.stats import CloneStats
+from poolserve.pooling.tasks import build_pooler
+from poolserve.types.errors import UnsupportedTaskError
+from poolserve.types.model_info import M3_COLBERT, M3_SPARSE, PoolingModelInfo
+from poolserve.types.outputs import unpack_parts
+from poolserve.types.params import PoolingParams
 from poolserve.types.tasks import HeadKind, PoolingTask
 from tests.tiny_m3 import COLBERT_DIM, HIDDEN, TEXTS, M3Reference, TinyM3, reference_encode
 from tests.tiny_m3 import save_tiny_m3 as save
@@ -141,6 +146,51 @@ def test_lexical_pool_over_chunks_equals_whole() -> None:
     assert whole[0].int().tolist() == sorted(want)
     torch.testing.assert_close(whole[1], torch.tensor([want[i] for i in sorted(want)]))
     torch.testing.assert_close(pooled([1, 5, 6]), whole)
+
+
+# token ids of one prompt: repeats, and the excluded ids 0-3 among them
+M3_IDS = [0, 7, 9, 7, 3, 9, 9, 11, 1, 7, 12, 2]
+
+
+def _m3_pooled(
+    info: PoolingModelInfo, task: PoolingTask, hidden: torch.Tensor, cuts: list[int]
+) -> torch.Tensor:
+    """One request of `task` over the rows `hidden`, cut into chunks at `cuts`."""
+    pooler = build_pooler(info, PoolingParams(task=task), async_scheduling=True, stats=CloneStats())
+    bounds, out = [0, *cuts, len(M3_IDS)], None
+    for start, end in itertools.pairwise(bounds):
+        out = pooler.add_chunk(hidden[start:end], M3_IDS[start:end], end == len(M3_IDS))
+    assert out is not None
+    return out
+
+
+def test_the_combined_task_packs_the_three_outputs_of_one_pass() -> None:
+    torch.manual_seed(5)
+    heads = torch.nn.ModuleDict(
+        {M3_SPARSE: torch.nn.Linear(HIDDEN, 1), M3_COLBERT: torch.nn.Linear(HIDDEN, COLBERT_DIM)}
+    )
+    info = PoolingModelInfo(
+        is_decoder=False,
+        hidden_size=HIDDEN,
+        m3_heads=heads,
+        sparse_excluded_ids=frozenset(range(4)),
+    )
+    hidden = torch.randn(len(M3_IDS), HIDDEN)
+    whole = unpack_parts(_m3_pooled(info, PoolingTask.EMBED_M3, hidden, []).numpy())
+    # dense [1, D], lexical weights [2, nnz], ColBERT [T - 1, dim]: each its own task's output
+    singles = [PoolingTask.EMBED, PoolingTask.EMBED_SPARSE, PoolingTask.TOKEN_EMBED]
+    for part, task in zip(whole, singles, strict=True):
+        single = _m3_pooled(info, task, hidden, []).numpy()
+        np.testing.assert_array_equal(part, single.reshape(part.shape))
+    chunked = unpack_parts(_m3_pooled(info, PoolingTask.EMBED_M3, hidden, [1, 5, 6]).numpy())
+    for part, again in zip(whole, chunked, strict=True):
+        np.testing.assert_allclose(again, part, rtol=1e-6, atol=1e-6)
+
+
+def test_the_combined_task_is_not_a_clients(engine: PoolingEngine) -> None:
+    # it exists for weights_for_different_modes on /rerank and /score (tests/http/api)
+    with pytest.raises(UnsupportedTaskError, match="embed_m3"):
+        engine.encode(["hello"], PoolingTask.EMBED_M3)
 
 
 def test_one_head_file_alone_serves_dense_only(

@@ -84,7 +84,13 @@ def _options(
         "max_tokens_per_query": body.max_tokens_per_query or None,
         "instruction": body.instruction,
         "template_kwargs": body.chat_template_kwargs,
+        "mode_weights": _weights(body.weights_for_different_modes),
     }
+
+
+def _weights(weights: list[float] | None) -> tuple[float, ...] | None:
+    """FlagEmbedding's weights_for_different_modes as the job carries them."""
+    return None if weights is None else tuple(weights)
 
 
 def _response_id(request: Request, body: ScoreRequestBody | RerankRequestBody) -> str:

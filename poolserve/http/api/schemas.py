@@ -8,6 +8,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictFloat,
     StrictInt,
     StrictStr,
     WithJsonSchema,
@@ -27,7 +28,14 @@ from poolserve.http.bodies import (
     TokenIds,
     as_template_message,
 )
-from poolserve.types.tasks import PoolingTask
+from poolserve.types.tasks import PUBLIC_TASKS, PoolingTask
+
+# The tasks a client may name (an internal one is refused as a task the model lacks): the
+# schema lists only these.
+PublicTask = Annotated[
+    PoolingTask,
+    WithJsonSchema({"type": "string", "enum": [t.value for t in PoolingTask if t in PUBLIC_TASKS]}),
+]
 
 # vLLM's wire vocabulary for binary outputs (its serial_utils)
 EncodingFormat = Literal["float", "base64", "bytes", "bytes_only"]
@@ -270,7 +278,7 @@ class PoolingRequestBody(InputBody, PromptFields, LateChunkingFields):
     """vLLM-compatible `POST /v1/pooling`."""
 
     foreign_fields = {**COHERE_TEI_FOREIGN, **EMBEDDING_CLIENTS_FOREIGN}
-    task: PoolingTask | None = None
+    task: PublicTask | None = None
     encoding_format: EncodingFormat = "float"
     embed_dtype: EmbedDType = "float32"
     endianness: Endianness = "native"
@@ -383,6 +391,12 @@ class DetokenizeRequest(RequestBody):
 # ---- retrieval: /score, /rerank (their shapes are read from the peers' protocol code) ----------
 Texts = StrictStr | list[StrictStr]
 NonNegative = Annotated[StrictInt, Field(ge=0)]
+# FlagEmbedding's weights_for_different_modes: dense, sparse, ColBERT (their sum is checked with
+# the model, types/scoring.py)
+ModeWeights = Annotated[
+    list[Annotated[StrictFloat, Field(ge=0, allow_inf_nan=False)]],
+    Field(min_length=3, max_length=3),
+]
 # vLLM's score bodies, in the order its request union tries them: the first form whose two fields
 # are both present wins (the other forms' fields are then ignored, as vLLM ignores extra fields).
 SCORE_FORMS: tuple[tuple[str, str], ...] = (
@@ -430,6 +444,12 @@ class _ScoringBody(RequestBody):
     )
     request_id: Annotated[str, Field(pattern=REQUEST_ID_PATTERN)] | None = Field(
         default=None, description="Echoed in the response id and x-request-id (header's wins)."
+    )
+    weights_for_different_modes: ModeWeights | None = Field(
+        None,
+        description="bge-m3 only: FlagEmbedding's compute_score weights of its dense, sparse "
+        "and ColBERT scores; each pair's score is then their weighted sum over the weights' sum "
+        "('colbert+sparse+dense'), from one forward per text (default: the dense cosine).",
     )
     padding: Literal["max_length", "do_not_pad"] | None = None
     cache_salt: Annotated[str, Field(min_length=1, max_length=1024)] | None = None

@@ -21,7 +21,7 @@ from poolserve.frontend.jobs import ScoreJob, TextJob
 from poolserve.frontend.pipeline import check_serving, gather
 from poolserve.frontend.state import ModelHandle, ServiceState
 from poolserve.frontend.texts import check_batch_size
-from poolserve.http.bodies import RequestBody
+from poolserve.http.bodies import MODE_WEIGHTS_FOREIGN, RequestBody
 from poolserve.http.calls import answer, score, service_state, submit
 from poolserve.http.routing import StrictJSONRoute
 from poolserve.types.errors import InvalidRequestError
@@ -50,6 +50,7 @@ class InfinityEmbeddingRequest(RequestBody):
 class InfinityRerankRequest(RequestBody):
     """Infinity's rerank body (told apart from vLLM's and Cohere's by `raw_scores`)."""
 
+    foreign_fields = MODE_WEIGHTS_FOREIGN
     query: InfinityText
     documents: list[InfinityText]
     return_documents: bool = False

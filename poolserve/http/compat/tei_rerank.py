@@ -6,12 +6,15 @@ Shapes read from TEI's router (`RerankRequest`, `Rank`, the `rerank` handler in 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
+from typing import ClassVar
 
 from fastapi import Request
 from pydantic import Field, StrictStr
 from starlette.responses import Response
 
 from poolserve.frontend.jobs import ScoreJob
+from poolserve.http.bodies import MODE_WEIGHTS_FOREIGN
 from poolserve.http.calls import score
 from poolserve.http.compat.tei_common import (
     Direction,
@@ -28,6 +31,7 @@ from poolserve.http.compat.tei_common import (
 class TEIRerankRequest(TEIBody):
     """TEI's `RerankRequest` (told apart from the other rerank bodies by `texts`)."""
 
+    foreign_fields: ClassVar[Mapping[str, str]] = {**TEIBody.foreign_fields, **MODE_WEIGHTS_FOREIGN}
     query: StrictStr
     texts: list[StrictStr]
     truncate: bool | None = Field(
