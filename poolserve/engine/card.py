@@ -31,6 +31,6 @@ def card_of(engine: Engine) -> ModelCard:
         family=spec.family,
         score_tokens=spec.score_tokens,
         # the checkpoint's own (a request's task); PEFT adapters are reached by model name
-        adapters=loaded.model.adapter_names if not loaded.lora_modules else (),
-        lora_modules=loaded.lora_modules,
+        adapters=loaded.model.adapter_names if engine.adapters is None else (),
+        lora_modules=() if engine.adapters is None else engine.adapters.modules,
     )

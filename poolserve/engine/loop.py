@@ -9,18 +9,21 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import cast
 
 import numpy as np
 import torch
 
 from poolserve.engine.bridge import pooling_info_from
+from poolserve.engine.lora_slots import adapter_slots
 from poolserve.engine.runner import PreparedStep, Runner, StepResult
 from poolserve.engine.sched.planner import max_prompt_tokens, plan_step
 from poolserve.engine.sched.prefix_cache import CacheUse, PrefixCache
 from poolserve.engine.sched.queues import RequestQueues
 from poolserve.engine.sched.request import PoolingRequest, RequestStatus
 from poolserve.engine.turns import Seat
+from poolserve.models.loader import read_adapter
 from poolserve.models.spec import LoadedModel
 from poolserve.pooling.stats import CloneStats
 from poolserve.pooling.tasks import build_pooler, get_supported_tasks
@@ -29,10 +32,13 @@ from poolserve.types.errors import (
     DrainingError,
     EngineDeadError,
     InvalidPoolingParamsError,
+    LoraAdapterError,
+    LoraAdapterNotFoundError,
     OverloadedError,
     StepFailedError,
 )
 from poolserve.types.limits import SchedulerConfig
+from poolserve.types.lora import LoraModule
 from poolserve.types.observer import EngineObserver, NullObserver
 from poolserve.types.outputs import PoolingOutput, StepTiming
 from poolserve.types.params import NO_CALIBRATION, LogitCalibration, PoolingParams
@@ -101,6 +107,8 @@ class Engine:
         self.dead_reason: str | None = None
         self.num_steps = 0
         self.step_tokens_total = 0
+        # PEFT LoRA adapters (--lora-modules, /v1/load_lora_adapter); None: LoRA not served
+        self.adapters = adapter_slots(loaded)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -175,11 +183,11 @@ class Engine:
             num_types = self.loaded.model.num_token_types
             types = checked_token_types(token_type_ids, token_ids, num_types)
             self.check_params(params)
-        adapter = self._adapter_index(params)  # refused before admission too
         # late chunking: each prompt its own token spans, within it (refused before admission)
         own_params = prompt_params(params, [len(ids) for ids in token_ids])
         try:
-            self.admission.reserve(len(token_ids), sum(len(ids) for ids in token_ids))
+            adapter = self._take_adapter(params, len(token_ids))
+            self._reserve(token_ids, adapter)
         except OverloadedError as exc:
             self.observer.on_reject(exc.reason.value)
             raise
@@ -190,6 +198,8 @@ class Engine:
             if adapter is not None:
                 # an adapter changes every state: cached blocks never serve another adapter
                 request.adapter, request.cache_use = adapter, CacheUse.NONE
+                if self.adapters is not None:  # its slot is held until the request is done
+                    request.future.add_done_callback(partial(self._request_done, adapter))
             self.queues.add(request)
             futures.append(request.future)
         self._wake.set()
@@ -249,16 +259,58 @@ class Engine:
             steps=[] if self.config.record_timelines else None,
         )
 
-    def _adapter_index(self, params: PoolingParams) -> int | None:
-        """The index of the LoRA adapter `params` names among the model's; None: none named."""
+    def _take_adapter(self, params: PoolingParams, count: int) -> int | None:
+        """The adapter's index for `count` requests; a refusal (every slot busy) is counted."""
+        try:
+            return self._adapter_index(params, count)
+        except OverloadedError as exc:
+            self.admission.count_refusal(exc.reason)
+            raise
+
+    def _reserve(self, token_ids: Sequence[np.ndarray], adapter: int | None) -> None:
+        """Admission's room for the prompts; refused, the adapter's slot is let go again."""
+        try:
+            self.admission.reserve(len(token_ids), sum(len(ids) for ids in token_ids))
+        except OverloadedError:
+            self._release_adapter(adapter, len(token_ids))
+            raise
+
+    def _adapter_index(self, params: PoolingParams, count: int) -> int | None:
+        """The index of the LoRA adapter `params` names among the model's (a PEFT adapter's
+        slot, held for `count` requests); None: none named."""
         if params.adapter is None:
             return None
+        if self.adapters is not None:
+            return self.adapters.acquire(params.adapter, count)
         names = self.loaded.model.adapter_names
         if params.adapter not in names:
             have = f"one of the model's adapters {list(names)}" if names else "served: no adapters"
             why = f"{params.adapter!r} is not {have}"
             raise InvalidPoolingParamsError("adapter", why)
         return names.index(params.adapter)
+
+    def _release_adapter(self, index: int | None, count: int) -> None:
+        """`count` requests holding a PEFT adapter's slot are done (or were never admitted)."""
+        if self.adapters is not None and index is not None:
+            self.adapters.release(index, count)
+
+    def _request_done(self, index: int, future: asyncio.Future[PoolingOutput]) -> None:
+        self._release_adapter(index, 1)
+
+    async def load_adapter(self, module: LoraModule) -> None:
+        """Register a PEFT adapter at run time (read off the loop; LoraAdapterError if it does
+        not fit, or when LoRA is not served)."""
+        if self.adapters is None:
+            raise LoraAdapterError(module.name, "LoRA is not served: start with --enable-lora")
+        self.adapters.check_new(module.name)
+        adapter = await asyncio.to_thread(read_adapter, module)
+        self.adapters.register(module, adapter)
+
+    async def unload_adapter(self, name: str) -> None:
+        """Remove a PEFT adapter once its admitted requests are done."""
+        if self.adapters is None:
+            raise LoraAdapterNotFoundError(name)
+        await self.adapters.unregister(name)
 
     def _cache_use(self, pooling_type: PoolingType, token_type_ids: np.ndarray | None) -> CacheUse:
         """Share cached prefixes only when pooling reads nothing but the last position."""

@@ -23,8 +23,12 @@ import numpy as np
 from poolserve.engine.card import card_of
 from poolserve.engine.loop import Engine
 from poolserve.types import protocol
+from poolserve.types.lora import LoraModule
 from poolserve.types.outputs import PoolingOutput
 from poolserve.types.protocol import (
+    Adapt,
+    Adapted,
+    Adapters,
     Beat,
     Cancel,
     Card,
@@ -65,7 +69,9 @@ class EngineCore:
             Submit: self._submit,
             Cancel: self._cancel,
             Query: self._query,
+            Adapt: self._adapt,
         }
+        self._adapting: set[asyncio.Task[None]] = set()  # loads and unloads under way
 
     def connection(self) -> MessageStream:
         """The protocol of one front end's connection (the Unix server's factory)."""
@@ -144,6 +150,33 @@ class EngineCore:
     def _query(self, who: MessageStream, message: Query, frames: Sequence[memoryview]) -> None:
         payload = pickle.dumps(self.engine.snapshot())
         self._send(who, Snapshot(message.token, payload, self.load()))
+
+    def _adapt(self, who: MessageStream, message: Adapt, frames: Sequence[memoryview]) -> None:
+        task = asyncio.get_running_loop().create_task(self._change_adapters(who, message))
+        self._adapting.add(task)
+        task.add_done_callback(self._adapting.discard)
+
+    async def _change_adapters(self, who: MessageStream, message: Adapt) -> None:
+        """Load or unload an adapter; the asker hears how it went, every front end the new set."""
+        error = None
+        try:
+            if message.path is None:
+                await self.engine.unload_adapter(message.name)  # once its requests are done
+            else:
+                module = LoraModule(message.name, message.path, message.base_model_name)
+                await self.engine.load_adapter(module)
+        except Exception as exc:  # the asker answers it: 400, 404
+            error = protocol.wire_error(exc)
+        self._send(who, Adapted(message.token, error, self.load()))
+        if error is None:
+            self._broadcast_adapters()
+
+    def _broadcast_adapters(self) -> None:
+        adapters = self.engine.adapters
+        modules = [] if adapters is None else list(adapters.modules)
+        listed = [(m.name, m.path, m.base_model_name) for m in modules]
+        for front_end in list(self.front_ends):
+            self._send(front_end, Adapters(listed, self.load()))
 
     # ---- outputs ------------------------------------------------------------------------------
     def _done(

@@ -11,6 +11,7 @@ closing, marks it dead: waiting requests fail with `EngineDeadError` (503) at on
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import pickle
@@ -24,12 +25,16 @@ from poolserve.types import protocol
 from poolserve.types.admission import AdmissionControl
 from poolserve.types.card import ModelCard
 from poolserve.types.errors import DrainingError, EngineDeadError, OverloadedError
+from poolserve.types.lora import LoraModule
 from poolserve.types.model_info import PoolingModelInfo
 from poolserve.types.observer import EngineObserver, NullObserver
 from poolserve.types.outputs import PoolingOutput
 from poolserve.types.params import PoolingParams
 from poolserve.types.prompts import checked_prompt, checked_token_types
 from poolserve.types.protocol import (
+    Adapt,
+    Adapted,
+    Adapters,
     Beat,
     Cancel,
     Card,
@@ -51,6 +56,7 @@ logger = logging.getLogger(__name__)
 REPLY_KEYS: dict[type, Callable[[Any], int]] = {
     Card: lambda message: -1,
     Snapshot: lambda message: message.token,
+    Adapted: lambda message: message.token,
 }
 # How often a front end tries to reach an engine core that is not listening yet.
 CONNECT_RETRY_S = 0.1
@@ -84,6 +90,8 @@ class EngineClient:
         self._handlers: dict[type, Callable[[Any, list[memoryview]], None]] = {
             Card: self._on_reply,
             Snapshot: self._on_reply,
+            Adapted: self._on_reply,
+            Adapters: self._on_adapters,
             Results: self._on_results,
             Beat: lambda message, frames: None,
         }
@@ -252,6 +260,20 @@ class EngineClient:
         self.last_snapshot = snapshot
         return snapshot
 
+    async def adapt(self, name: str, path: str | None, base_model_name: str | None = None) -> None:
+        """Load LoRA adapter `name` from `path` (None: unload it) in the engine; raises what
+        the engine refused with. Every front end hears the new set (Adapters)."""
+        token = next(self._ids)
+        reply = self._expect(token)
+        self._send(Adapt(token, name, path, base_model_name))
+        try:
+            answer = await reply
+        finally:
+            self._replies.pop(token, None)
+        assert isinstance(answer, Adapted)
+        if answer.error is not None:
+            raise protocol.rebuild_error(answer.error)
+
     def latest_snapshot(self) -> EngineSnapshot | None:
         """The last snapshot fetched (what a /metrics scrape just asked for); None when dead."""
         return None if self.dead_reason is not None else self.last_snapshot
@@ -268,6 +290,13 @@ class EngineClient:
     def _on_lost(self, stream: MessageStream, exc: Exception | None) -> None:
         if self.stream is not None and self.dead_reason is None:
             self.lose("the engine core's connection closed")
+
+    def _on_adapters(self, message: Adapters, frames: list[memoryview]) -> None:
+        """The engine's LoRA adapters changed: requests route by the new names from now on."""
+        modules = tuple(LoraModule(name, path, base) for name, path, base in message.modules)
+        if self._card is not None:
+            self._card = dataclasses.replace(self._card, lora_modules=modules)
+        self._mirror(message.load)
 
     def _on_reply(self, message: object, frames: list[memoryview]) -> None:
         key = REPLY_KEYS[type(message)](message)

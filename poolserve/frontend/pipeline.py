@@ -75,7 +75,7 @@ def check_serving(state: ServiceState, model_name: str | None) -> tuple[EngineCl
         state.metrics.on_reject("not_ready", label)
         raise NotReadyError("the server is not ready yet")
     if served is None:
-        names = [repr(name) for name in state.served]
+        names = [repr(name) for name in (*state.served, *(a.name for a in state.adapters))]
         listed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
         raise ModelNotFoundError(
             f"model {model_name!r} does not exist; this server serves {listed}", "model"

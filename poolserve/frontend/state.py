@@ -175,25 +175,42 @@ class ServiceState:
     models: tuple[Served, ...] = ()  # every model, in the order the settings name them
     served: dict[str, Served] = field(default_factory=dict)  # every served name and alias
     default: Served | None = None  # what a request that names no model gets
+    _adapter_cache: dict[LoraModule, Served] = field(default_factory=dict)
 
     def serve(self, models: tuple[Served, ...], default: Served) -> None:
         """The models to route to, and the one requests without a `model` get."""
         self.models, self.default = models, default
         self.served = {name: m for m in models for name in m.handle.served_names}
-        for model in models:
-            for lora in model.handle.card.lora_modules:
-                if lora.name in self.served:
-                    raise ValueError(f"LoRA adapter {lora.name!r} has a served model's name")
-                self.served[lora.name] = Served(model.handle.as_adapter(lora), model.engine)
+        for served in self.adapters:
+            if served.name in self.served:
+                raise ValueError(f"LoRA adapter {served.name!r} has a served model's name")
 
     @property
     def adapters(self) -> tuple[Served, ...]:
-        """Every LoRA adapter served, as a model of its own name."""
-        return tuple(s for s in self.served.values() if s.handle.lora is not None)
+        """Every LoRA adapter served now (its engine's card: loads and unloads change it), each
+        as a model of its own name."""
+        return tuple(
+            self._as_served(model, lora)
+            for model in self.models
+            for lora in model.engine.card.lora_modules
+        )
+
+    def _as_served(self, model: Served, lora: LoraModule) -> Served:
+        served = self._adapter_cache.get(lora)
+        if served is None or served.engine is not model.engine:
+            served = Served(model.handle.as_adapter(lora), model.engine)
+            self._adapter_cache[lora] = served
+        return served
 
     def find(self, name: str | None) -> Served | None:
-        """The model a request's `model` names (the default when it names none); None if none."""
-        return self.default if name is None else self.served.get(name)
+        """The model a request's `model` names (the default when it names none): a served name,
+        else a LoRA adapter's; None if none."""
+        if name is None:
+            return self.default
+        served = self.served.get(name)
+        if served is not None:
+            return served
+        return next((a for a in self.adapters if a.name == name), None)
 
     @property
     def model(self) -> ModelHandle | None:

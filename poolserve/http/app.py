@@ -17,7 +17,7 @@ from poolserve.config.settings import ServerSettings
 from poolserve.frontend.startup import start
 from poolserve.frontend.state import ServiceState
 from poolserve.http import dispatch
-from poolserve.http.api import admin, inference, retrieval
+from poolserve.http.api import admin, inference, lora, retrieval
 from poolserve.http.compat import cohere, infinity, ollama, tei_embed, tei_predict, tei_tokens
 from poolserve.http.compat.tei_common import TEIRoute
 from poolserve.http.edge.handlers import install_error_handlers, openapi_schema
@@ -97,6 +97,7 @@ def create_app(
     routers = (
         inference.router,
         admin.router,
+        lora.router,
         retrieval.router,
         cohere.router,
         infinity.router,
@@ -126,6 +127,6 @@ def create_app(
     tei_paths = tei_routes | dispatch.SHARED_WITH_TEI
     ollama_paths = {r.path for r in ollama.router.routes if isinstance(r, ollama.OllamaRoute)}
     app.openapi = partial(  # type: ignore[method-assign]
-        openapi_schema, app, open_paths(settings), tei_paths, ollama_paths
+        openapi_schema, app, open_paths(settings), tei_paths, ollama_paths, inference.VOYAGE_PATHS
     )
     return app

@@ -19,6 +19,7 @@ from poolserve.types.errors import (
     InvalidPoolingParamsError,
     InvalidTokenIdError,
     InvalidTokenTypeError,
+    LoraAdapterNotFoundError,
     ModelError,
     OverloadedError,
     PoolingError,
@@ -88,6 +89,9 @@ ERROR_TABLE: dict[type[Exception], ErrorShape] = {
     EmptyPromptError: ErrorShape(400, "invalid_request_error", "empty_prompt", _input),
     InvalidTokenTypeError: ErrorShape(400, "invalid_request_error", "invalid_token_type", _input),
     InvalidTokenIdError: ErrorShape(400, "invalid_request_error", "invalid_token_id", _input),
+    LoraAdapterNotFoundError: ErrorShape(
+        404, "invalid_request_error", "model_not_found", lambda e: "lora_name"
+    ),
     ModelError: ErrorShape(400, "invalid_request_error", "invalid_request", _none),
     OverloadedError: ErrorShape(429, "rate_limit_error", "overloaded", _none),
     DrainingError: ErrorShape(503, "service_unavailable", "draining", _none),

@@ -154,6 +154,12 @@ class LoraLinear(StackedLora):
         self.b[index, start : start + b.shape[0], first : first + rank] = b.to(self.b.dtype)
         self.held.add(index)
 
+    def clear(self, index: int) -> None:
+        """Adapter `index` adds nothing any more (its slot is free for another)."""
+        self.a[index].zero_()
+        self.b[index].zero_()
+        self.held.discard(index)
+
     def add_to(
         self,
         y: torch.Tensor,  # [num_tokens, out], the base projection of x; updated in place

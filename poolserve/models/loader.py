@@ -34,7 +34,7 @@ from poolserve.models.heads import (
 )
 from poolserve.models.late_interaction import check_plain_prompts
 from poolserve.models.packed import PackedModel
-from poolserve.models.peft import install_adapters, read_peft_adapter
+from poolserve.models.peft import PeftAdapter, ServedAdapters, make_room, read_peft_adapter
 from poolserve.models.quantization import INT_MM, check_quantization, quantize_linears
 from poolserve.models.registry import (
     ARCHITECTURES,
@@ -121,9 +121,7 @@ def load_model(
         kernels = choose_kernels(packed, dtype, quantization, allow_slower_precision)
     quantized = quantize_linears(packed, quantization, device, kernel=kernels.int8_kernel or INT_MM)
     pack_linears(packed, kernels.float_kernel)
-    if lora is not None:
-        _install_lora(packed, lora, placement)
-    lora_modules = () if lora is None else lora.modules
+    served_lora = None if lora is None else _install_lora(packed, lora, placement)
     tokenizer = _load_tokenizer(path)
     if entry.head_kind is HeadKind.BGE_M3:
         head: torch.nn.Module | None = load_m3_heads(path, config, device)
@@ -152,28 +150,28 @@ def load_model(
         head=head,
         tokenizer=tokenizer,
         sentence_transformers=st_config,
-        lora_modules=lora_modules,
+        lora=served_lora,
     )
 
 
 def _install_lora(
     packed: PackedModel, lora: LoraServing, placement: tuple[torch.device, torch.dtype]
-) -> None:
-    """Room for --max-loras adapters in every projection, --lora-modules' adapters written in."""
-    if len(lora.modules) > lora.max_loras:
-        raise LoraAdapterError(
-            "",
-            f"--lora-modules names {len(lora.modules)} adapters, more than --max-loras "
-            f"{lora.max_loras} holds",
-        )
-    adapters = [read_peft_adapter(m.name, _adapter_path(m)) for m in lora.modules]
-    install_adapters(packed, adapters, lora.max_lora_rank, lora.max_loras, placement)
+) -> ServedAdapters:
+    """Room for --max-loras adapters in every projection; --lora-modules' adapters read."""
+    make_room(packed, lora.max_lora_rank, lora.max_loras, placement)
+    adapters = tuple((m, read_adapter(m)) for m in lora.modules)
     logger.info(
-        "LoRA: room for %d adapters of rank <= %d; serving %s",
+        "LoRA: room for %d adapters of rank <= %d; registered: %s",
         lora.max_loras,
         lora.max_lora_rank,
-        ", ".join(a.name for a in adapters) or "none yet",
+        ", ".join(m.name for m in lora.modules) or "none yet",
     )
+    return ServedAdapters(lora, adapters)
+
+
+def read_adapter(module: LoraModule) -> PeftAdapter:
+    """The PEFT adapter a LoraModule names, read from its folder (or its Hub id's download)."""
+    return read_peft_adapter(module.name, _adapter_path(module))
 
 
 def _adapter_path(module: LoraModule) -> Path:

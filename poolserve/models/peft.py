@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from safetensors import safe_open
 from poolserve.models.adapters import LoraLinear, LoraSite
 from poolserve.models.packed import PackedModel
 from poolserve.types.errors import LoraAdapterError
+from poolserve.types.lora import LoraModule, LoraServing
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -46,6 +47,14 @@ _EXACT_ONLY: dict[str, tuple[Any, ...]] = {
     "trainable_token_indices": (None, [], {}),  # new token rows of the embedding table
     "alora_invocation_tokens": (None, []),  # activated LoRA: from a token on only
 }
+
+
+@dataclass(frozen=True)
+class ServedAdapters:
+    """A model's LoRA serving: its limits and the adapters read at load (--lora-modules)."""
+
+    serving: LoraServing
+    adapters: tuple[tuple[LoraModule, PeftAdapter], ...]
 
 
 @dataclass(frozen=True)
@@ -152,18 +161,17 @@ def site_of(sites: Mapping[str, LoraSite], module: str) -> LoraSite | None:
     return None
 
 
-def install_adapters(
+def make_room(
     model: PackedModel,
-    adapters: Sequence[PeftAdapter],
     max_rank: int,
     capacity: int,
     placement: tuple[torch.device, torch.dtype],
 ) -> None:
     """Room for `capacity` adapters of rank up to `max_rank` in every projection the model
-    adapts; `adapters` written into the first indices, their names the model's adapter names."""
+    adapts, all empty (engine/lora_slots.py writes adapters in and out)."""
     if model.adapter_names:
         raise LoraAdapterError(
-            adapters[0].name if adapters else "",
+            "",
             "the model carries its own task adapters (jina-embeddings-v3); PEFT adapters on it "
             "are not served",
         )
@@ -176,13 +184,14 @@ def install_adapters(
         model.lora_slots(layer)[slot] = LoraLinear.empty(
             capacity, max_rank * len(site.parts), shape, placement
         )
-    for index, adapter in enumerate(adapters):
-        write_adapter(model, index, adapter, max_rank)
-    model.adapter_names = tuple(a.name for a in adapters)
+    model.adapter_names = ("",) * capacity  # every slot free
 
 
-def write_adapter(model: PackedModel, index: int, adapter: PeftAdapter, max_rank: int) -> None:
-    """Checks the adapter against the model, then writes it as adapter `index`."""
+Placed = list[tuple[LoraSite, torch.Tensor, torch.Tensor]]
+
+
+def check_adapter(model: PackedModel, adapter: PeftAdapter, max_rank: int) -> Placed:
+    """Where each module of the adapter lands; LoraAdapterError naming the first misfit."""
     if adapter.rank > max_rank:
         raise LoraAdapterError(
             adapter.name, f"its rank {adapter.rank} is above --max-lora-rank {max_rank}"
@@ -205,6 +214,16 @@ def write_adapter(model: PackedModel, index: int, adapter: PeftAdapter, max_rank
                 f"projection maps {site.in_features} -> {out_features}",
             )
         placed.append((site, a, b))
+    return placed
+
+
+def write_adapter(model: PackedModel, index: int, adapter: PeftAdapter, max_rank: int) -> None:
+    """Checks the adapter against the model, then writes it as adapter `index` (a slot the
+    previous adapter left is cleared first: this one may train other modules)."""
+    placed = check_adapter(model, adapter, max_rank)
+    for module in model.modules():
+        if isinstance(module, LoraLinear):
+            module.clear(index)
     for site, a, b in placed:
         lora = model.lora_slots(site.layer)[site.slot]
         assert isinstance(lora, LoraLinear)

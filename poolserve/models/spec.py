@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from poolserve.types.lora import LoraModule
 from poolserve.types.model import SentenceTransformersConfig
 from poolserve.types.tasks import HeadKind
 
 if TYPE_CHECKING:
     from poolserve.models.packed import PackedModel
+    from poolserve.models.peft import ServedAdapters
 
 
 @dataclass(frozen=True)
@@ -61,4 +61,4 @@ class LoadedModel:
     head: torch.nn.Module | None
     tokenizer: PreTrainedTokenizerBase
     sentence_transformers: SentenceTransformersConfig | None
-    lora_modules: tuple[LoraModule, ...] = ()  # the PEFT adapters installed (--lora-modules)
+    lora: ServedAdapters | None = None  # LoRA serving: its room and --lora-modules' adapters

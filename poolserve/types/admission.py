@@ -120,6 +120,10 @@ class AdmissionControl:
         """Refusals so far for one reason."""
         return self._num_rejected[reason]
 
+    def count_refusal(self, reason: OverloadReason) -> None:
+        """A refusal decided outside these counters (every LoRA slot busy), counted with them."""
+        self._num_rejected[reason] += 1
+
     def rejected_by_reason(self) -> dict[str, int]:
         """Refusals so far, keyed by the reason's value (a copy)."""
         return {reason.value: count for reason, count in self._num_rejected.items()}

@@ -53,6 +53,23 @@ class LoraAdapterError(ModelLoadError):
         super().__init__(f"LoRA adapter {name!r}: {reason}" if name else f"LoRA adapters: {reason}")
 
 
+class LoraAdapterExistsError(LoraAdapterError):
+    """A load names an adapter already served (vLLM's words)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.reason = "it has already been loaded"
+        ModelLoadError.__init__(self, f"The lora adapter {name!r} has already been loaded.")
+
+
+class LoraAdapterNotFoundError(ModelLoadError):
+    """An unload names an adapter not served (vLLM's words)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        super().__init__(f"The lora adapter {name!r} cannot be found.")
+
+
 class UnsafeCheckpointError(ModelError):
     """The checkpoint needs pickle weights or remote code, which are refused."""
 
@@ -147,6 +164,7 @@ class OverloadReason(enum.Enum):
     QUEUE_FULL = "queue_full"
     TOKENS_FULL = "tokens_full"
     TOKENIZING_FULL = "tokenizing_full"  # the characters being tokenized at once
+    ADAPTER_SLOTS = "adapter_slots"  # every --max-loras slot runs other adapters' requests
 
 
 class SchedulerError(Exception):

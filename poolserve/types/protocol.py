@@ -73,6 +73,15 @@ class Query(msgspec.Struct, tag="query", array_like=True):
     token: int
 
 
+class Adapt(msgspec.Struct, tag="adapt", array_like=True):
+    """Load a LoRA adapter (`path` set) or unload one (`path` None) at run time."""
+
+    token: int
+    name: str
+    path: str | None
+    base_model_name: str | None = None
+
+
 # ---- core -> front end -----------------------------------------------------------------------
 class Card(msgspec.Struct, tag="card", array_like=True):
     """The model card, pickled (tokenizer and head structure included), and the load."""
@@ -111,14 +120,30 @@ class Snapshot(msgspec.Struct, tag="snapshot", array_like=True):
     load: Load
 
 
+class Adapted(msgspec.Struct, tag="adapted", array_like=True):
+    """The answer to an Adapt: its error (None: done)."""
+
+    token: int
+    error: WireError | None
+    load: Load
+
+
+class Adapters(msgspec.Struct, tag="adapters", array_like=True):
+    """The LoRA adapters served now, [name, path, base_model_name] each; sent to every front
+    end when they change, so each routes requests by the same names."""
+
+    modules: list[tuple[str, str, str | None]]
+    load: Load
+
+
 class Beat(msgspec.Struct, tag="beat", array_like=True):
     """The core is alive; sent when nothing else was."""
 
     load: Load
 
 
-ToCore = Hello | Submit | Cancel | Query
-ToFrontEnd = Card | Results | Snapshot | Beat
+ToCore = Hello | Submit | Cancel | Query | Adapt
+ToFrontEnd = Card | Results | Snapshot | Beat | Adapted | Adapters
 
 _encoder = msgspec.msgpack.Encoder()
 _to_core = msgspec.msgpack.Decoder(ToCore)

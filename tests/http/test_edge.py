@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from poolserve.http.api.inference import VOYAGE_PATHS
 from poolserve.http.errors import MAX_MESSAGE_CHARS
 from tests.http.test_server_process import free_port, start_server
 
@@ -175,6 +176,7 @@ def test_openapi_documents_400_and_never_422_but_on_tei_paths(client: Any) -> No
     openai = {"$ref": "#/components/schemas/ErrorBody"}
     either = {"anyOf": [openai, {"$ref": "#/components/schemas/TEIErrorBody"}]}
     ollama = {"anyOf": [openai, {"$ref": "#/components/schemas/OllamaErrorBody"}]}
+    voyage = {"anyOf": [openai, {"$ref": "#/components/schemas/VoyageErrorBody"}]}
     for path, item in schema["paths"].items():
         for method, operation in item.items():
             responses = operation["responses"]
@@ -185,6 +187,7 @@ def test_openapi_documents_400_and_never_422_but_on_tei_paths(client: Any) -> No
                 for status in ("400", "401", "408", "413", "503"):
                     content = responses[status]["content"]["application/json"]["schema"]
                     expected = either if tei else ollama if path.startswith("/api/") else openai
+                    expected = voyage if path in VOYAGE_PATHS else expected
                     assert content == expected, (path, method, status)
     streamed = schema["paths"]["/v1/pooling"]["post"]["responses"]["200"]["content"]
     assert "application/x-ndjson" in streamed

@@ -47,6 +47,12 @@ OLLAMA_PATHS = {
     for operation in item.values()
     if "OllamaErrorBody" in str(operation.get("responses", {}))
 }
+VOYAGE_PATHS = {
+    path
+    for path, item in SCHEMA["paths"].items()
+    for operation in item.values()
+    if "VoyageErrorBody" in str(operation.get("responses", {}))
+}
 EXAMPLES = 12  # per operation and mode: the whole file runs in seconds
 CHECKS = [
     not_a_server_error,
@@ -78,8 +84,8 @@ def _call(client: Any, case: Any) -> Any:
 
 def _check_error_body(response: Any) -> None:
     """Every 4xx: `{"error": {message, type, param, code}}` with string message, type and code,
-    or, on paths that serve TEI's bodies, TEI's `{"error", "error_type"}` (both strings), or on
-    Ollama's, its `{"error": message}`."""
+    or, on paths that serve TEI's bodies, TEI's `{"error", "error_type"}` (both strings), on
+    Ollama's, its `{"error": message}`, on Voyage's, its `{"detail": message}`."""
     if 400 <= response.status_code < 500:
         document = response.json()
         if set(document) == {"error", "error_type"}:
@@ -88,6 +94,10 @@ def _check_error_body(response: Any) -> None:
             return
         if set(document) == {"error"} and isinstance(document["error"], str):
             assert response.request.url.path in OLLAMA_PATHS, document
+            return
+        if set(document) == {"detail"}:  # Voyage's body, to a request in Voyage's shape
+            assert response.request.url.path in VOYAGE_PATHS, document
+            assert isinstance(document["detail"], str), document
             return
         error = document["error"]
         assert set(error) == {"message", "type", "param", "code"}, error

@@ -18,7 +18,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
 from poolserve.offline import AsyncPoolingEngine
-from poolserve.types.errors import ModelStartError
+from poolserve.types.errors import InvalidPoolingParamsError, ModelStartError
 from tests.tiny_encoders import build_hf_encoder, save_tiny_encoder
 from tests.tiny_models import build_hf_model, save_tiny_model
 
@@ -186,6 +186,29 @@ def test_adapter_equals_merged_weights(served: Served) -> None:
         _close(got[index], _states(merged, token_ids))
 
 
+def test_more_adapters_than_slots_take_turns(served: Served) -> None:
+    """Two adapters, one slot: each request's adapter is written in when its turn comes (the
+    idle one evicted), and every answer is still its own adapter's."""
+    order = [*served.folders, *served.folders]  # legal, medical, legal, medical
+
+    async def run() -> tuple[list[np.ndarray], list[int], int]:
+        async with AsyncPoolingEngine(
+            str(served.path), lora_modules=served.lora_modules(), max_loras=1, max_lora_rank=8
+        ) as engine:
+            ids = _token_ids(engine, TEXTS[0])
+            got = []
+            for name in order:
+                pooled = await engine.encode([TEXTS[0]], "token_embed", normalize=False, model=name)
+                got.append(np.asarray(pooled[0].data))
+            slots = engine.state.core.engine.adapters  # type: ignore[union-attr]
+            return got, ids, slots.evictions
+
+    got, ids, evictions = _run(run())
+    for name, states in zip(order, got, strict=True):
+        _close(states, _states(served.references[name], ids))
+    assert evictions == len(order) - 1
+
+
 def _edit_config(folder: Path, tmp: Path, **changes: Any) -> Path:
     """A copy of the adapter folder with adapter_config.json changed."""
     copied = tmp / f"edited-{len(list(tmp.iterdir()))}"
@@ -200,7 +223,6 @@ def _edit_config(folder: Path, tmp: Path, **changes: Any) -> Path:
 
 REFUSALS: dict[str, tuple[Callable[[Served, Path], list[str]], dict[str, Any], str]] = {
     "rank above the limit": (lambda s, t: s.lora_modules(), {"max_lora_rank": 4}, "above"),
-    "more than max_loras": (lambda s, t: s.lora_modules(), {"max_loras": 1}, "max-loras"),
     "DoRA": (
         lambda s, t: [f"x={_edit_config(next(iter(s.folders.values())), t, use_dora=True)}"],
         {},
@@ -242,3 +264,28 @@ def test_a_module_the_model_lacks_is_refused(served: Served, tmp_path: Path) -> 
     with pytest.raises(ModelStartError) as raised:
         _run(run())
     assert "LoRA adapter 'foreign'" in str(raised.value), str(raised.value)
+
+
+def test_unload_waits_for_the_requests_holding_the_adapter(served: Served) -> None:
+    """An unload refuses the adapter's new requests at once and clears its slot only when the
+    last admitted request holding it is done."""
+
+    async def run() -> None:
+        async with AsyncPoolingEngine(
+            str(served.path), lora_modules=served.lora_modules(), max_lora_rank=8
+        ) as offline:
+            engine = offline.state.core.engine  # type: ignore[union-attr]
+            name = next(iter(served.folders))
+            index = engine.adapters.acquire(name)  # as an admitted request holds it
+            unload = asyncio.create_task(engine.unload_adapter(name))
+            await asyncio.sleep(0.05)
+            assert not unload.done()
+            assert name not in [m.name for m in engine.adapters.modules]
+            with pytest.raises(InvalidPoolingParamsError):
+                engine.adapters.acquire(name)
+            assert engine.loaded.model.adapter_names[index] == name  # still running
+            engine.adapters.release(index)
+            await asyncio.wait_for(unload, 5)
+            assert engine.loaded.model.adapter_names[index] == ""
+
+    _run(run())

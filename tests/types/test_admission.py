@@ -40,6 +40,7 @@ def test_burst_hits_the_request_limit_first() -> None:
         "queue_full": 2,
         "tokens_full": 0,
         "tokenizing_full": 0,
+        "adapter_slots": 0,
     }
 
 

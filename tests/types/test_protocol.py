@@ -27,6 +27,9 @@ from poolserve.types.errors import (
 )
 from poolserve.types.params import PoolingParams
 from poolserve.types.protocol import (
+    Adapt,
+    Adapted,
+    Adapters,
     Beat,
     Cancel,
     Card,
@@ -63,6 +66,8 @@ TO_CORE = {
     "cancel": Cancel([4, 5, 6]),
     "cancel nothing": Cancel([]),
     "query": Query(2**62),
+    "adapt, load": Adapt(5, "legal", "/adapters/legal", "base"),
+    "adapt, unload": Adapt(6, "legal", None),
 }
 TO_FRONT_END = {
     "card": Card(bytes(range(256)) * 3, IDLE),
@@ -79,6 +84,10 @@ TO_FRONT_END = {
     "results, empty": Results([], [], [], IDLE),
     "snapshot": Snapshot(3, b"\x00snapshot\xff", BUSY),
     "beat": Beat(BUSY),
+    "adapted": Adapted(5, None, IDLE),
+    "adapted, refused": Adapted(6, FAILURE, BUSY),
+    "adapters": Adapters([("legal", "/adapters/legal", None), ("medical", "m", "base")], IDLE),
+    "adapters, none": Adapters([], IDLE),
 }
 TO_CORE_TYPES = {type(m) for m in TO_CORE.values()}
 TAGS = {
@@ -90,6 +99,9 @@ TAGS = {
     Results: "results",
     Snapshot: "snapshot",
     Beat: "beat",
+    Adapt: "adapt",
+    Adapted: "adapted",
+    Adapters: "adapters",
 }
 
 

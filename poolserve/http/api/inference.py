@@ -43,6 +43,8 @@ from poolserve.types.outputs import PoolingOutput
 from poolserve.types.tasks import NORMALIZING_TASKS, PoolingTask
 
 router = APIRouter(route_class=StrictJSONRoute)
+# the path Voyage's client posts to: errors to its requests take Voyage's body
+VOYAGE_PATHS = frozenset({"/v1/embeddings"})
 # /v1/pooling answers NDJSON when asked to stream
 STREAMED: dict[int | str, dict[str, Any]] = {200: {"content": {"application/x-ndjson": {}}}}
 

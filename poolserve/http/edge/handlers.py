@@ -98,6 +98,12 @@ class OllamaErrorBody(BaseModel):
     error: str
 
 
+class VoyageErrorBody(BaseModel):
+    """Voyage's error body, to a request in Voyage's shape (FastAPI's `{"detail": ...}`)."""
+
+    detail: str
+
+
 # What each status means, for the schema; which apply depends on the operation.
 ERROR_DOCS = {
     400: "Invalid request: malformed JSON, wrong field, duplicate key or header.",
@@ -118,6 +124,8 @@ OPENAI_BODY = {"$ref": "#/components/schemas/ErrorBody"}
 EITHER_BODY = {"anyOf": [OPENAI_BODY, {"$ref": "#/components/schemas/TEIErrorBody"}]}
 # likewise on Ollama's paths: its body, or the edge's OpenAI one
 OLLAMA_BODY = {"anyOf": [OPENAI_BODY, {"$ref": "#/components/schemas/OllamaErrorBody"}]}
+# and on the path Voyage's client posts to, Voyage's body to its requests
+VOYAGE_BODY = {"anyOf": [OPENAI_BODY, {"$ref": "#/components/schemas/VoyageErrorBody"}]}
 
 
 def openapi_schema(
@@ -125,10 +133,11 @@ def openapi_schema(
     open_paths: Iterable[str],
     tei_paths: Iterable[str],
     ollama_paths: Iterable[str] = (),
+    voyage_paths: Iterable[str] = (),
 ) -> dict[str, Any]:
     """FastAPI's schema, with each operation's errors documented as sent: 400, never 422, but
     on paths that serve TEI's bodies, where TEI's errors and statuses apply too; Ollama's paths
-    answer its own body."""
+    answer its own body, and Voyage's path Voyage's to its requests."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
@@ -139,11 +148,13 @@ def openapi_schema(
         components["ErrorBody"] = body
         components["TEIErrorBody"] = TEIErrorBody.model_json_schema()
         components["OllamaErrorBody"] = OllamaErrorBody.model_json_schema()
-        is_open, is_tei, is_ollama = set(open_paths), set(tei_paths), set(ollama_paths)
+        components["VoyageErrorBody"] = VoyageErrorBody.model_json_schema()
+        is_open, is_tei = set(open_paths), set(tei_paths)
+        shapes = {path: OLLAMA_BODY for path in ollama_paths}
+        shapes.update({path: VOYAGE_BODY for path in voyage_paths})
+        shapes.update({path: EITHER_BODY for path in is_tei})
         for path, item in schema.get("paths", {}).items():
-            shape: dict[str, Any] = (
-                EITHER_BODY if path in is_tei else OLLAMA_BODY if path in is_ollama else OPENAI_BODY
-            )
+            shape: dict[str, Any] = shapes.get(path, OPENAI_BODY)
             for operation in item.values():
                 _document_errors(operation, path in is_open, path in is_tei, shape)
         app.openapi_schema = schema

@@ -84,3 +84,67 @@ def test_an_unknown_adapter_is_a_404_listing_the_adapters(
     response = client.post("/v1/embeddings", json={"model": "finance", "input": TEXT})
     assert response.status_code == 404
     assert "legal" in response.json()["error"]["message"]
+
+
+def test_adapters_load_and_unload_at_run_time(
+    served: tuple[TestClient, dict, dict], tmp_path: Path
+) -> None:
+    """vLLM's routes and answers: a loaded adapter is listed and answers as PEFT does (a third
+    adapter on two slots: the least recently used one makes room); loading a name twice is a
+    400, an unload of a name not loaded a 404, and an unloaded adapter is gone."""
+    client, references, _ = served
+    base = references[BASE]
+    finance = _random_adapter(base, LoraConfig(r=8, target_modules=["query", "value"]), 7)
+    finance.save_pretrained(tmp_path / "finance")
+    load = {"lora_name": "finance", "lora_path": str(tmp_path / "finance")}
+    loaded = client.post("/v1/load_lora_adapter", json=load)
+    assert loaded.status_code == 200, loaded.text
+    assert loaded.text == "Success: LoRA adapter 'finance' added successfully."
+    cards = {card["id"]: card for card in client.get("/v1/models").json()["data"]}
+    assert cards["finance"]["parent"] == BASE
+    tokens = client.post("/tokenize", json={"prompt": TEXT}).json()["tokens"]
+    for name in ("finance", "legal", "medical", "finance"):  # two slots, three adapters
+        body = {"model": name, "input": TEXT, "task": "token_embed", "normalize": False}
+        pooled = client.post("/v1/pooling", json=body)
+        assert pooled.status_code == 200, pooled.text
+        got = np.asarray(pooled.json()["data"][0]["data"], dtype=np.float32)
+        reference = finance if name == "finance" else references[name]
+        want = _states(reference, tokens)
+        assert float(np.abs(got - want).max()) <= TOLERANCE * max(1.0, float(np.abs(want).max()))
+
+    again = client.post("/v1/load_lora_adapter", json=load)
+    assert again.status_code == 400
+    assert again.json()["error"]["message"] == "The lora adapter 'finance' has already been loaded."
+
+    removed = client.post("/v1/unload_lora_adapter", json={"lora_name": "finance"})
+    assert removed.status_code == 200, removed.text
+    assert removed.text == "Success: LoRA adapter 'finance' removed successfully."
+    gone = client.post("/v1/embeddings", json={"model": "finance", "input": TEXT})
+    assert gone.status_code == 404
+    twice = client.post("/v1/unload_lora_adapter", json={"lora_name": "finance"})
+    assert twice.status_code == 404
+    assert twice.json()["error"]["message"] == "The lora adapter 'finance' cannot be found."
+
+
+def test_an_adapter_that_does_not_fit_is_a_400_naming_why(
+    served: tuple[TestClient, dict, dict], tmp_path: Path
+) -> None:
+    """Rank above --max-lora-rank, a module the model lacks, no folder: each a 400 with its
+    reason, and the adapter is not served."""
+    client, references, _ = served
+    wide = _random_adapter(references[BASE], LoraConfig(r=32, target_modules=["query"]), 3)
+    wide.save_pretrained(tmp_path / "wide")
+    pooler = _random_adapter(references[BASE], LoraConfig(r=2, target_modules=["pooler.dense"]), 4)
+    pooler.save_pretrained(tmp_path / "pooler")
+    cases = {
+        "wide": ("above --max-lora-rank 16", tmp_path / "wide"),
+        "pooler": ("is not one of the model's layer projections", tmp_path / "pooler"),
+        "nowhere": ("no such folder", tmp_path / "nowhere"),
+    }
+    for name, (words, folder) in cases.items():
+        response = client.post(
+            "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(folder)}
+        )
+        assert response.status_code == 400, response.text
+        assert words in response.json()["error"]["message"], response.text
+        assert client.post("/v1/embeddings", json={"model": name, "input": TEXT}).status_code == 404
