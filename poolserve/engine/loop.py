@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -10,7 +11,7 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -39,6 +40,7 @@ from poolserve.types.errors import (
 )
 from poolserve.types.limits import SchedulerConfig
 from poolserve.types.lora import LoraModule
+from poolserve.types.model_info import HEAD_FIELDS, PoolingModelInfo
 from poolserve.types.observer import EngineObserver, NullObserver
 from poolserve.types.outputs import PoolingOutput, StepTiming
 from poolserve.types.params import NO_CALIBRATION, LogitCalibration, PoolingParams
@@ -109,6 +111,7 @@ class Engine:
         self.step_tokens_total = 0
         # PEFT LoRA adapters (--lora-modules, /v1/load_lora_adapter); None: LoRA not served
         self.adapters = adapter_slots(loaded)
+        self._adapter_infos: dict[str, PoolingModelInfo] = {}  # pooling's view per adapter head
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -239,7 +242,7 @@ class Engine:
         loop: asyncio.AbstractEventLoop,
     ) -> PoolingRequest:
         pooler = build_pooler(
-            self.pooling_info,
+            self._pooling_info(params.adapter),
             params,
             async_scheduling=self.config.async_scheduling,
             stats=self.clone_stats,
@@ -258,6 +261,20 @@ class Engine:
             cache_use=self._cache_use(pooler.pooling_type, token_type_ids),
             steps=[] if self.config.record_timelines else None,
         )
+
+    def _pooling_info(self, adapter: str | None) -> PoolingModelInfo:
+        """Pooling's view of the model a request runs: an adapter that trains the head has its
+        own head module (its classifier), every other request the model's."""
+        if self.adapters is None or adapter is None or adapter not in self.adapters.heads:
+            return self.pooling_info
+        head = self.adapters.heads[adapter]
+        field = HEAD_FIELDS[self.loaded.spec.head_kind]
+        cached = self._adapter_infos.get(adapter)
+        if cached is None or getattr(cached, field) is not head:
+            heads: dict[str, Any] = {field: head}
+            cached = dataclasses.replace(self.pooling_info, **heads)
+            self._adapter_infos[adapter] = cached
+        return cached
 
     def _take_adapter(self, params: PoolingParams, count: int) -> int | None:
         """The adapter's index for `count` requests; a refusal (every slot busy) is counted."""

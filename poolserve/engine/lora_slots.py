@@ -17,7 +17,10 @@ import itertools
 import logging
 from dataclasses import dataclass, field
 
+import torch
+
 from poolserve.models.adapters import LoraLinear
+from poolserve.models.heads import HeadFactory
 from poolserve.models.packed import PackedModel
 from poolserve.models.peft import PeftAdapter, check_adapter, write_adapter
 from poolserve.models.spec import LoadedModel
@@ -48,8 +51,17 @@ class _Slot:
 class AdapterSlots:
     """Registered adapters (by name, in host memory) and the model's slots they run in."""
 
-    def __init__(self, model: PackedModel, capacity: int, max_rank: int) -> None:
+    def __init__(
+        self,
+        model: PackedModel,
+        capacity: int,
+        max_rank: int,
+        head: HeadFactory | None = None,
+    ) -> None:
         self.model = model
+        self.head = head
+        # an adapter that trains the head: its own head module (run per request, merged)
+        self.heads: dict[str, torch.nn.Module] = {}
         self.max_rank = max_rank
         self._slots = [_Slot() for _ in range(capacity)]
         for slot in self._slots:
@@ -76,8 +88,10 @@ class AdapterSlots:
     def register(self, module: LoraModule, adapter: PeftAdapter) -> None:
         """Add an adapter after checking it fits the model (LoraAdapterError naming why not)."""
         self.check_new(module.name)
-        check_adapter(self.model, adapter, self.max_rank)
+        head = check_adapter(self.model, adapter, self.max_rank, self.head)
         self._registered[module.name] = (module, adapter)
+        if head is not None:
+            self.heads[module.name] = head
 
     def acquire(self, name: str, count: int = 1) -> int:
         """The slot running adapter `name` for `count` more admitted requests (written in
@@ -107,6 +121,7 @@ class AdapterSlots:
         it (LoraAdapterNotFoundError when it is not registered)."""
         if self._registered.pop(name, None) is None:
             raise LoraAdapterNotFoundError(name)
+        self.heads.pop(name, None)
         index = self._resident(name)
         if index is None:
             return
@@ -167,7 +182,9 @@ def adapter_slots(loaded: LoadedModel) -> AdapterSlots | None:
     if loaded.lora is None:
         return None
     serving = loaded.lora.serving
-    slots = AdapterSlots(loaded.model, serving.max_loras, serving.max_lora_rank)
+    slots = AdapterSlots(
+        loaded.model, serving.max_loras, serving.max_lora_rank, loaded.head_factory
+    )
     for module, adapter in loaded.lora.adapters:
         slots.register(module, adapter)
     slots.preload()

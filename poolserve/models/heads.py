@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import PretrainedConfig
@@ -302,3 +303,52 @@ def head_out_features(head: torch.nn.Module | None, kind: HeadKind) -> int | Non
         return None
     linears = [m for m in head.modules() if isinstance(m, torch.nn.Linear)]
     return linears[-1].out_features
+
+
+class _Recording(dict[str, torch.Tensor]):
+    """A state dict that notes every key a head builder reads."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        super().__init__(state)
+        self.read: set[str] = set()
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        if key in self:
+            self.read.add(key)
+        return super().get(key, default)
+
+
+@dataclass(frozen=True)
+class HeadFactory:
+    """Builds the checkpoint's head again from its own tensors with some replaced: a LoRA
+    adapter's head (its `modules_to_save`, or LoRA merged into a head Linear). Kept for the
+    small labelled heads only (classifiers, rewards): it holds the tensors the head reads."""
+
+    entry: ArchitectureEntry
+    tensors: dict[str, torch.Tensor]  # every tensor the head was built from, by checkpoint name
+    device: torch.device
+    config: PretrainedConfig
+
+    def build(self, replaced: dict[str, torch.Tensor]) -> torch.nn.Module | None:
+        """The head with `replaced` tensors (checkpoint names, shapes as the originals')."""
+        return build_head(self.entry, {**self.tensors, **replaced}, self.device, self.config)
+
+
+def build_head_and_factory(
+    entry: ArchitectureEntry,
+    state: dict[str, torch.Tensor],
+    device: torch.device,
+    config: PretrainedConfig,
+    lm_head_rows: LMHeadRows | None = None,
+) -> tuple[torch.nn.Module | None, HeadFactory | None]:
+    """`build_head`, and for a labelled head the factory that builds it again for an adapter."""
+    if lm_head_rows is not None or entry.head_kind not in LABELLED_HEADS:
+        return build_head(entry, state, device, config, lm_head_rows), None
+    recording = _Recording(state)
+    head = build_head(entry, recording, device, config)
+    tensors = {key: state[key] for key in recording.read}
+    return head, HeadFactory(entry, tensors, device, config)

@@ -26,8 +26,9 @@ from poolserve.models.encoder_config import encoder_max_len
 from poolserve.models.families.nomic import adopt_remote_nomic_fields
 from poolserve.models.float_kernels import TORCH, pack_linears
 from poolserve.models.heads import (
+    HeadFactory,
     LMHeadRows,
-    build_head,
+    build_head_and_factory,
     classifier_pooling,
     head_out_features,
     lm_head_method,
@@ -123,10 +124,12 @@ def load_model(
     pack_linears(packed, kernels.float_kernel)
     served_lora = None if lora is None else _install_lora(packed, lora, placement)
     tokenizer = _load_tokenizer(path)
+    head_factory: HeadFactory | None = None  # a labelled head, to build again for an adapter
     if entry.head_kind is HeadKind.BGE_M3:
         head: torch.nn.Module | None = load_m3_heads(path, config, device)
     else:
-        head = build_head(entry, state, device, config, _lm_head_rows(entry, config, tokenizer))
+        rows = _lm_head_rows(entry, config, tokenizer)
+        head, head_factory = build_head_and_factory(entry, state, device, config, rows)
     if entry.head_kind is HeadKind.LATE_INTERACTION:
         check_plain_prompts(path)
     st_config = read_sentence_transformers(path, device)
@@ -151,6 +154,7 @@ def load_model(
         tokenizer=tokenizer,
         sentence_transformers=st_config,
         lora=served_lora,
+        head_factory=head_factory if lora is not None else None,
     )
 
 

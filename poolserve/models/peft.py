@@ -16,7 +16,7 @@ import json
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ import torch
 from safetensors import safe_open
 
 from poolserve.models.adapters import LoraLinear, LoraSite
+from poolserve.models.heads import HeadFactory
 from poolserve.models.packed import PackedModel
 from poolserve.types.errors import LoraAdapterError
 from poolserve.types.lora import LoraModule, LoraServing
@@ -66,24 +67,20 @@ class PeftAdapter:
     rank: int  # the largest rank of its modules
     # module path (PEFT's, its `base_model.model.` removed) -> (A [r, in], B [out, r] * scale)
     modules: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
+    # whole tensors it replaces (`modules_to_save`: a classifier's), by checkpoint name
+    saved: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
 
 def read_peft_adapter(name: str, path: Path) -> PeftAdapter:
     """The adapter in folder `path`; LoraAdapterError naming the reason when it cannot load."""
     config = _read_config(name, path)
     tensors = _read_tensors(name, path)
-    saved = sorted(k for k in tensors if not _LORA_KEY.match(k))
-    if saved:
-        raise LoraAdapterError(
-            name,
-            f"it saves whole modules ({', '.join(saved[:3])}): modules_to_save and embedding "
-            "adapters are not served; adapters of the layers' projections are",
-        )
+    saved = {k: t.float() for k, t in tensors.items() if not _LORA_KEY.match(k)}
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         found = _LORA_KEY.match(key)
-        assert found is not None  # every other key was refused above
-        pairs.setdefault(found["module"], {})[found["which"]] = tensor
+        if found is not None:
+            pairs.setdefault(found["module"], {})[found["which"]] = tensor
     modules = {}
     for module, pair in pairs.items():
         if set(pair) != {"A", "B"}:
@@ -97,7 +94,7 @@ def read_peft_adapter(name: str, path: Path) -> PeftAdapter:
     if not modules:
         raise LoraAdapterError(name, f"{WEIGHTS_FILE} holds no LoRA weights")
     rank = max(int(a.shape[0]) for a, _ in modules.values())
-    return PeftAdapter(name, path, rank, modules)
+    return PeftAdapter(name, path, rank, modules, saved)
 
 
 def _read_config(name: str, path: Path) -> dict[str, Any]:
@@ -188,24 +185,26 @@ def make_room(
 
 
 Placed = list[tuple[LoraSite, torch.Tensor, torch.Tensor]]
+Outside = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
-def check_adapter(model: PackedModel, adapter: PeftAdapter, max_rank: int) -> Placed:
-    """Where each module of the adapter lands; LoraAdapterError naming the first misfit."""
+def place_adapter(
+    model: PackedModel, adapter: PeftAdapter, max_rank: int
+) -> tuple[Placed, Outside]:
+    """Where each LoRA module of the adapter lands in the layers, and the modules outside
+    them (a head's); LoraAdapterError for a rank above the room or a shape that does not fit."""
     if adapter.rank > max_rank:
         raise LoraAdapterError(
             adapter.name, f"its rank {adapter.rank} is above --max-lora-rank {max_rank}"
         )
     sites = model.lora_sites()
-    placed = []
+    placed: Placed = []
+    outside: Outside = {}
     for module, (a, b) in adapter.modules.items():
         site = site_of(sites, module)
         if site is None:
-            raise LoraAdapterError(
-                adapter.name,
-                f"{module} is not one of the model's layer projections (for example "
-                f"{next(iter(sites))})",
-            )
+            outside[module] = (a, b)
+            continue
         out_features = site.parts[site.part]
         if a.shape[1] != site.in_features or b.shape[0] != out_features:
             raise LoraAdapterError(
@@ -214,13 +213,56 @@ def check_adapter(model: PackedModel, adapter: PeftAdapter, max_rank: int) -> Pl
                 f"projection maps {site.in_features} -> {out_features}",
             )
         placed.append((site, a, b))
-    return placed
+    return placed, outside
+
+
+def check_adapter(
+    model: PackedModel, adapter: PeftAdapter, max_rank: int, head: HeadFactory | None
+) -> torch.nn.Module | None:
+    """Checks the adapter fits the model; its own head when it trains the head (None: the
+    model's head serves it). LoraAdapterError naming the first misfit."""
+    _, outside = place_adapter(model, adapter, max_rank)
+    if not outside and not adapter.saved:
+        return None
+    names = {} if head is None else head.tensors
+    example = next(iter(model.lora_sites()))
+
+    def head_key(name: str) -> str:
+        key = next((k for k in names if k == name or name.endswith(f".{k}")), None)
+        if key is None:
+            where = "of its head" if head is not None else "of a head adapters may train"
+            raise LoraAdapterError(
+                adapter.name,
+                f"{name} is not one of the model's layer projections (e.g. {example}) nor a "
+                f"tensor {where}",
+            )
+        return key
+
+    replaced: dict[str, torch.Tensor] = {}
+    for name, tensor in adapter.saved.items():
+        key = head_key(name)
+        replaced[key] = _same_shape(adapter.name, key, names[key], tensor)
+    for module, (a, b) in outside.items():
+        key = head_key(f"{module}.weight")
+        weight = replaced.get(key, names[key].float())
+        # a head runs once per request: its LoRA merged into the weight is exact and free
+        replaced[key] = _same_shape(adapter.name, key, weight, weight + b @ a)
+    assert head is not None  # head_key refused every name without one
+    return head.build(replaced)
+
+
+def _same_shape(name: str, key: str, original: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    if original.shape != new.shape:
+        raise LoraAdapterError(
+            name, f"{key} has shape {list(new.shape)} where the model's has {list(original.shape)}"
+        )
+    return new
 
 
 def write_adapter(model: PackedModel, index: int, adapter: PeftAdapter, max_rank: int) -> None:
-    """Checks the adapter against the model, then writes it as adapter `index` (a slot the
-    previous adapter left is cleared first: this one may train other modules)."""
-    placed = check_adapter(model, adapter, max_rank)
+    """Writes the adapter's layer LoRA as adapter `index` (a slot the previous adapter left is
+    cleared first: this one may train other modules)."""
+    placed, _ = place_adapter(model, adapter, max_rank)
     for module in model.modules():
         if isinstance(module, LoraLinear):
             module.clear(index)

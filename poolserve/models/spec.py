@@ -13,6 +13,7 @@ from poolserve.types.model import SentenceTransformersConfig
 from poolserve.types.tasks import HeadKind
 
 if TYPE_CHECKING:
+    from poolserve.models.heads import HeadFactory
     from poolserve.models.packed import PackedModel
     from poolserve.models.peft import ServedAdapters
 
@@ -62,3 +63,5 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     sentence_transformers: SentenceTransformersConfig | None
     lora: ServedAdapters | None = None  # LoRA serving: its room and --lora-modules' adapters
+    # the head built again from its tensors with an adapter's replaced (LoRA served only)
+    head_factory: HeadFactory | None = None

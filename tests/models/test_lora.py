@@ -289,3 +289,49 @@ def test_unload_waits_for_the_requests_holding_the_adapter(served: Served) -> No
             assert engine.loaded.model.adapter_names[index] == ""
 
     _run(run())
+
+
+@pytest.mark.parametrize("family", ["bert_cls", "llama_cls3"])
+def test_a_classifier_adapter_with_its_own_head(family: str, tmp_path: Path) -> None:
+    """An adapter that trains the classifier too (`modules_to_save`, and LoRA on the head's
+    own Linears, merged there): its logits equal PEFT's, the base model's stay the base's."""
+    if family == "bert_cls":
+        base = build_hf_encoder(family)
+        path = save_tiny_encoder(family, tmp_path / "base", base)
+        targets = ["query", "value", "pooler.dense"]
+        saved = ["classifier"]
+    else:
+        base = build_hf_model(family)
+        path = save_tiny_model(family, tmp_path / "base")
+        targets = ["q_proj", "v_proj", "down_proj"]
+        saved = ["score"]
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, modules_to_save=saved)
+    adapted = _random_adapter(base, config, 5)
+    with torch.no_grad():  # PEFT copies the head: give the copy its own weights
+        for name, param in adapted.named_parameters():
+            if "modules_to_save" in name:
+                param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(9)))
+    adapted.save_pretrained(tmp_path / "tuned")
+
+    async def run() -> tuple[dict[str, list[np.ndarray]], list[list[int]]]:
+        async with AsyncPoolingEngine(
+            str(path), lora_modules=[f"tuned={tmp_path / 'tuned'}"], max_lora_rank=4
+        ) as engine:
+            ids = [_token_ids(engine, text) for text in TEXTS]
+
+            async def logits(model: str | None) -> list[np.ndarray]:
+                pooled = await engine.encode(
+                    list(TEXTS), "classify", use_activation=False, model=model
+                )
+                return [np.asarray(p.data) for p in pooled]
+
+            base_out, tuned_out = await asyncio.gather(logits(None), logits("tuned"))
+            return {"base": base_out, "tuned": tuned_out}, ids
+
+    got, ids = _run(run())
+    assert float(np.abs(got["tuned"][0] - got["base"][0]).max()) > 1e-2  # its own head ran
+    for name, model in (("base", base), ("tuned", adapted)):
+        for index, token_ids in enumerate(ids):
+            with torch.no_grad():
+                want = model(input_ids=torch.tensor([token_ids])).logits[0].numpy()
+            _close(got[name][index], want)
