@@ -45,7 +45,7 @@ from poolserve.types.observer import EngineObserver, NullObserver
 from poolserve.types.outputs import PoolingOutput, StepTiming
 from poolserve.types.params import NO_CALIBRATION, LogitCalibration, PoolingParams
 from poolserve.types.prompts import checked_prompt, checked_token_types
-from poolserve.types.stats import EngineSnapshot
+from poolserve.types.stats import EngineSnapshot, LoraStats
 from poolserve.types.tasks import PoolingTask, PoolingType
 from poolserve.types.validation import prompt_params, validate_params
 
@@ -466,6 +466,28 @@ class Engine:
             prefix_cache_hit_tokens=self.blocks.num_hit_tokens,
             prefix_cache_miss_tokens=self.blocks.num_miss_tokens,
             prefix_cache_evictions=self.blocks.num_evictions,
+            lora=self._lora_stats(),
+        )
+
+    def _lora_stats(self) -> LoraStats | None:
+        """The adapters registered, resident and evicted, and those whose requests run and
+        wait now (vLLM's lora_requests_info); None when LoRA is not served."""
+        slots, served = self.adapters, self.loaded.lora
+        if slots is None or served is None:
+            return None
+        names = self.loaded.model.adapter_names  # by slot: a held slot keeps its adapter
+
+        def adapters(status: RequestStatus) -> tuple[str, ...]:
+            held = {r.adapter for r in self.queues.by_id.values() if r.status is status}
+            return tuple(sorted(names[i] for i in held if i is not None and names[i]))
+
+        return LoraStats(
+            max_loras=served.serving.max_loras,
+            num_loaded=len(slots.modules),
+            num_resident=slots.num_resident,
+            evictions=slots.evictions,
+            running=adapters(RequestStatus.RUNNING),
+            waiting=adapters(RequestStatus.WAITING),
         )
 
 

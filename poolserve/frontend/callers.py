@@ -24,8 +24,9 @@ class Caller(Protocol):
     def trace(self) -> RequestTrace:
         """The caller's trace (the no-op one when nobody traces it)."""
 
-    def routed(self, model_name: str) -> None:
-        """The job goes to the model served as `model_name`."""
+    def routed(self, model_name: str, lora_name: str | None) -> None:
+        """The job goes to the model served as `model_name`, through LoRA adapter `lora_name`
+        (None: the model as it is)."""
 
     def tokenized(self, started: float, ended: float, num_inputs: int, num_tokens: int) -> None:
         """The job's tokenization ran from `started` to `ended` (time.monotonic())."""
@@ -43,7 +44,7 @@ class InProcess:
 
     trace: RequestTrace = NO_TRACE
 
-    def routed(self, model_name: str) -> None:
+    def routed(self, model_name: str, lora_name: str | None) -> None:
         """Nothing beyond the metrics."""
 
     def tokenized(self, started: float, ended: float, num_inputs: int, num_tokens: int) -> None:

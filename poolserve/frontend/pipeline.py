@@ -67,7 +67,7 @@ def check_serving(state: ServiceState, model_name: str | None) -> tuple[EngineCl
     """The named model's engine and handle (the default model's when none is named): 503 unless
     ready and not draining; 404 for a name no model is served as, listing the served names."""
     served = state.find(model_name)
-    label = UNROUTED if served is None else served.name
+    label = UNROUTED if served is None else served.handle.model_name  # an adapter's: its base
     if state.draining:
         state.metrics.on_reject("draining", label)
         raise DrainingError()
@@ -86,8 +86,9 @@ def check_serving(state: ServiceState, model_name: str | None) -> tuple[EngineCl
 async def submit_job(state: ServiceState, job: Job, caller: Caller = IN_PROCESS) -> Submitted:
     """Checks, then 429 before any work, then tokenization off the loop, then one submission."""
     engine, model = check_serving(state, job.model)
-    caller.routed(model.served_name)
-    metrics = state.metrics.model(model.served_name)
+    caller.routed(model.model_name, model.lora_name)
+    # an adapter's requests count under its base model, with the adapter's name beside it
+    metrics = state.metrics.model(model.model_name).through(model.lora_name)
     limit = embed_limit(job, model, engine.max_model_len)  # vLLM's max_embed_len, chunking
     tokenizing = model if limit is None else tokenizing_model(limit, model, job.truncate)
     plan = PLANNERS[type(job)](job, engine, tokenizing, state)

@@ -79,7 +79,7 @@ def plan_texts(job: TextJob, engine: EngineClient, model: ModelHandle, state: Se
     """One prompt per input (a sentence-transformers prompt prepended), or per conversation;
     with late chunking each input's spans ride in the parameters (spans.py)."""
     check_public(engine.pooling_info, job.task)  # a client never runs an internal task
-    on_reject = state.metrics.model(model.served_name).on_reject
+    on_reject = state.metrics.model(model.model_name).on_reject
     chats = job.chats
     limit = model.settings.max_client_batch_size
     if chats is not None:
@@ -126,7 +126,7 @@ async def _late_batch(
 ) -> Batch:
     """Each text whole, its spans as token ranges in the parameters (one entry per prompt)."""
     limit = model.settings.max_client_batch_size
-    on_reject = state.metrics.model(model.served_name).on_reject
+    on_reject = state.metrics.model(model.model_name).on_reject
     ids, spans, chars = await late_prompts(plan, model, engine.max_model_len, limit, on_reject)
     return Batch(replace(params, token_spans=spans), ids, char_spans=chars)
 
@@ -184,7 +184,7 @@ def plan_pairs(
     typed_model = model.card.num_token_types > 0
 
     async def run() -> Batch:
-        on_reject = state.metrics.model(model.served_name).on_reject
+        on_reject = state.metrics.model(model.model_name).on_reject
         if templated:
             prompts = await tokenize_templated(job, model, cuts, on_reject)
         else:

@@ -101,11 +101,30 @@ class ModelHandle:
     # a LoRA adapter served on the model: its requests run through it (None: the model itself)
     lora: LoraModule | None = None
     parent: str | None = None  # an adapter's base model, by its served name
+    base_name: str | None = None  # an adapter's base model by its first served name (metrics')
 
     def as_adapter(self, lora: LoraModule) -> ModelHandle:
         """This model as a request naming adapter `lora` sees it: answers report its name."""
         parent = lora.base_model_name or self.served_name
-        return replace(self, served_name=lora.name, aliases=(), lora=lora, parent=parent)
+        return replace(
+            self,
+            served_name=lora.name,
+            aliases=(),
+            lora=lora,
+            parent=parent,
+            base_name=self.served_name,
+        )
+
+    @property
+    def model_name(self) -> str:
+        """The model a request runs on as metrics, the access log and spans name it: an
+        adapter's base model (vLLM counts an adapter's requests under its base)."""
+        return self.served_name if self.base_name is None else self.base_name
+
+    @property
+    def lora_name(self) -> str | None:
+        """The LoRA adapter a request runs through (None: the model as it is)."""
+        return None if self.lora is None else self.lora.name
 
     def label_of(self, probs: np.ndarray) -> str:
         """The best class's name: the model's id2label entry, else LABEL_<index>."""

@@ -21,8 +21,9 @@ from poolserve.frontend.jobs import Job, ScoreJob
 from poolserve.frontend.pipeline import Submitted, submit_job
 from poolserve.frontend.scoring import Scored, scores_of
 from poolserve.frontend.state import ServiceState
-from poolserve.observability.logs import MODEL_KEY, PROMPT_TOKENS_KEY
-from poolserve.observability.tracing import NO_TRACE, SpanRecord, trace_of
+from poolserve.observability.logs import LORA_KEY, MODEL_KEY, PROMPT_TOKENS_KEY
+from poolserve.observability.metrics import NO_LORA
+from poolserve.observability.tracing import LORA_SPAN_ATTRIBUTE, NO_TRACE, SpanRecord, trace_of
 from poolserve.types.outputs import PoolingOutput
 from poolserve.types.tasks import PoolingTask
 
@@ -50,6 +51,12 @@ def routed_model(request: Request) -> str:
     return name if isinstance(name, str) else ""
 
 
+def routed_lora(request: Request) -> str:
+    """The LoRA adapter the request runs through (NO_LORA: none, or not routed yet)."""
+    name = request.scope.get("state", {}).get(LORA_KEY)
+    return name if isinstance(name, str) else NO_LORA
+
+
 class HTTPCaller:
     """An HTTP request: its span, its access log line, and the connection that may close."""
 
@@ -57,10 +64,16 @@ class HTTPCaller:
         self.request = request
         self.trace = trace_of(request)
 
-    def routed(self, model_name: str) -> None:
-        """The model in the access log, the request metrics and on the request span."""
-        self.request.scope.setdefault("state", {})[MODEL_KEY] = model_name
-        self.trace.set({"poolserve.model": model_name})
+    def routed(self, model_name: str, lora_name: str | None) -> None:
+        """The model in the access log, the request metrics and on the request span; the LoRA
+        adapter beside it only when the request runs through one."""
+        scope_state = self.request.scope.setdefault("state", {})
+        scope_state[MODEL_KEY] = model_name
+        if lora_name is None:
+            self.trace.set({"poolserve.model": model_name})
+            return
+        scope_state[LORA_KEY] = lora_name
+        self.trace.set({"poolserve.model": model_name, LORA_SPAN_ATTRIBUTE: lora_name})
 
     def tokenized(self, started: float, ended: float, num_inputs: int, num_tokens: int) -> None:
         """The tokenize span."""
@@ -122,6 +135,7 @@ async def answer(
     if trace is not NO_TRACE:  # no span to build when tracing is off
         attributes = {"poolserve.output_bytes": len(reply.body)}
         trace.record(SpanRecord("encode", started, time.monotonic(), attributes))
-    service_state(request).metrics.add_output_bytes(routed_model(request), len(reply.body))
+    metrics = service_state(request).metrics
+    metrics.add_output_bytes(routed_model(request), routed_lora(request), len(reply.body))
     headers = {**timing_headers(outputs), **reply.headers}
     return Response(reply.body, media_type=reply.media_type, headers=headers)

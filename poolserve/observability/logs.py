@@ -24,8 +24,10 @@ CLIENT_CLOSED_TEXT = "client closed the connection before its answer"
 CLIENT_CLOSED = 499  # nginx's status for a client that left before its answer
 # Where a route notes its request's admitted prompt tokens in the ASGI scope's state.
 PROMPT_TOKENS_KEY = "prompt_tokens"
-# Where the pipeline notes the served name of the model a request was routed to.
+# Where the pipeline notes the served name of the model a request was routed to...
 MODEL_KEY = "model"
+# ...and the LoRA adapter it runs through, when it names one (MODEL_KEY is then its base's).
+LORA_KEY = "lora_name"
 # Attribute of a LogRecord that carries structured fields (set through `extra`).
 FIELDS_ATTR = "poolserve_fields"
 
@@ -44,12 +46,15 @@ class AccessRecord:
     request_id: str
     client: str | None
     trace_id: str | None  # set when the request was traced
+    # the LoRA adapter the request ran through (`model` is its base); None: none
+    lora_name: str | None = None
 
     def message(self) -> str:
         """The text line: what the JSON form carries as separate keys."""
+        lora = "" if self.lora_name is None else f"lora_name={self.lora_name} "
         text = (
             f"{self.method} {self.path} {self.status} {self.duration_ms:.1f}ms "
-            f"route={self.route} model={_or_dash(self.model)} "
+            f"route={self.route} model={_or_dash(self.model)} {lora}"
             f"prompt_tokens={_or_dash(self.prompt_tokens)} "
             f"request_id={self.request_id} client={_or_dash(self.client)}"
         )
@@ -58,6 +63,14 @@ class AccessRecord:
         if self.status == CLIENT_CLOSED:
             text += f" ({CLIENT_CLOSED_TEXT})"
         return text
+
+    def fields(self) -> dict[str, object]:
+        """The JSON form's keys; `lora_name` only on a request that ran through an adapter, so
+        every other line keeps the keys it always had."""
+        fields = dict(vars(self))
+        if self.lora_name is None:
+            del fields["lora_name"]
+        return fields
 
 
 def access_record(
@@ -68,8 +81,8 @@ def access_record(
     request_id: str,
     trace_id: str | None,
 ) -> AccessRecord:
-    """What the access log says about one request; its model and prompt tokens as the
-    pipeline noted them."""
+    """What the access log says about one request; its model, LoRA adapter and prompt tokens as
+    the pipeline noted them."""
     client = scope.get("client")
     # the path as sent: decoded, a %0A could break the line
     raw = scope.get("raw_path")
@@ -77,6 +90,7 @@ def access_record(
     noted = scope.get("state", {})
     prompt_tokens = noted.get(PROMPT_TOKENS_KEY)
     model = noted.get(MODEL_KEY)
+    lora = noted.get(LORA_KEY)
     return AccessRecord(
         method=str(scope.get("method", "")),
         path=clip(path),
@@ -88,6 +102,7 @@ def access_record(
         request_id=request_id,
         client=str(client[0]) if client else None,
         trace_id=trace_id,
+        lora_name=lora if isinstance(lora, str) else None,
     )
 
 
@@ -109,7 +124,7 @@ def log_access(logger: logging.Logger, record: AccessRecord, level: int) -> None
             (record.message(),),
             None,
             _ACCESS_SOURCE[2],
-            {FIELDS_ATTR: dict(vars(record))},
+            {FIELDS_ATTR: record.fields()},
         )
         logger.handle(line)
 

@@ -5,12 +5,15 @@ is on (`PROMETHEUS_MULTIPROC_DIR`, set by the process supervisor before any chil
 each process writes its counters and histograms to files there, and any front end's /metrics
 sums them; the engine's gauges come from the core itself, asked at scrape time. Every series
 carries `model_name` (the model's served name, as vLLM labels its series): a server of several
-models exports one series per model.
+models exports one series per model. A request through a LoRA adapter counts under its base
+model, as vLLM counts it; the metrics of each request also carry `lora_name` (its adapter, ""
+for none).
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, values
@@ -19,7 +22,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from poolserve.types.process import MULTIPROCESS_DIR
-from poolserve.types.stats import EngineSnapshot
+from poolserve.types.stats import EngineSnapshot, LoraStats
 
 LATENCY_BUCKETS = (
     0.001,
@@ -44,6 +47,10 @@ REJECT_REASONS = ("queue_full", "tokens_full", "tokenizing_full", "draining", "n
 MODEL_LABEL = "model_name"
 # The label's value on what reached no model (probes, a refusal before routing, unknown names).
 UNROUTED = ""
+# The metrics of each request also name the LoRA adapter it ran through under this label...
+LORA_LABEL = "lora_name"
+# ...with this value for a request of the model itself (and one that reached no model).
+NO_LORA = ""
 
 
 def fix_process_identity() -> None:
@@ -65,23 +72,24 @@ class ServiceMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         m = MODEL_LABEL
+        lora = LORA_LABEL
         self.requests = Counter(
             "poolserve_requests",
-            "HTTP requests by model, endpoint, task and status.",
-            [m, "endpoint", "task", "status"],
+            "HTTP requests by model, LoRA adapter, endpoint, task and status.",
+            [m, lora, "endpoint", "task", "status"],
             registry=r,
         )
         self.request_duration = Histogram(
             "poolserve_request_duration_seconds",
             "HTTP request latency.",
-            [m, "endpoint"],
+            [m, lora, "endpoint"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.tokenization = Histogram(
             "poolserve_tokenization_duration_seconds",
             "Tokenization time per HTTP request.",
-            [m],
+            [m, lora],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
@@ -100,10 +108,13 @@ class ServiceMetrics:
             registry=r,
         )
         self.prompt_tokens = Counter(
-            "poolserve_prompt_tokens", "Prompt tokens admitted.", [m], registry=r
+            "poolserve_prompt_tokens", "Prompt tokens admitted.", [m, lora], registry=r
         )
         self.output_bytes = Counter(
-            "poolserve_output_bytes", "Response body bytes of inference routes.", [m], registry=r
+            "poolserve_output_bytes",
+            "Response body bytes of inference routes.",
+            [m, lora],
+            registry=r,
         )
         self.step_duration = Histogram(
             "poolserve_step_duration_seconds",
@@ -128,10 +139,13 @@ class ServiceMetrics:
             metrics = self._models[name] = ModelMetrics(self, name)
         return metrics
 
-    def add_output_bytes(self, model_name: str, num_bytes: int) -> None:
-        """Count an answer's body bytes for the model it came from."""
+    def add_output_bytes(self, model_name: str, lora_name: str, num_bytes: int) -> None:
+        """Count an answer's body bytes for the model (and LoRA adapter) it came from."""
         known = self._models.get(model_name)
-        (known.output_bytes if known else self.output_bytes.labels(model_name)).inc(num_bytes)
+        if known is None:
+            self.output_bytes.labels(model_name, lora_name).inc(num_bytes)
+        else:
+            known.through(lora_name).output_bytes.inc(num_bytes)
 
     def on_reject(self, reason: str, model_name: str = UNROUTED) -> None:
         """Record one refusal (of a request that reached no model: `model_name` empty)."""
@@ -159,23 +173,45 @@ class ServiceMetrics:
         return generate_latest(registry)
 
 
-class ModelMetrics:
-    """One model's children of the service's metrics; also that model's engine observer.
+class RequestMetrics:
+    """The children a request moves: of one model, run as it is or through one LoRA adapter.
 
     `.labels(...)` validates and hashes its values under a lock on every call: each child is
     looked up once here, not per request.
     """
 
+    def __init__(self, metrics: ServiceMetrics, model_name: str, lora_name: str) -> None:
+        self.tokenization = metrics.tokenization.labels(model_name, lora_name)
+        self.prompt_tokens = metrics.prompt_tokens.labels(model_name, lora_name)
+        self.output_bytes = metrics.output_bytes.labels(model_name, lora_name)
+
+
+class ModelMetrics(RequestMetrics):
+    """One model's children of the service's metrics (its own requests': no adapter); also that
+    model's engine observer."""
+
     def __init__(self, metrics: ServiceMetrics, name: str) -> None:
+        super().__init__(metrics, name, NO_LORA)
         self.name = name
-        self.tokenization = metrics.tokenization.labels(name)
-        self.prompt_tokens = metrics.prompt_tokens.labels(name)
-        self.output_bytes = metrics.output_bytes.labels(name)
+        self._metrics = metrics
+        self._adapters: dict[str, RequestMetrics] = {}
         self.queue = metrics.queue.labels(name)
         self.inference = metrics.inference.labels(name)
         self.step_duration = metrics.step_duration.labels(name)
         self._rejected = metrics.rejected
         self._reasons = {reason: metrics.rejected.labels(name, reason) for reason in REJECT_REASONS}
+
+    def through(self, lora_name: str | None) -> RequestMetrics:
+        """The children of the model's requests through LoRA adapter `lora_name` (made once;
+        None or NO_LORA: the model's own)."""
+        if lora_name is None or lora_name == NO_LORA:
+            return self
+        children = self._adapters.get(lora_name)
+        if children is None:
+            children = self._adapters[lora_name] = RequestMetrics(
+                self._metrics, self.name, lora_name
+            )
+        return children
 
     # EngineObserver
     def on_step(self, num_tokens: int, duration_s: float) -> None:
@@ -224,6 +260,31 @@ class _EngineCollector(Collector):
             for name, snapshot in taken:
                 family.add_metric([name], value(snapshot))
             yield family
+        # the LoRA families only where a model serves adapters (as vLLM adds them with LoRA)
+        adapted = [(name, s.lora) for name, s in taken if isinstance(s.lora, LoraStats)]
+        if adapted:
+            yield from _lora_families(adapted)
+
+
+def _lora_families(adapted: list[tuple[str, LoraStats]]) -> Iterator[Metric]:
+    """The adapters' gauges and evictions by model, and vLLM's lora_requests_info."""
+    for metric, (kind, doc, value) in LORA_SERIES.items():
+        family = kind(metric, doc, labels=[MODEL_LABEL])
+        for name, lora in adapted:
+            family.add_metric([name], value(lora))
+        yield family
+    # vLLM's info gauge: the adapters of running and waiting requests as comma-joined label
+    # values, the sample the Unix time it was read (readers of vLLM's take the newest series)
+    info = GaugeMetricFamily(
+        "poolserve_lora_requests_info",
+        "Running stats on LoRA requests (vLLM's lora_requests_info).",
+        labels=[MODEL_LABEL, "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+    )
+    now = time.time()
+    for name, lora in adapted:
+        labels = [name, str(lora.max_loras), ",".join(lora.running), ",".join(lora.waiting)]
+        info.add_metric(labels, now)
+    yield info
 
 
 Family = type[GaugeMetricFamily] | type[CounterMetricFamily]
@@ -288,5 +349,23 @@ ENGINE_SERIES: dict[str, tuple[Family, str, Callable[[EngineSnapshot], float]]] 
         CounterMetricFamily,
         "Cached KV blocks reused for other prompts, least recently freed first.",
         lambda s: s.prefix_cache_evictions,
+    ),
+}
+# metric -> (kind, help, the LoRA stats' value), for each model that serves adapters
+LORA_SERIES: dict[str, tuple[Family, str, Callable[[LoraStats], float]]] = {
+    "poolserve_lora_adapters_loaded": (
+        GaugeMetricFamily,
+        "LoRA adapters registered (each in host memory, each a model name).",
+        lambda s: s.num_loaded,
+    ),
+    "poolserve_lora_adapters_resident": (
+        GaugeMetricFamily,
+        "LoRA adapters in the model's slots now (at most --max-loras).",
+        lambda s: s.num_resident,
+    ),
+    "poolserve_lora_adapter_evictions": (
+        CounterMetricFamily,
+        "LoRA adapters written out of a slot for another one, least recently used first.",
+        lambda s: s.evictions,
     ),
 }

@@ -20,6 +20,9 @@ Attributes = Mapping[str, AttributeValue]
 # Where a request's trace lives in its ASGI scope's state, for the routes to find.
 TRACE_KEY = "poolserve_trace"
 EXTRA_HINT = "pip install 'poolserve[tracing]'"
+# The request span's attribute naming the LoRA adapter a request ran through (set only then):
+# OpenTelemetry's gen_ai conventions and vLLM's spans name no adapter, so it is this server's.
+LORA_SPAN_ATTRIBUTE = "poolserve.lora_name"
 
 
 class TracingUnavailableError(RuntimeError):

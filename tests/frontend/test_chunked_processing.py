@@ -265,7 +265,7 @@ class _Leaves:
     def __init__(self, engine: AsyncPoolingEngine) -> None:
         self.engine = engine
 
-    def routed(self, model_name: str) -> None:
+    def routed(self, model_name: str, lora_name: str | None) -> None:
         """Nothing to account."""
 
     def tokenized(self, started: float, ended: float, num_inputs: int, num_tokens: int) -> None:

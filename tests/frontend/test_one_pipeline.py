@@ -202,12 +202,13 @@ def test_every_inference_route_is_accounted_alike(
 
         # the metrics: prompt tokens, one tokenization per job, the task label
         grew = _growth(before, after)
-        model = (("model_name", "minilm"),)
+        model = (("lora_name", ""), ("model_name", "minilm"))
         assert grew("poolserve_prompt_tokens_total", model) == num_tokens, where
         tokenizations = grew("poolserve_tokenization_duration_seconds_count", model)
         assert tokenizations == len(served.submitted), where
         route = (
             ("endpoint", case.path),
+            ("lora_name", ""),
             ("model_name", "minilm"),
             ("status", "200"),
             ("task", case.task),

@@ -160,7 +160,13 @@ def test_one_metrics_endpoint_counts_every_process(
     url = two_front_ends[0]
     key = (
         "poolserve_requests_total",
-        (("endpoint", "/tokenize"), ("model_name", "minilm"), ("status", "200"), ("task", "none")),
+        (
+            ("endpoint", "/tokenize"),
+            ("lora_name", ""),
+            ("model_name", "minilm"),
+            ("status", "200"),
+            ("task", "none"),
+        ),
     )
     before = _samples(url).get(key, 0.0)
     for i in range(20):

@@ -122,7 +122,9 @@ def test_unknown_model_is_404(client: Any) -> None:
 
 def _tokenizations(client: Any) -> float:
     for line in client.get("/metrics").text.splitlines():
-        if line.startswith('poolserve_tokenization_duration_seconds_count{model_name="llama"} '):
+        if line.startswith(
+            'poolserve_tokenization_duration_seconds_count{lora_name="",model_name="llama"} '
+        ):
             return float(line.split()[1])
     raise AssertionError("tokenization histogram not exported")
 

@@ -24,9 +24,20 @@ def _samples(client: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], float
     }
 
 
+# The families each request moves: their series also name its LoRA adapter ("" for none).
+PER_REQUEST = (
+    "poolserve_requests_total",
+    "poolserve_request_duration_seconds",
+    "poolserve_tokenization_duration_seconds",
+    "poolserve_prompt_tokens_total",
+    "poolserve_output_bytes_total",
+)
+
+
 def _value(samples: dict[Any, float], name: str, **labels: str) -> float:
     """A sample of the model's (every series carries its served name, as vLLM's do)."""
-    labels = {"model_name": "llama", **labels}
+    own = {"model_name": "llama", **({"lora_name": ""} if name.startswith(PER_REQUEST) else {})}
+    labels = {**own, **labels}
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 

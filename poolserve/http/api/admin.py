@@ -44,7 +44,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     """
     state = service_state(request)
     model = _routed(request, state, body.model)
-    on_reject = state.metrics.model(model.served_name).on_reject
+    on_reject = state.metrics.model(model.model_name).on_reject
     chat = body.chat()
     text = body.prompt
     if chat is not None:
@@ -83,7 +83,7 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
 def _routed(request: Request, state: ServiceState, name: str | None) -> ModelHandle:
     """The model a body names (the default when it names none), noted for the access log."""
     _, model = check_serving(state, name)
-    HTTPCaller(request).routed(model.served_name)
+    HTTPCaller(request).routed(model.model_name, model.lora_name)
     return model
 
 

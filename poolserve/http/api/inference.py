@@ -296,7 +296,8 @@ async def _stream(
     Each piece is encoded in a worker thread just before it is sent, so at most one piece of
     one output exists as JSON at a time. An error mid-stream ends it with an error line.
     """
-    metrics = service_state(request).metrics.model(run.model.served_name)
+    model = run.model
+    metrics = service_state(request).metrics.model(model.model_name).through(model.lora_name)
     at_line_end = True
     try:
         async with aclosing(as_completed(run)) as outputs:

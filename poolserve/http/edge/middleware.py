@@ -23,11 +23,12 @@ from poolserve.http.routing import route_path
 from poolserve.observability.logs import (
     ACCESS_LOGGER,
     CLIENT_CLOSED,
+    LORA_KEY,
     MODEL_KEY,
     access_record,
     log_access,
 )
-from poolserve.observability.metrics import UNROUTED
+from poolserve.observability.metrics import NO_LORA, UNROUTED
 from poolserve.observability.tracing import NO_TRACE, TRACE_KEY, RequestTrace
 from poolserve.types.errors import (
     APIError,
@@ -318,6 +319,7 @@ class EdgeMiddleware:
         noted = scope.get("state", {})
         task = str(noted.get("task", "none"))
         model = noted.get(MODEL_KEY)  # the served name the pipeline routed it to
+        lora = noted.get(LORA_KEY)  # the LoRA adapter it ran through, if any
         status = exchange.outcome()
         trace.finish(getattr(route, "path", None), status, end)
         if self.state.settings.access_log:  # its 499 line says the client closed the connection
@@ -334,7 +336,12 @@ class EdgeMiddleware:
                 clip(scope["path"]),
             )
         self.counted.add(
-            model if isinstance(model, str) else UNROUTED, endpoint, task, status, end - start
+            model if isinstance(model, str) else UNROUTED,
+            lora if isinstance(lora, str) else NO_LORA,
+            endpoint,
+            task,
+            status,
+            end - start,
         )
 
 
@@ -368,20 +375,23 @@ class Counted:
     def __init__(self, state: ServiceState) -> None:
         self.state = state
         self.metrics = state.metrics
-        self.children: dict[tuple[str, str, str, int], tuple[Any, Any]] = {}
+        self.children: dict[tuple[str, str, str, str, int], tuple[Any, Any]] = {}
 
-    def add(self, model: str, endpoint: str, task: str, status: int, seconds: float) -> None:
+    def add(
+        self, model: str, lora: str, endpoint: str, task: str, status: int, seconds: float
+    ) -> None:
         """Count one request and observe its duration."""
         metrics = self.state.metrics
         if metrics is not self.metrics:  # replaced (tests do): start over
             self.metrics, self.children = metrics, {}
-        key = (model, endpoint, task, status)
+        key = (model, lora, endpoint, task, status)
         children = self.children.get(key)
         if children is None:
-            requests = metrics.requests.labels(model, endpoint, task, str(status))
-            duration = metrics.request_duration.labels(model, endpoint)
-            # bounded: models x routes x tasks x statuses is small (a model is a served one),
-            # unmatched paths share one endpoint
+            requests = metrics.requests.labels(model, lora, endpoint, task, str(status))
+            duration = metrics.request_duration.labels(model, lora, endpoint)
+            # bounded: models (and their loaded adapters) x routes x tasks x statuses is small
+            # (a model is a served one, an adapter a loaded one), unmatched paths share one
+            # endpoint
             children = self.children[key] = (requests, duration)
         children[0].inc()
         children[1].observe(seconds)

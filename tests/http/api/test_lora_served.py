@@ -148,3 +148,97 @@ def test_an_adapter_that_does_not_fit_is_a_400_naming_why(
         assert response.status_code == 400, response.text
         assert words in response.json()["error"]["message"], response.text
         assert client.post("/v1/embeddings", json={"model": name, "input": TEXT}).status_code == 404
+
+
+def test_an_adapters_requests_are_observed_under_its_base(
+    served: tuple[TestClient, dict, dict], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As vLLM counts them, an adapter's requests count under its base model: /metrics has them
+    under the base's model_name with the adapter's lora_name, and per model the adapters loaded,
+    resident and evicted and vLLM's lora_requests_info; the access log line and the request span
+    name the base as the model and the adapter as lora_name (nothing of it on the base's own)."""
+    import logging
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from poolserve.observability.logs import ACCESS_LOGGER, FIELDS_ATTR
+    from tests.frontend.test_one_pipeline import Recorder
+
+    client, references, _ = served
+
+    def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        text = client.get("/metrics").text
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+    def lines(request_id: str) -> list[logging.LogRecord]:
+        return [
+            r
+            for r in caplog.records
+            if r.name == ACCESS_LOGGER and getattr(r, FIELDS_ATTR)["request_id"] == request_id
+        ]
+
+    # a third adapter on two slots: one of the three is evicted as the others take its slot
+    extra = _random_adapter(references[BASE], LoraConfig(r=2, target_modules=["query"]), 11)
+    extra.save_pretrained(tmp_path / "extra")
+    load = {"lora_name": "extra", "lora_path": str(tmp_path / "extra")}
+    assert client.post("/v1/load_lora_adapter", json=load).status_code == 200
+    before = scrape()
+    state = client.app.state.poolserve  # type: ignore[attr-defined]
+    tracing, state.tracing = state.tracing, Recorder()
+    try:
+        with caplog.at_level(logging.INFO, ACCESS_LOGGER):
+            for name in ("extra", "legal", "medical", BASE):
+                body = {"model": name, "input": TEXT}
+                sent = client.post("/v1/embeddings", json=body, headers={"x-request-id": name})
+                assert sent.status_code == 200, sent.text
+                assert sent.json()["model"] == name  # answers still name the adapter
+        spans = [t.attributes for t in state.tracing.traces]
+    finally:
+        state.tracing = tracing
+    after = scrape()
+
+    def grew(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted({"model_name": BASE, **labels}.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    route = {"endpoint": "/v1/embeddings", "task": "embed", "status": "200"}
+    for lora in ("extra", "legal", "medical", ""):  # "": the base model's own requests
+        assert grew("poolserve_requests_total", lora_name=lora, **route) == 1, lora
+        assert grew("poolserve_prompt_tokens_total", lora_name=lora) > 0, lora
+        assert grew("poolserve_tokenization_duration_seconds_count", lora_name=lora) == 1, lora
+        assert grew("poolserve_output_bytes_total", lora_name=lora) > 0, lora
+    models = {dict(labels)["model_name"] for _, labels in after}
+    assert models.isdisjoint(CONFIGS) and "extra" not in models  # no adapter counts as a model
+
+    assert after[("poolserve_lora_adapters_loaded", (("model_name", BASE),))] == 3
+    assert after[("poolserve_lora_adapters_resident", (("model_name", BASE),))] == 2
+    assert grew("poolserve_lora_adapter_evictions_total") >= 1
+    info = [(labels, v) for (n, labels), v in after.items() if n == "poolserve_lora_requests_info"]
+    ((labels, value),) = info
+    assert dict(labels) == {
+        "model_name": BASE,
+        "max_lora": "2",
+        "running_lora_adapters": "",  # nothing in flight while /metrics answers
+        "waiting_lora_adapters": "",
+    }
+    assert value > 1e9  # vLLM's value: the Unix time it was read
+
+    for name in ("extra", "legal", "medical"):
+        (line,) = lines(name)
+        fields = getattr(line, FIELDS_ATTR)
+        assert (fields["model"], fields["lora_name"]) == (BASE, name)
+        assert f" model={BASE} lora_name={name} prompt_tokens=" in line.getMessage()
+    (own,) = lines(BASE)
+    assert "lora_name" not in getattr(own, FIELDS_ATTR)
+    assert "lora_name" not in own.getMessage()
+    assert [span["poolserve.model"] for span in spans] == [BASE] * 4
+    adapters = [span.get("poolserve.lora_name") for span in spans]
+    assert adapters == ["extra", "legal", "medical", None]
+
+    assert client.post("/v1/unload_lora_adapter", json={"lora_name": "extra"}).status_code == 200
+    unloaded = scrape()
+    assert unloaded[("poolserve_lora_adapters_loaded", (("model_name", BASE),))] == 2
