@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from poolserve.models.adapters import LoraLinear
+from poolserve.models.adapters import StackedLora
 from poolserve.models.heads import HeadFactory
 from poolserve.models.packed import PackedModel
 from poolserve.models.peft import PeftAdapter, check_adapter, write_adapter
@@ -160,7 +160,7 @@ class AdapterSlots:
 
     def _clear(self, index: int) -> None:
         for module in self.model.modules():
-            if isinstance(module, LoraLinear):
+            if isinstance(module, StackedLora):
                 module.clear(index)
         self._slots[index].name = None
         self._sync_names()

@@ -100,6 +100,12 @@ class StackedLora(torch.nn.Module):
         self.register_buffer("a", to_device(a, *placement))
         self.register_buffer("b", to_device(b, *placement))
 
+    def clear(self, index: int) -> None:
+        """Adapter `index` adds nothing any more (its slot is free for another)."""
+        self.a[index].zero_()
+        self.b[index].zero_()
+        self.held.discard(index)
+
 
 @dataclass(frozen=True)
 class LoraSite:
@@ -124,21 +130,39 @@ class LoraLinear(StackedLora):
 
     RANK_AXES = (1, 2)
 
+    # B's non-zero blocks (output rows, rank columns): one per fused part, the rest is zero
+    blocks: tuple[tuple[slice, slice], ...]
+
+    def __init__(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        scale: float,
+        placement: tuple[torch.device, torch.dtype],
+    ) -> None:
+        super().__init__(a, b, scale, placement)
+        self.blocks = ((slice(0, b.shape[1]), slice(0, b.shape[2])),)
+
     @classmethod
     def empty(
         cls,
         capacity: int,
         rank: int,
-        shape: tuple[int, int],  # (out, in) of the projection
+        parts: tuple[int, ...],  # output rows of each fused part of the projection
+        in_features: int,
         placement: tuple[torch.device, torch.dtype],
     ) -> LoraLinear:
-        """Room for `capacity` adapters of up to `rank`, all zero (a zero adapter adds nothing);
-        the scale is folded into each B as it is written."""
-        out_features, in_features = shape
-        a = torch.zeros(capacity, rank, in_features)
-        b = torch.zeros(capacity, out_features, rank)
+        """Room for `capacity` adapters of up to `rank` per part, all zero (a zero adapter adds
+        nothing); the scale is folded into each B as it is written."""
+        a = torch.zeros(capacity, rank * len(parts), in_features)
+        b = torch.zeros(capacity, sum(parts), rank * len(parts))
         lora = cls(a, b, 1.0, placement)
         lora.held.clear()
+        starts = [sum(parts[:k]) for k in range(len(parts))]
+        lora.blocks = tuple(
+            (slice(start, start + size), slice(k * rank, (k + 1) * rank))
+            for k, (start, size) in enumerate(zip(starts, parts, strict=True))
+        )
         return lora
 
     def write(self, index: int, site: LoraSite, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -154,12 +178,6 @@ class LoraLinear(StackedLora):
         self.b[index, start : start + b.shape[0], first : first + rank] = b.to(self.b.dtype)
         self.held.add(index)
 
-    def clear(self, index: int) -> None:
-        """Adapter `index` adds nothing any more (its slot is free for another)."""
-        self.a[index].zero_()
-        self.b[index].zero_()
-        self.held.discard(index)
-
     def add_to(
         self,
         y: torch.Tensor,  # [num_tokens, out], the base projection of x; updated in place
@@ -172,7 +190,12 @@ class LoraLinear(StackedLora):
                 continue
             a, b = self.a[adapter], self.b[adapter]  # [rank, in], [out, rank]
             if isinstance(rows, slice):
-                y[rows].add_(F.linear(F.linear(x[rows], a), b), alpha=self.scale)
+                # the adapter's tokens are one run: B's blocks add straight into y's view (a
+                # fused projection's parts each by their own block, not the zeros between)
+                h = F.linear(x[rows], a)  # [n, rank]
+                out = y[rows]
+                for outputs, ranks in self.blocks:
+                    out[:, outputs].addmm_(h[:, ranks], b[outputs, ranks].t(), alpha=self.scale)
             else:
                 delta = F.linear(F.linear(x.index_select(0, rows), a), b)  # [n, out]
                 y.index_add_(0, rows, delta, alpha=self.scale)
@@ -185,6 +208,32 @@ class LoraEmbedding(StackedLora):
 
     RANK_AXES = (2, 1)
 
+    @classmethod
+    def empty(
+        cls,
+        capacity: int,
+        rank: int,
+        shape: tuple[int, int],
+        placement: tuple[torch.device, torch.dtype],
+    ) -> LoraEmbedding:
+        """Room for `capacity` adapters of up to `rank` on a table of `shape` (rows, dim), all
+        zero; the scale is folded into each B as it is written."""
+        rows, dim = shape
+        lora = cls(
+            torch.zeros(capacity, rows, rank), torch.zeros(capacity, rank, dim), 1.0, placement
+        )
+        lora.held.clear()
+        return lora
+
+    def write(self, index: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Adapter `index`'s A [rows, r] and scaled B [r, dim] (rank zero-padded)."""
+        rank = a.shape[1]
+        self.a[index].zero_()
+        self.b[index].zero_()
+        self.a[index, :, :rank] = a.to(self.a.dtype)
+        self.b[index, :rank] = b.to(self.b.dtype)
+        self.held.add(index)
+
     def add_to(
         self,
         y: torch.Tensor,  # [num_tokens, dim], the base rows; updated in place
@@ -193,6 +242,8 @@ class LoraEmbedding(StackedLora):
     ) -> torch.Tensor:  # y
         """y + scale * A_i[ids] @ B_i on each adapter's tokens."""
         for adapter, rows in segments.groups:
+            if adapter not in self.held:
+                continue
             a, b = self.a[adapter], self.b[adapter]  # [rows, rank], [rank, dim]
             if isinstance(rows, slice):
                 y[rows].add_(F.embedding(ids[rows], a) @ b, alpha=self.scale)

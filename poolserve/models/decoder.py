@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PretrainedConfig
 
-from poolserve.models.adapters import AdapterSegments, LoraLinear, LoraSite
+from poolserve.models.adapters import AdapterSegments, LoraEmbedding, LoraLinear, LoraSite
 from poolserve.models.attention import AttentionBackend, AttentionMetadata
 from poolserve.models.decoder_config import (
     DecoderGeometry,
@@ -242,6 +242,7 @@ class DecoderModel(PackedModel):
         act = activation(getattr(config, family.activation_key))
         self.vocab_size = int(config.vocab_size)
         self.backend = backend
+        self.word_lora: LoraEmbedding | None = None  # PEFT adapters' room, when served
         self.eps = geometry.eps
         self.embed_scale = embed_scale(config, family, placement[1])
         rope_types = layer_rope_types(config, family)
@@ -275,6 +276,14 @@ class DecoderModel(PackedModel):
         """Each stored projection of each layer, by its name in the checkpoint."""
         return self._sites
 
+    def word_table(self) -> tuple[str, torch.Tensor] | None:
+        """The token embedding table, by its checkpoint name."""
+        return "embed_tokens", self.embed_tokens
+
+    def set_word_lora(self, lora: torch.nn.Module) -> None:
+        """The token table's stacked adapters (PEFT adapters' room: models/peft.py)."""
+        self.word_lora = cast(LoraEmbedding, lora)
+
     @torch.inference_mode()
     def forward(
         self,
@@ -291,6 +300,9 @@ class DecoderModel(PackedModel):
         if adapters is not None and not self.adapter_names:
             raise ValueError("this model has no adapters")
         x = F.embedding(input_ids, self.embed_tokens)  # [num_tokens, hidden]
+        if adapters is not None and self.word_lora is not None:
+            # before Gemma's scale, as PEFT's LoRA adds inside the embedding layer
+            x = self.word_lora.add_to(x, input_ids, adapters)
         if self.embed_scale is not None:
             x = x * self.embed_scale
         ropes = [cast(Rotary, rotary).cos_sin(positions, x.dtype) for rotary in self.rotary]

@@ -293,6 +293,14 @@ class EncoderModel(PackedModel):
         """Each stored projection of each layer, by its name in the checkpoint."""
         return self._sites
 
+    def word_table(self) -> tuple[str, torch.Tensor] | None:
+        """The word embedding table, by its checkpoint name."""
+        return self.embeddings.word_name, self.embeddings.word
+
+    def set_word_lora(self, lora: torch.nn.Module) -> None:
+        """The word table's stacked adapters (EncoderEmbeddings applies them)."""
+        self.embeddings.word_lora = cast(LoraEmbedding, lora)
+
     @torch.inference_mode()
     def forward(
         self,

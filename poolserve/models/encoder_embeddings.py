@@ -72,7 +72,9 @@ class EncoderEmbeddings(torch.nn.Module):
         }
         for name, tensor in tensors.items():
             self.register_buffer(name, to_device(tensor, *placement))
-        # stacked LoRA adapters of the word and token type tables (jina-embeddings-v3)
+        # stacked LoRA adapters of the word and token type tables (jina-embeddings-v3's, or
+        # PEFT adapters' room: models/peft.py)
+        self.word_name = names.word
         self.word_lora = take_lora_embedding(state, names.word, config, placement)
         self.type_lora = take_lora_embedding(state, names.token_type, config, placement)
 

@@ -60,6 +60,14 @@ class PackedModel(torch.nn.Module, abc.ABC):
         PEFT module path ends with it); {} where the model has no projections to adapt."""
         return {}
 
+    def word_table(self) -> tuple[str, torch.Tensor] | None:
+        """The token embedding table a LoRA adapter may train: its checkpoint name, the table."""
+        return None
+
+    def set_word_lora(self, lora: torch.nn.Module) -> None:
+        """Where the forward finds the stacked adapters of the token embedding table."""
+        raise NotImplementedError(f"{type(self).__name__} has no adaptable embedding table")
+
     def lora_slots(self, index: int) -> torch.nn.ModuleDict:
         """Layer `index`'s stacked adapters by projection slot (its `lora` ModuleDict)."""
         slots = self.get_submodule(f"layers.{index}.lora")

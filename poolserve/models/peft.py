@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from poolserve.models.adapters import LoraLinear, LoraSite
+from poolserve.models.adapters import LoraEmbedding, LoraLinear, LoraSite, StackedLora
 from poolserve.models.heads import HeadFactory
 from poolserve.models.packed import PackedModel
 from poolserve.types.errors import LoraAdapterError
@@ -34,6 +34,9 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLED_FILE = "adapter_model.bin"
 PEFT_PREFIX = "base_model.model."
 _LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>A|B)\.weight$")
+_EMBEDDING_KEY = re.compile(r"^(?P<module>.+)\.lora_embedding_(?P<which>A|B)$")
+# PEFT saves an adapted embedding layer's own table beside its LoRA: the model's, unchanged
+_BASE_LAYER = ".base_layer.weight"
 
 # adapter_config.json switches the forward cannot apply exactly, with the value it can
 _EXACT_ONLY: dict[str, tuple[Any, ...]] = {
@@ -69,19 +72,42 @@ class PeftAdapter:
     modules: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
     # whole tensors it replaces (`modules_to_save`: a classifier's), by checkpoint name
     saved: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    # embedding-table LoRA: module path -> (A [rows, r], B [r, dim] * scale)
+    tables: Mapping[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 def read_peft_adapter(name: str, path: Path) -> PeftAdapter:
     """The adapter in folder `path`; LoraAdapterError naming the reason when it cannot load."""
     config = _read_config(name, path)
     tensors = _read_tensors(name, path)
-    saved = {k: t.float() for k, t in tensors.items() if not _LORA_KEY.match(k)}
+    linear = _pairs(name, tensors, _LORA_KEY)
+    embedding = _pairs(name, tensors, _EMBEDDING_KEY)
+    saved = {
+        k: t.float()
+        for k, t in tensors.items()
+        if not (_LORA_KEY.match(k) or _EMBEDDING_KEY.match(k))
+    }
+    modules = {m: (a, b * _scale(config, m, int(a.shape[0]))) for m, (a, b) in linear.items()}
+    # PEFT's embedding LoRA: A [r, rows], B [dim, r]; a row t moves by B @ A[:, t] * scale
+    tables = {
+        m: (a.t(), (b * _scale(config, m, int(a.shape[0]))).t()) for m, (a, b) in embedding.items()
+    }
+    if not modules and not tables:
+        raise LoraAdapterError(name, f"{WEIGHTS_FILE} holds no LoRA weights")
+    rank = max(int(a.shape[0]) for a, _ in (*linear.values(), *embedding.values()))
+    return PeftAdapter(name, path, rank, modules, saved, tables)
+
+
+def _pairs(
+    name: str, tensors: Mapping[str, torch.Tensor], pattern: re.Pattern[str]
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each module's (A [r, in], B [out, r]) among the tensors whose key `pattern` matches."""
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
-        found = _LORA_KEY.match(key)
+        found = pattern.match(key)
         if found is not None:
             pairs.setdefault(found["module"], {})[found["which"]] = tensor
-    modules = {}
+    checked = {}
     for module, pair in pairs.items():
         if set(pair) != {"A", "B"}:
             raise LoraAdapterError(name, f"{module} has lora_{''.join(pair)} without its pair")
@@ -90,11 +116,8 @@ def read_peft_adapter(name: str, path: Path) -> PeftAdapter:
             raise LoraAdapterError(
                 name, f"{module}: lora_A {list(a.shape)} and lora_B {list(b.shape)} do not pair"
             )
-        modules[module] = (a, b * _scale(config, module, int(a.shape[0])))
-    if not modules:
-        raise LoraAdapterError(name, f"{WEIGHTS_FILE} holds no LoRA weights")
-    rank = max(int(a.shape[0]) for a, _ in modules.values())
-    return PeftAdapter(name, path, rank, modules, saved)
+        checked[module] = (a, b)
+    return checked
 
 
 def _read_config(name: str, path: Path) -> dict[str, Any]:
@@ -149,13 +172,15 @@ def _scale(config: Mapping[str, Any], module: str, rank: int) -> float:
     return float(alpha) / root
 
 
+def names(module: str, name: str) -> bool:
+    """Whether a PEFT module path is the model's module `name` (any head class's prefix before
+    it, `bert.` or `model.`)."""
+    return module == name or module.endswith(f".{name}")
+
+
 def site_of(sites: Mapping[str, LoraSite], module: str) -> LoraSite | None:
-    """The site of a PEFT module path: the model's module name it ends with (any head class's
-    prefix before it, `bert.` or `model.`)."""
-    for name, site in sites.items():
-        if module == name or module.endswith(f".{name}"):
-            return site
-    return None
+    """The site of a PEFT module path."""
+    return next((site for name, site in sites.items() if names(module, name)), None)
 
 
 def make_room(
@@ -172,14 +197,17 @@ def make_room(
             "the model carries its own task adapters (jina-embeddings-v3); PEFT adapters on it "
             "are not served",
         )
+    table = model.word_table()
+    if table is not None:
+        rows, dim = (int(n) for n in table[1].shape)
+        model.set_word_lora(LoraEmbedding.empty(capacity, max_rank, (rows, dim), placement))
     sites = model.lora_sites()
     if not sites:
         raise LoraAdapterError("", f"{type(model).__name__} has no projections to adapt")
     slots = {(s.layer, s.slot): s for s in sites.values()}
     for (layer, slot), site in slots.items():
-        shape = (sum(site.parts), site.in_features)
         model.lora_slots(layer)[slot] = LoraLinear.empty(
-            capacity, max_rank * len(site.parts), shape, placement
+            capacity, max_rank, site.parts, site.in_features, placement
         )
     model.adapter_names = ("",) * capacity  # every slot free
 
@@ -213,6 +241,18 @@ def place_adapter(
                 f"projection maps {site.in_features} -> {out_features}",
             )
         placed.append((site, a, b))
+    table = model.word_table()
+    for module, (a, b) in adapter.tables.items():
+        if table is None or not names(module, table[0]):
+            raise LoraAdapterError(
+                adapter.name, f"{module} is not the model's token embedding table"
+            )
+        if a.shape[0] != table[1].shape[0] or b.shape[1] != table[1].shape[1]:
+            raise LoraAdapterError(
+                adapter.name,
+                f"{module}'s LoRA is for a table of {a.shape[0]} x {b.shape[1]}, the model's "
+                f"is {table[1].shape[0]} x {table[1].shape[1]}",
+            )
     return placed, outside
 
 
@@ -222,7 +262,8 @@ def check_adapter(
     """Checks the adapter fits the model; its own head when it trains the head (None: the
     model's head serves it). LoraAdapterError naming the first misfit."""
     _, outside = place_adapter(model, adapter, max_rank)
-    if not outside and not adapter.saved:
+    saved = _without_base_tables(model, adapter)
+    if not outside and not saved:
         return None
     names = {} if head is None else head.tensors
     example = next(iter(model.lora_sites()))
@@ -239,7 +280,7 @@ def check_adapter(
         return key
 
     replaced: dict[str, torch.Tensor] = {}
-    for name, tensor in adapter.saved.items():
+    for name, tensor in saved.items():
         key = head_key(name)
         replaced[key] = _same_shape(adapter.name, key, names[key], tensor)
     for module, (a, b) in outside.items():
@@ -249,6 +290,26 @@ def check_adapter(
         replaced[key] = _same_shape(adapter.name, key, weight, weight + b @ a)
     assert head is not None  # head_key refused every name without one
     return head.build(replaced)
+
+
+def _without_base_tables(model: PackedModel, adapter: PeftAdapter) -> dict[str, torch.Tensor]:
+    """The adapter's saved tensors less the embedding table PEFT saves beside its LoRA, which
+    must be the model's own (a changed table is not served)."""
+    saved = dict(adapter.saved)
+    table = model.word_table()
+    for key in [k for k in saved if k.endswith(_BASE_LAYER)]:
+        module = key.removesuffix(_BASE_LAYER)
+        if table is None or not names(module, table[0]):
+            continue  # not the token table: the head's check below names it
+        stored = saved.pop(key)
+        same = stored.shape == table[1].shape and torch.equal(
+            stored.to(device=table[1].device, dtype=table[1].dtype), table[1]
+        )
+        if not same:
+            raise LoraAdapterError(
+                adapter.name, f"it replaces the embedding table ({key}): not served"
+            )
+    return saved
 
 
 def _same_shape(name: str, key: str, original: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
@@ -264,9 +325,12 @@ def write_adapter(model: PackedModel, index: int, adapter: PeftAdapter, max_rank
     cleared first: this one may train other modules)."""
     placed, _ = place_adapter(model, adapter, max_rank)
     for module in model.modules():
-        if isinstance(module, LoraLinear):
+        if isinstance(module, StackedLora):
             module.clear(index)
     for site, a, b in placed:
         lora = model.lora_slots(site.layer)[site.slot]
         assert isinstance(lora, LoraLinear)
         lora.write(index, site, a, b)
+    for a, b in adapter.tables.values():  # place_adapter checked it is the token table
+        table_lora = next(m for m in model.modules() if isinstance(m, LoraEmbedding))
+        table_lora.write(index, a, b)

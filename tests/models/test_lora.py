@@ -1,6 +1,7 @@
 """PEFT LoRA adapters served per request: each adapter's outputs equal PEFT's model with that
 adapter (and its merge_and_unload), alone and mixed with the base model and other adapters in
-one step, on an encoder (BERT) and a decoder (Llama, chunked), async scheduling on and off;
+one step, on an encoder (BERT) and a decoder (Llama, chunked), async scheduling on and off, on
+the layers' projections and the token embedding table;
 an adapter that does not fit the model is refused with its reason, never served as the base."""
 
 from __future__ import annotations
@@ -53,7 +54,13 @@ ADAPTERS: dict[str, list[tuple[str, dict[str, Any]]]] = {
                 "r": 8,
                 "lora_alpha": 4,
                 "use_rslora": True,
-                "target_modules": ["query", "key", "value", "intermediate.dense"],
+                "target_modules": [
+                    "query",
+                    "key",
+                    "value",
+                    "intermediate.dense",
+                    "word_embeddings",
+                ],
                 "alpha_pattern": {"key": 2},
             },
         ),
@@ -65,7 +72,7 @@ ADAPTERS: dict[str, list[tuple[str, dict[str, Any]]]] = {
             {
                 "r": 8,
                 "lora_alpha": 16,
-                "target_modules": ["k_proj", "o_proj", "gate_proj", "up_proj"],
+                "target_modules": ["k_proj", "o_proj", "gate_proj", "up_proj", "embed_tokens"],
             },
         ),
     ],
@@ -335,3 +342,35 @@ def test_a_classifier_adapter_with_its_own_head(family: str, tmp_path: Path) -> 
             with torch.no_grad():
                 want = model(input_ids=torch.tensor([token_ids])).logits[0].numpy()
             _close(got[name][index], want)
+
+
+def test_an_adapter_that_replaces_the_embedding_table_is_refused(
+    served: Served, tmp_path: Path
+) -> None:
+    """PEFT saves the adapted table beside its embedding LoRA; a table other than the model's
+    would change every token's row, which is not served."""
+    from safetensors.torch import load_file, save_file
+
+    name, folder = list(served.folders.items())[1]  # the adapter that trains the table
+    copied = tmp_path / "changed"
+    copied.mkdir()
+    (copied / "adapter_config.json").write_bytes((folder / "adapter_config.json").read_bytes())
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    (lora_a,) = [k for k in tensors if k.endswith(".lora_embedding_A")]
+    (table,) = [
+        v
+        for k, v in served.base.state_dict().items()
+        if k.endswith(("word_embeddings.weight", "embed_tokens.weight"))
+    ]
+    tensors[lora_a.removesuffix("lora_embedding_A") + "base_layer.weight"] = table + 1.0
+    save_file(tensors, str(copied / "adapter_model.safetensors"))
+
+    async def run() -> None:
+        async with AsyncPoolingEngine(
+            str(served.path), lora_modules=[f"{name}={copied}"], max_lora_rank=8
+        ):
+            pass
+
+    with pytest.raises(ModelStartError) as raised:
+        _run(run())
+    assert "replaces the embedding table" in str(raised.value), str(raised.value)
