@@ -69,6 +69,12 @@ def add_embed_command(commands: Commands) -> None:
         help="Cut over-long rows to the model's length, as sentence-transformers does "
         "(default); --no-truncate refuses them, naming the row.",
     )
+    parser.add_argument(
+        "--adapter",
+        metavar="NAME",
+        help="Run the rows through this LoRA adapter (a --lora-modules name) instead of the "
+        "model itself.",
+    )
     parser.add_argument("--batch-rows", type=int, default=512, help="Rows per engine call (512).")
     parser.add_argument(
         "--part-rows", type=int, default=8192, help="Rows per resumable part (8192)."
@@ -123,7 +129,12 @@ def build_job(args: argparse.Namespace, settings: ServerSettings) -> EmbedJob:
     spec = InputSpec(path, input_format(path, args.input_format), args.text_column, args.id_column)
     CorpusReader(spec)  # readable, the format's reader opens, both columns are there
     options = EmbedOptions(
-        args.normalize, args.dimensions, args.prompt_name, args.embed_dtype, args.truncate
+        args.normalize,
+        args.dimensions,
+        args.prompt_name,
+        args.embed_dtype,
+        args.truncate,
+        args.adapter,
     )
     return EmbedJob(
         spec,

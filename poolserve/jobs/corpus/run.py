@@ -50,10 +50,12 @@ class EmbedOptions:
     prompt_name: str | None = None
     embed_dtype: str = "float32"
     truncate: bool = True  # cut to the model's length, as sentence-transformers' encode does
+    adapter: str | None = None  # a LoRA adapter's name (--lora-modules): the rows run through it
 
     def api(self) -> dict[str, Any]:
         """Keyword arguments of `AsyncPoolingEngine.embed`."""
         return {
+            "model": self.adapter,  # an adapter is named as a model is
             "normalize": self.normalize,
             "dimensions": self.dimensions,
             "prompt_name": self.prompt_name,
