@@ -9,6 +9,7 @@ running.
 from __future__ import annotations
 
 import base64
+import copy
 import signal
 import socket
 import subprocess
@@ -16,14 +17,18 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import numpy as np
 import orjson
 import psutil
 import pytest
+import torch
+from peft import LoraConfig, get_peft_model
 from prometheus_client.parser import text_string_to_metric_families
 from sentence_transformers import SentenceTransformer
+from transformers import AutoModel
 
 from tests.http.test_server_process import free_port, start_server
 from tests.tiny_models import MINILM_DIR
@@ -57,7 +62,9 @@ def _gone(processes: list[psutil.Process], timeout_s: float) -> bool:
 @pytest.fixture(scope="module")
 def two_front_ends() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     port = free_port()
-    process = start_server(port, "--served-model-name", "minilm", "--api-server-count", "2")
+    process = start_server(
+        port, "--served-model-name", "minilm", "--api-server-count", "2", "--enable-lora"
+    )
     try:
         yield f"http://127.0.0.1:{port}", process
     finally:
@@ -121,6 +128,48 @@ def test_outputs_equal_sentence_transformers_under_concurrency(
         results = list(pool.map(embed, list(range(len(TEXTS))) * 3))
     for i, got in results:
         np.testing.assert_allclose(got, reference[i], atol=1e-5)
+
+
+def test_an_adapter_loaded_through_one_front_end_is_served_by_every_one(
+    two_front_ends: tuple[str, subprocess.Popen[bytes]], tmp_path: Path
+) -> None:
+    """The core tells every front end of a load and an unload: requests on fresh connections
+    (spread over both front ends) reach the adapter, equal to sentence-transformers over PEFT's
+    merged model; after the unload every front end answers 404."""
+    url = two_front_ends[0]
+    base = AutoModel.from_pretrained(MINILM_DIR)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value", "output.dense"])
+    adapted = get_peft_model(copy.deepcopy(base), config)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in adapted.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.05)
+    adapted.save_pretrained(tmp_path / "tuned")
+    reference = SentenceTransformer(str(MINILM_DIR), device="cpu")
+    reference[0].model = adapted.merge_and_unload().eval()
+    want = reference.encode(TEXTS)
+    load = {"lora_name": "tuned", "lora_path": str(tmp_path / "tuned")}
+    assert httpx.post(f"{url}/v1/load_lora_adapter", json=load, timeout=60).status_code == 200
+
+    def embed(i: int) -> tuple[int, int, np.ndarray | None]:
+        with httpx.Client(timeout=60) as client:  # a connection each: both front ends serve
+            body = {"model": "tuned", "input": TEXTS[i], "encoding_format": "base64"}
+            response = client.post(f"{url}/v1/embeddings", json=body)
+        if response.status_code != 200:
+            return i, response.status_code, None
+        data = response.json()["data"][0]["embedding"]
+        return i, 200, np.frombuffer(base64.b64decode(data), "<f4")
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(embed, range(len(TEXTS))))
+    for i, status, got in results:
+        assert status == 200 and got is not None
+        np.testing.assert_allclose(got, want[i], atol=1e-5)
+    unload = {"lora_name": "tuned"}
+    assert httpx.post(f"{url}/v1/unload_lora_adapter", json=unload, timeout=60).status_code == 200
+    with ThreadPoolExecutor(8) as pool:
+        assert {status for _, status, _ in pool.map(embed, range(len(TEXTS)))} == {404}
 
 
 def test_streamed_token_embeddings_equal_sentence_transformers(

@@ -64,6 +64,7 @@ ADAPTERS: dict[str, list[tuple[str, dict[str, Any]]]] = {
                 "alpha_pattern": {"key": 2},
             },
         ),
+        ("finance", {"r": 2, "lora_alpha": 2, "target_modules": ["key", "attention.output.dense"]}),
     ],
     "llama": [
         ("legal", {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}),
@@ -75,6 +76,7 @@ ADAPTERS: dict[str, list[tuple[str, dict[str, Any]]]] = {
                 "target_modules": ["k_proj", "o_proj", "gate_proj", "up_proj", "embed_tokens"],
             },
         ),
+        ("finance", {"r": 2, "lora_alpha": 2, "target_modules": ["q_proj", "up_proj"]}),
     ],
 }
 
@@ -147,12 +149,12 @@ def _close(got: np.ndarray, want: np.ndarray) -> None:
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_adapters_alone_and_mixed_equal_peft(served: Served, async_scheduling: bool) -> None:
-    """Base + both adapters in one submission wave (several per step; the decoder chunked):
+    """Base + three adapters in one submission wave (several per step; the decoder chunked):
     each output equals PEFT's model with that adapter, and each adapter moves every output."""
     names = ["base", *served.folders]
     settings: dict[str, Any] = {
         "lora_modules": served.lora_modules(),
-        "max_loras": 2,
+        "max_loras": 3,
         "max_lora_rank": 8,
         "async_scheduling": async_scheduling,
         "max_num_seqs": 8,
@@ -196,7 +198,7 @@ def test_adapter_equals_merged_weights(served: Served) -> None:
 def test_more_adapters_than_slots_take_turns(served: Served) -> None:
     """Two adapters, one slot: each request's adapter is written in when its turn comes (the
     idle one evicted), and every answer is still its own adapter's."""
-    order = [*served.folders, *served.folders]  # legal, medical, legal, medical
+    order = [*served.folders, *served.folders]  # each adapter twice, in turn
 
     async def run() -> tuple[list[np.ndarray], list[int], int]:
         async with AsyncPoolingEngine(
