@@ -163,6 +163,8 @@ INFERENCE_ROUTES = [
     ("POST", "/detokenize", {"tokens": [1]}),
     ("GET", "/v1/models", None),
     ("GET", "/info", None),
+    ("POST", "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/nowhere"}),
+    ("POST", "/v1/unload_lora_adapter", {"lora_name": "a"}),
 ]
 OPEN_ROUTES = ["/health", "/ready", "/metrics"]
 
