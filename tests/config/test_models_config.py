@@ -144,3 +144,38 @@ def test_a_symlinked_folder_is_named_by_the_link_given(tmp_path: Path) -> None:
     link.symlink_to(target)
     (served,) = served_models(parse_settings(["serve", str(link)])).models
     assert served.name == "minilm"
+
+
+def test_lora_adapters_per_model_in_the_file_and_on_the_command_line(tmp_path: Path) -> None:
+    """--lora-modules in vLLM's two forms, on the command line or per model in the file; a
+    model without them serves no LoRA; a name given twice or a bad entry is refused."""
+    path = _file(
+        tmp_path,
+        """
+models:
+  - model: org/embedder
+    lora_modules: [legal=/adapters/legal, {name: med, path: /adapters/med, base_model_name: e}]
+    max_loras: 4
+  - model: org/reranker
+""",
+    )
+    served = served_models(ServerSettings(models_config=path))
+    lora = served.models[0].settings.lora
+    assert lora is not None and lora.max_loras == 4 and lora.max_lora_rank == 16
+    assert [(m.name, m.path, m.base_model_name) for m in lora.modules] == [
+        ("legal", "/adapters/legal", None),
+        ("med", "/adapters/med", "e"),
+    ]
+    assert served.models[1].settings.lora is None
+    flags = parse_settings(["serve", "--lora-modules", "a=/x", '{"name": "b", "path": "/y"}'])
+    assert flags.lora is not None and [m.name for m in flags.lora.modules] == ["a", "b"]
+    assert flags.lora.max_loras == 2  # as many as named
+    assert parse_settings(["serve", "--enable-lora"]).lora is not None
+    for bad in (
+        ["a=/x", "a=/y"],
+        ["a"],
+        ['{"name": "a"}'],
+        ['{"name": "a", "path": "/x", "x": 1}'],
+    ):
+        with pytest.raises(SystemExit):
+            parse_settings(["serve", "--lora-modules", *bad])
