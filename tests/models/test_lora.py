@@ -376,3 +376,32 @@ def test_an_adapter_that_replaces_the_embedding_table_is_refused(
     with pytest.raises(ModelStartError) as raised:
         _run(run())
     assert "replaces the embedding table" in str(raised.value), str(raised.value)
+
+
+def test_prefix_caching_never_serves_an_adapter_from_another_adapters_blocks(
+    tmp_path: Path,
+) -> None:
+    """A decoder pooling its last token shares cached prefix blocks; the same long prompt under
+    the base model, then an adapter, then another: each equals its own model (a block cached
+    by one is never read by another), and the base still hits its own cache."""
+    served = Served("llama", tmp_path)
+    text = " ".join(TEXTS * 3)  # several KV blocks long
+
+    async def run() -> tuple[dict[str, np.ndarray], list[int], int]:
+        async with AsyncPoolingEngine(
+            str(served.path), lora_modules=served.lora_modules(), max_lora_rank=8, block_size=4
+        ) as engine:
+            ids = _token_ids(engine, text)
+            got = {}
+            for name in ["base", *served.folders, "base"]:
+                model = None if name == "base" else name
+                pooled = await engine.encode([text], "embed", normalize=False, model=model)
+                got[name] = np.asarray(pooled[0].data)
+            snapshot = engine.state.core.engine.snapshot()  # type: ignore[union-attr]
+            hits = snapshot.prefix_cache_hit_tokens
+            return got, ids, hits
+
+    got, ids, hits = _run(run())
+    for name, states in got.items():
+        _close(states, _states(served.references[name], ids)[-1])  # the last token's state
+    assert hits > 0
