@@ -105,7 +105,10 @@ class InputBody(RequestBody):
         if (self.input is None) == (self.messages is None):
             raise ValueError("send exactly one of input and messages")
         if self.add_generation_prompt and self.continue_final_message:
-            raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
+            # vLLM's message, word for word: its clients and tests match on it
+            raise ValueError(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+            )
         return self
 
     def conversations(self) -> tuple[tuple[ChatMessage, ...], ...] | None:
