@@ -32,6 +32,8 @@ def _validation_response(exc: RequestValidationError, family: str | None) -> Res
     param = loc[0] if loc else None
     where = ".".join(loc)
     message = f"{where}: {first['msg']}" if where else str(first["msg"])
+    if first.get("type") in ("literal_error", "enum"):  # name the value sent, as vLLM's does
+        message += f", got {clip(repr(first.get('input')))}"
     if first.get("type") == "json_invalid":
         message, param = "the request body is not valid JSON", None
         if family == TEI_FAMILY:  # TEI's axum: 400 for JSON syntax, 422 for a body off its schema
