@@ -10,33 +10,39 @@ every route but the probes.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from fastapi import APIRouter, Request
-from pydantic import StrictBool, StrictInt, StrictStr
+from pydantic import Field, StrictBool, StrictInt, StrictStr
 from starlette.responses import PlainTextResponse
 
 from poolserve.frontend.pipeline import check_serving
+from poolserve.frontend.texts import check_encodable
 from poolserve.http.bodies import RequestBody
 from poolserve.http.calls import service_state
 from poolserve.http.routing import StrictJSONRoute
 from poolserve.types.errors import InvalidRequestError, LoraAdapterNotFoundError
 
 router = APIRouter(route_class=StrictJSONRoute)
+# an adapter's name is a model name every front end keeps and lists; a path is a folder or Hub id
+Name = Annotated[StrictStr, Field(max_length=256)]
+Path = Annotated[StrictStr, Field(max_length=4096)]
 
 
 class LoadLoRAAdapterRequest(RequestBody):
     """vLLM's body; `base_model_name` (its --lora-modules key) picks the served model the
     adapter runs on when the server serves several (default: the default model)."""
 
-    lora_name: StrictStr
-    lora_path: StrictStr
+    lora_name: Name
+    lora_path: Path
     load_inplace: StrictBool = False  # replace an adapter of the same name
-    base_model_name: StrictStr | None = None
+    base_model_name: Name | None = None
 
 
 class UnloadLoRAAdapterRequest(RequestBody):
     """vLLM's body (`lora_int_id` is accepted and not needed: names are unique)."""
 
-    lora_name: StrictStr
+    lora_name: Name
     lora_int_id: StrictInt | None = None
 
 
@@ -46,6 +52,9 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> P
     state = service_state(request)
     if not body.lora_name or not body.lora_path:
         raise InvalidRequestError("Both 'lora_name' and 'lora_path' must be provided.", "lora_name")
+    # they travel to the engine core and to every front end, which encode them as UTF-8
+    check_encodable([body.lora_name], "lora_name")
+    check_encodable([body.lora_path], "lora_path")
     engine, model = check_serving(state, body.base_model_name)
     if model.lora is not None:
         raise InvalidRequestError(

@@ -242,3 +242,23 @@ def test_an_adapters_requests_are_observed_under_its_base(
     assert client.post("/v1/unload_lora_adapter", json={"lora_name": "extra"}).status_code == 200
     unloaded = scrape()
     assert unloaded[("poolserve_lora_adapters_loaded", (("model_name", BASE),))] == 2
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"lora_name": "\\ud800", "lora_path": "/adapters/a"}',  # a lone surrogate
+        b'{"lora_name": "a", "lora_path": "\\udfff"}',
+        b'{"lora_name": "' + b"a" * 257 + b'", "lora_path": "/adapters/a"}',
+        b'{"lora_name": "a", "lora_path": "' + b"p" * 4097 + b'"}',
+    ],
+)
+def test_hostile_load_bodies_are_400s(served: tuple[TestClient, dict, dict], body: bytes) -> None:
+    """Names and paths travel to the engine core and every front end: bounded and valid UTF-8
+    before any work, never a 500."""
+    client, _, _ = served
+    headers = {"content-type": "application/json"}
+    response = client.post("/v1/load_lora_adapter", content=body, headers=headers)
+    assert response.status_code == 400, response.text
+    cards = client.get("/v1/models").json()["data"]
+    assert len(cards) == 3  # the base and its two adapters, nothing added
