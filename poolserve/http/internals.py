@@ -226,9 +226,16 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
-        """Bytes after this message start the next head."""
+        """Bytes after this message start the next head; reading goes on, so a client that
+        leaves while its work runs is heard (CLOSE_WATCH frees the work)."""
         super().on_message_complete()
         self.in_head = True
+        # uvicorn pauses reading while more than 64 KiB of body waits for the app, and resumes
+        # only when the app asks for more: the last piece of a large body left it paused, so
+        # the client's close was never read and a disconnected client's work ran to the end. A
+        # pipelined next request's body pauses reading again past the same 64 KiB.
+        if not self.transport.is_closing():
+            self.flow.resume_reading()
 
     def send_400_response(self, msg: str) -> None:
         """A request httptools cannot parse: the subclass's answer, not uvicorn's plain text."""
