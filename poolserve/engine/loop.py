@@ -36,8 +36,10 @@ from poolserve.types.errors import (
     LoraAdapterError,
     LoraAdapterNotFoundError,
     OverloadedError,
+    PoolingConfigError,
     StepFailedError,
 )
+from poolserve.types.images import image_prompt
 from poolserve.types.limits import SchedulerConfig
 from poolserve.types.lora import LoraModule
 from poolserve.types.model_info import HEAD_FIELDS, PoolingModelInfo
@@ -82,6 +84,12 @@ class Engine:
                 f"--pooler-config: Unsupported task {pooler_task.value!r}: the model serves "
                 f"{served}"
             )
+        images = loaded.images
+        if images is not None and images.num_tokens > config.max_num_batched_tokens:
+            raise ValueError(
+                f"an image costs {images.num_tokens} tokens, above --max-num-batched-tokens "
+                f"{config.max_num_batched_tokens}: raise it"
+            )
         # --pooler-config's logit_mean/logit_sigma: part of the model, as in vLLM's pooler
         self.calibration = calibration
         self.clone_stats = CloneStats()
@@ -112,6 +120,7 @@ class Engine:
         # PEFT LoRA adapters (--lora-modules, /v1/load_lora_adapter); None: LoRA not served
         self.adapters = adapter_slots(loaded)
         self._adapter_infos: dict[str, PoolingModelInfo] = {}  # pooling's view per adapter head
+        self._image_pooling: PoolingModelInfo | None = None  # an image's embedding, as pooled
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -169,20 +178,28 @@ class Engine:
         token_type_ids: Sequence[Sequence[int] | None] | None = None,
         *,
         checked: bool = False,
+        pixels: Sequence[np.ndarray | None] | None = None,
     ) -> list[asyncio.Future[PoolingOutput]]:
         """Admit all prompts (each with optional type ids) or none; each gets a future.
 
         `checked`: the prompts are int64 arrays whose lengths, ids, type ids and parameters
         were already checked against this engine (by a front end holding its model card), so
-        the engine's one thread does not do that work again.
+        the engine's one thread does not do that work again. `pixels`: per prompt, an image's
+        pixel values (its prompt then stands for the image's tokens), or None for a text.
         """
         self.precheck(len(prompts))
+        images = list(pixels) if pixels is not None else [None] * len(prompts)
         if checked:
             token_ids = cast("list[np.ndarray]", list(prompts))
             types = cast("list[np.ndarray | None]", list(token_type_ids or [None] * len(token_ids)))
         else:
             vocab_size = self.loaded.spec.vocab_size
-            token_ids = [checked_prompt(p, self.max_model_len, vocab_size) for p in prompts]
+            token_ids = [
+                checked_prompt(p, self.max_model_len, vocab_size)
+                if image is None
+                else image_prompt(image, self.loaded.images)
+                for p, image in zip(prompts, images, strict=True)
+            ]
             num_types = self.loaded.model.num_token_types
             types = checked_token_types(token_type_ids, token_ids, num_types)
             self.check_params(params)
@@ -196,8 +213,8 @@ class Engine:
             raise
         loop = asyncio.get_running_loop()
         futures = []
-        for ids, type_ids, own in zip(token_ids, types, own_params, strict=True):
-            request = self._new_request(ids, type_ids, own, priority, loop)
+        for ids, type_ids, own, image in zip(token_ids, types, own_params, images, strict=True):
+            request = self._new_request(ids, type_ids, own, priority, loop, image)
             if adapter is not None:
                 # an adapter changes every state: cached blocks never serve another adapter
                 request.adapter, request.cache_use = adapter, CacheUse.NONE
@@ -240,9 +257,11 @@ class Engine:
         params: PoolingParams,
         priority: int,
         loop: asyncio.AbstractEventLoop,
+        pixels: np.ndarray | None = None,
     ) -> PoolingRequest:
+        info = self._pooling_info(params.adapter) if pixels is None else self._image_info()
         pooler = build_pooler(
-            self._pooling_info(params.adapter),
+            info,
             params,
             async_scheduling=self.config.async_scheduling,
             stats=self.clone_stats,
@@ -258,9 +277,25 @@ class Engine:
             arrival_time=time.monotonic(),
             arrival_index=request_id,
             priority=priority,
-            cache_use=self._cache_use(pooler.pooling_type, token_type_ids),
+            cache_use=CacheUse.NONE
+            if pixels is not None
+            else self._cache_use(pooler.pooling_type, token_type_ids),
             steps=[] if self.config.record_timelines else None,
+            pixels=pixels,
         )
+
+    def _image_info(self) -> PoolingModelInfo:
+        """Pooling's view of an image's one row: its embedding, so no text head projects it
+        (the image tower's own projection already did); normalization and the rest as texts'."""
+        if self._image_pooling is None:
+            images = self.loaded.images
+            if images is None:
+                raise PoolingConfigError(f"{self.loaded.spec.architecture} takes no images")
+            size = images.embedding_size
+            self._image_pooling = dataclasses.replace(
+                self.pooling_info, embed_projection=None, hidden_size=size, embed_output_size=size
+            )
+        return self._image_pooling
 
     def _pooling_info(self, adapter: str | None) -> PoolingModelInfo:
         """Pooling's view of the model a request runs: an adapter that trains the head has its

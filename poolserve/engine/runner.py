@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Protocol, cast
 
 import numpy as np
 import torch
@@ -15,7 +15,18 @@ from poolserve.models.adapters import AdapterSegments
 from poolserve.models.attention import build_attention_metadata
 from poolserve.models.kv_cache import PagedKVCache
 from poolserve.models.spec import LoadedModel
-from poolserve.pooling.pooler import ChunkInput, RequestPooler, pool_chunks
+from poolserve.pooling.pooler import ChunkInput, PooledChunk, RequestPooler, pool_chunks
+
+# An image's embedding, pooled as a whole one-row prompt.
+ONE_ROW = ChunkInput(1, (0,), True)
+
+
+class ImageModel(Protocol):
+    """A packed model with an image tower (models/dual_encoder.py)."""
+
+    def embed_images(self, pixels: torch.Tensor) -> torch.Tensor:
+        """[num_images, channels, height, width] -> [num_images, dim]."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -31,6 +42,9 @@ class ChunkWork:
     num_kv_tokens: int  # leading tokens whose keys and values the chunk stores in its blocks
     token_type_ids: np.ndarray | None = None  # [num_tokens] int64, a view; None: all type 0
     adapter: int | None = None  # the LoRA adapter (index) its tokens run through; None: none
+    # an image's pixel values [channels, height, width] float32; its token_ids are placeholders
+    # counting the image tower's tokens (the step's budget), never run through the text tower
+    pixels: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -38,10 +52,23 @@ class PreparedStep:
     """A step's packed inputs in one slot of the persistent host buffers."""
 
     step_index: int
-    chunks: tuple[ChunkWork, ...]
-    num_tokens: int
+    chunks: tuple[ChunkWork, ...]  # the texts' chunks first, then the images'
+    num_tokens: int  # every chunk's tokens, an image's counted as its tower's
     slot: int
     has_token_types: bool  # the slot's type buffer holds this step's types
+    num_texts: int = -1  # the leading chunks that run through the token stream (-1: all)
+    num_text_tokens: int = -1  # their tokens, packed in the slot (-1: num_tokens)
+    pixels: torch.Tensor | None = None  # [num_images, channels, height, width] of the images
+
+    @property
+    def texts(self) -> tuple[ChunkWork, ...]:
+        """The chunks packed into the token stream."""
+        return self.chunks if self.num_texts < 0 else self.chunks[: self.num_texts]
+
+    @property
+    def images(self) -> tuple[ChunkWork, ...]:
+        """The images, run through the model's image tower."""
+        return () if self.num_texts < 0 else self.chunks[self.num_texts :]
 
 
 @dataclass(frozen=True)
@@ -123,21 +150,38 @@ class Runner:
     def prepare(self, step_index: int, chunks: Sequence[ChunkWork]) -> PreparedStep:
         """Fill the host slot of this step with token ids, positions and types (loop thread)."""
         slot = step_index % self.NUM_SLOTS
+        images = [c for c in chunks if c.pixels is not None]
+        if images:
+            chunks = [c for c in chunks if c.pixels is None]
         if any(c.adapter is not None for c in chunks):
             # each LoRA adapter's tokens in one run: its matmuls read a slice, no gather/scatter
             chunks = sorted(chunks, key=lambda c: -1 if c.adapter is None else c.adapter)
-        ids = np.concatenate([c.token_ids for c in chunks])  # [num_tokens]
-        positions = np.concatenate(
-            [np.arange(c.context_len, c.context_len + len(c.token_ids)) for c in chunks]
-        )  # [num_tokens]
-        num_tokens = len(ids)
-        self.host_ids[slot, :num_tokens].copy_(torch.from_numpy(ids))
-        self.host_pos[slot, :num_tokens].copy_(torch.from_numpy(positions))
-        has_types = any(c.token_type_ids is not None for c in chunks)
-        if has_types:
-            types = np.concatenate([_types_or_zeros(c) for c in chunks])  # [num_tokens]
-            self.host_types[slot, :num_tokens].copy_(torch.from_numpy(types))
-        return PreparedStep(step_index, tuple(chunks), num_tokens, slot, has_types)
+        num_tokens, has_types = 0, False
+        if chunks:
+            ids = np.concatenate([c.token_ids for c in chunks])  # [num_tokens]
+            positions = np.concatenate(
+                [np.arange(c.context_len, c.context_len + len(c.token_ids)) for c in chunks]
+            )  # [num_tokens]
+            num_tokens = len(ids)
+            self.host_ids[slot, :num_tokens].copy_(torch.from_numpy(ids))
+            self.host_pos[slot, :num_tokens].copy_(torch.from_numpy(positions))
+            has_types = any(c.token_type_ids is not None for c in chunks)
+            if has_types:
+                types = np.concatenate([_types_or_zeros(c) for c in chunks])  # [num_tokens]
+                self.host_types[slot, :num_tokens].copy_(torch.from_numpy(types))
+        if not images:
+            return PreparedStep(step_index, tuple(chunks), num_tokens, slot, has_types)
+        pixels = torch.from_numpy(np.stack([cast("np.ndarray", c.pixels) for c in images]))
+        return PreparedStep(
+            step_index,
+            (*chunks, *images),
+            num_tokens + sum(len(c.token_ids) for c in images),
+            slot,
+            has_types,
+            num_texts=len(chunks),
+            num_text_tokens=num_tokens,
+            pixels=pixels.pin_memory() if self.is_cuda else pixels,
+        )
 
     def execute(self, step: PreparedStep) -> StepResult:
         """Forward, pool and start the D2H copy of finished outputs (worker thread)."""
@@ -147,8 +191,7 @@ class Runner:
             if self.step_threads is not None:
                 self.step_threads.apply(step.num_tokens)
             with torch.inference_mode():
-                hidden = self._forward(step)  # [num_tokens, hidden]
-                pooled = pool_chunks(hidden, _chunk_inputs(step), [c.pooler for c in step.chunks])
+                pooled = self._pool_texts(step) + self._pool_images(step)
                 finished = [
                     (c.request_id, p.output)
                     for c, p in zip(step.chunks, pooled, strict=True)
@@ -176,9 +219,27 @@ class Runner:
             started_at,
         )
 
+    def _pool_texts(self, step: PreparedStep) -> list[PooledChunk]:
+        """The token stream's forward, each text chunk pooled from its rows."""
+        texts = step.texts
+        if not texts:
+            return []
+        hidden = self._forward(step)  # [num_tokens, hidden]
+        return pool_chunks(hidden, _chunk_inputs(texts), [c.pooler for c in texts])
+
+    def _pool_images(self, step: PreparedStep) -> list[PooledChunk]:
+        """The image tower over the step's images, batched; each image's embedding pooled as a
+        one-row prompt (its request's pooler applies only the embed head's normalization)."""
+        images = step.images
+        if not images or step.pixels is None:
+            return []
+        model = cast("ImageModel", self.loaded.model)
+        rows = model.embed_images(step.pixels.to(self.device, non_blocking=True))  # [n, dim]
+        return pool_chunks(rows, [ONE_ROW] * len(images), [c.pooler for c in images])
+
     def _forward(self, step: PreparedStep) -> torch.Tensor:
         """Copy inputs to the device, build attention metadata, run the model."""
-        n, slot = step.num_tokens, step.slot
+        n, slot = step.num_tokens if step.num_text_tokens < 0 else step.num_text_tokens, step.slot
         ids = self.dev_ids[slot, :n]
         pos = self.dev_pos[slot, :n]
         ids.copy_(self.host_ids[slot, :n], non_blocking=True)
@@ -187,18 +248,19 @@ class Runner:
         if step.has_token_types:
             types = self.dev_types[slot, :n]
             types.copy_(self.host_types[slot, :n], non_blocking=True)
+        chunks = step.texts
         attn = build_attention_metadata(
-            seq_lens_q=[len(c.token_ids) for c in step.chunks],
-            context_lens=[c.context_len for c in step.chunks],
-            write_kv=[c.num_kv_tokens > 0 for c in step.chunks],
-            block_tables=[c.block_ids for c in step.chunks],
-            num_write_tokens=[c.num_kv_tokens for c in step.chunks],
+            seq_lens_q=[len(c.token_ids) for c in chunks],
+            context_lens=[c.context_len for c in chunks],
+            write_kv=[c.num_kv_tokens > 0 for c in chunks],
+            block_tables=[c.block_ids for c in chunks],
+            num_write_tokens=[c.num_kv_tokens for c in chunks],
             block_size=self.block_size,
             device=self.device,
             causal=self.loaded.spec.is_causal,
         )
         segments = AdapterSegments.from_chunks(
-            [c.adapter for c in step.chunks], [len(c.token_ids) for c in step.chunks], self.device
+            [c.adapter for c in chunks], [len(c.token_ids) for c in chunks], self.device
         )
         extra = {} if segments is None else {"adapters": segments}  # only adapted models take it
         return self.loaded.model(
@@ -231,11 +293,11 @@ class Runner:
         return out.clone() if shares and not self.async_scheduling else out
 
 
-def _chunk_inputs(step: PreparedStep) -> list[ChunkInput]:
+def _chunk_inputs(chunks: Sequence[ChunkWork]) -> list[ChunkInput]:
     """What pooling needs of each chunk (an int64 array serves as a sequence of ints)."""
     return [
         ChunkInput(len(c.token_ids), cast("Sequence[int]", c.token_ids), c.is_last)
-        for c in step.chunks
+        for c in chunks
     ]
 
 

@@ -23,6 +23,8 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_new": functools.partial(F.gelu, approximate="tanh"),
     "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
     "relu": F.relu,
+    # CLIP's: x * sigmoid(1.702 x)
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
 }
 
 

@@ -21,6 +21,15 @@ from poolserve.models.bge_m3 import load_m3_heads, m3_entry
 from poolserve.models.cpu_kernels import CpuKernels, choose_kernels
 from poolserve.models.decoder import DecoderModel
 from poolserve.models.decoder_config import decoder_head_dim, decoder_is_causal
+from poolserve.models.dual_encoder import (
+    ARCHITECTURES as DUAL_ARCHITECTURES,
+)
+from poolserve.models.dual_encoder import (
+    DualEncoderModel,
+    DualFamily,
+    image_inputs,
+    text_head,
+)
 from poolserve.models.encoder import EncoderModel
 from poolserve.models.encoder_config import encoder_max_len
 from poolserve.models.families.nomic import adopt_remote_nomic_fields
@@ -58,6 +67,7 @@ from poolserve.types.errors import (
     UnsupportedDtypeError,
 )
 from poolserve.types.lora import LoraModule, LoraServing
+from poolserve.types.model import SentenceTransformersConfig
 from poolserve.types.tasks import CLASSIFIER_HEADS, HeadKind
 
 logger = logging.getLogger(__name__)
@@ -105,6 +115,12 @@ def load_model(
             quantization=quantization,
         )
     raw = _read_raw_config(path)
+    dual = DUAL_ARCHITECTURES.get(str((raw.get("architectures") or [None])[0]))
+    if dual is not None:
+        if lora is not None or quantization is not None:
+            what = "LoRA adapters" if lora is not None else f"--quantization {quantization}"
+            raise ModelLoadError(f"{what}: not supported for a dual encoder (CLIP, SigLIP)")
+        return _load_dual(path, raw, overrides, dual, (device, dtype))
     architecture = _check_architecture({**raw, **overrides})
     entry = ARCHITECTURES[architecture]
     config = _load_config(path, raw)
@@ -155,6 +171,59 @@ def load_model(
         sentence_transformers=st_config,
         lora=served_lora,
         head_factory=head_factory if lora is not None else None,
+    )
+
+
+def _load_dual(
+    path: Path,
+    raw: dict[str, Any],
+    overrides: Mapping[str, Any],
+    family: DualFamily,
+    placement: tuple[torch.device, torch.dtype],
+) -> LoadedModel:
+    """A CLIP or SigLIP checkpoint: both towers, the text head, the image processor's steps."""
+    device, dtype = placement
+    config = _load_config(path, raw)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    state = load_state_dict(path)
+    head = text_head(family, state, device)
+    placed = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
+    images = image_inputs(path, family, config)
+    model = DualEncoderModel(family, config, placed, select_attention_backend(device), images)
+    text = config.text_config
+    architecture = str(raw["architectures"][0])
+    logger.info("loaded %s from %s on %s as %s", architecture, path, device, dtype)
+    spec = ModelSpec(
+        architecture=architecture,
+        family=str(config.model_type),
+        is_causal=False,  # whole prompts; CLIP's causal mask is its text tower's own
+        hidden_size=int(text.hidden_size),
+        vocab_size=int(text.vocab_size),
+        num_layers=int(text.num_hidden_layers),
+        num_kv_heads=int(text.num_attention_heads),
+        head_dim=int(text.hidden_size) // int(text.num_attention_heads),
+        max_model_len=int(text.max_position_embeddings),
+        dtype=dtype,
+        head_kind=HeadKind.NONE,
+        num_labels=None,
+        labels=(),
+        supports_matryoshka=False,
+        matryoshka_dimensions=None,
+        pair_separator=True,
+    )
+    # the pooled text state is the last token's (CLIP's first end-of-text, which its tokenizer
+    # puts last; SigLIP's padded last position), then the text head, as get_text_features
+    st = SentenceTransformersConfig(pooling_mode="lasttoken", dense=head, normalize=False)
+    return LoadedModel(
+        path=path,
+        spec=spec,
+        model=model,
+        head=None,
+        tokenizer=_load_tokenizer(path),
+        sentence_transformers=st,
+        images=images,
+        pad_texts_to=int(text.max_position_embeddings) if family.pad_texts else None,
     )
 
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from poolserve.types.images import ImageInputs
 from poolserve.types.model import SentenceTransformersConfig
 from poolserve.types.tasks import HeadKind
 
@@ -65,3 +66,7 @@ class LoadedModel:
     lora: ServedAdapters | None = None  # LoRA serving: its room and --lora-modules' adapters
     # the head built again from its tensors with an adapter's replaced (LoRA served only)
     head_factory: HeadFactory | None = None
+    # a model that takes images (a dual encoder's image tower): its processor and token cost
+    images: ImageInputs | None = None
+    # texts padded with the pad token to this many tokens, as the model was trained (SigLIP)
+    pad_texts_to: int | None = None

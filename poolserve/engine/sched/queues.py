@@ -163,6 +163,7 @@ class RequestQueues:
             chunk.num_kv_tokens,
             None if types is None else types[span],
             request.adapter,
+            request.pixels,
         )
 
     def _take_hits(self, request: PoolingRequest, chunk: ScheduledChunk) -> None:

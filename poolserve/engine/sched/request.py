@@ -46,6 +46,8 @@ class PoolingRequest:
     block_hashes: list[bytes] = field(default_factory=list)  # of leading full blocks, as needed
     num_offered_blocks: int = 0  # leading blocks found in or offered to the prefix cache
     steps: list[StepTiming] | None = None  # the steps it ran in; None: timelines are off
+    # an image's pixel values [channels, height, width]; its prompt ids are placeholders
+    pixels: np.ndarray | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,0 +1,327 @@
+"""Dual encoders (CLIP, SigLIP): a text tower and an image tower that embed into one space.
+
+The text tower runs as any backbone over the packed token stream (its hidden states after the
+final LayerNorm; the pooled token's projection is the embed head's, as a sentence-transformers
+Dense). The image tower runs in the same step over that step's images, batched (every image of a
+checkpoint has the same size), and gives each image's embedding directly: its pooled state and
+projection, as `get_image_features` returns it. Each family's facts are one `DualFamily` row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import PretrainedConfig
+
+from poolserve.models.attention import AttentionBackend, AttentionMetadata
+from poolserve.models.kv_cache import PagedKVCache
+from poolserve.models.layers import activation
+from poolserve.models.packed import PackedModel
+from poolserve.types.errors import ModelLoadError
+from poolserve.types.images import ImageInputs, read_processing
+
+
+@dataclass(frozen=True)
+class DualFamily:
+    """How one family lays out and runs its two towers (transformers' modeling_<family>.py)."""
+
+    classes: tuple[str, ...]
+    causal_text: bool  # CLIP's text tower attends causally; SigLIP's both ways
+    text_head: str  # the pooled text state's Linear (the embed head's projection)
+    text_head_bias: bool
+    image_head: str | None  # the pooled image state's Linear; None: the tower's own head (MAP)
+    class_token: bool  # a learned CLS prepended to the patches (CLIP), read as the pooled state
+    pre_norm: bool  # a LayerNorm before the first layer (CLIP's pre_layrnorm)
+    patch_bias: bool
+    square_sizes: bool  # a bare number as the processor's size means (n, n)
+    # texts padded to max_position_embeddings with the pad token, as the family was trained
+    # and its processor is documented to be called (SigLIP: padding="max_length")
+    pad_texts: bool
+
+
+FAMILIES: dict[str, DualFamily] = {
+    "clip": DualFamily(
+        classes=("CLIPModel",),
+        causal_text=True,
+        text_head="text_projection.",
+        text_head_bias=False,
+        image_head="visual_projection.",
+        class_token=True,
+        pre_norm=True,
+        patch_bias=False,
+        square_sizes=False,
+        pad_texts=False,
+    ),
+    "siglip": DualFamily(
+        classes=("SiglipModel",),
+        causal_text=False,
+        text_head="text_model.head.",
+        text_head_bias=True,
+        image_head=None,
+        class_token=False,
+        pre_norm=False,
+        patch_bias=True,
+        square_sizes=True,
+        pad_texts=True,
+    ),
+}
+ARCHITECTURES = {name: family for family in FAMILIES.values() for name in family.classes}
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """One tower's sizes."""
+
+    hidden: int
+    num_heads: int
+    eps: float
+    act: str
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.hidden // self.num_heads
+
+
+def _geometry(config: Any) -> Geometry:
+    return Geometry(
+        config.hidden_size, config.num_attention_heads, config.layer_norm_eps, config.hidden_act
+    )
+
+
+# (weight, bias) of one LayerNorm or Linear; plain tensors, placed before the towers are built
+Affine = tuple[torch.Tensor, torch.Tensor | None]
+
+
+def _affine(state: dict[str, torch.Tensor], prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return state[f"{prefix}weight"], state[f"{prefix}bias"]
+
+
+class TowerLayer(torch.nn.Module):
+    """A pre-LN transformer layer: x + attn(ln1(x)), then x + fc2(act(fc1(ln2(x))))."""
+
+    def __init__(self, state: dict[str, torch.Tensor], prefix: str, geometry: Geometry) -> None:
+        super().__init__()
+        self.geometry = geometry
+        self.act = activation(geometry.act)
+        self.ln1 = _affine(state, f"{prefix}layer_norm1.")
+        self.ln2 = _affine(state, f"{prefix}layer_norm2.")
+        parts = [_affine(state, f"{prefix}self_attn.{p}_proj.") for p in "qkv"]
+        self.qkv = (torch.cat([w for w, _ in parts]), torch.cat([b for _, b in parts]))
+        self.o = _affine(state, f"{prefix}self_attn.out_proj.")
+        self.fc1 = _affine(state, f"{prefix}mlp.fc1.")
+        self.fc2 = _affine(state, f"{prefix}mlp.fc2.")
+
+    def forward(self, x: torch.Tensor, attend: Attend) -> torch.Tensor:  # [..., hidden]
+        """One layer; `attend(q, k, v)` is the tower's attention over [..., heads, head_dim]."""
+        g = self.geometry
+        h = F.layer_norm(x, (g.hidden,), *self.ln1, g.eps)
+        q, k, v = F.linear(h, *self.qkv).chunk(3, dim=-1)
+        shape = (*x.shape[:-1], g.num_heads, g.head_dim)
+        attended = attend(q.reshape(shape), k.reshape(shape), v.reshape(shape))
+        x = x + F.linear(attended.reshape(x.shape), *self.o)
+        h = F.layer_norm(x, (g.hidden,), *self.ln2, g.eps)
+        return x + F.linear(self.act(F.linear(h, *self.fc1)), *self.fc2)
+
+
+# A tower's attention over [..., num_tokens, heads, head_dim] queries, keys and values.
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class VisionTower(torch.nn.Module):
+    """Patches, positions, layers, the pooled state and its projection: an image's embedding."""
+
+    def __init__(
+        self,
+        family: DualFamily,
+        config: Any,
+        state: dict[str, torch.Tensor],
+        projection: torch.Tensor | None,
+    ) -> None:
+        super().__init__()
+        self.family, self.geometry = family, _geometry(config)
+        self.patch_size = int(config.patch_size)
+        p = "vision_model."
+        patch_bias = state.get(f"{p}embeddings.patch_embedding.bias")
+        self.patches: Affine = (
+            state[f"{p}embeddings.patch_embedding.weight"],
+            patch_bias if family.patch_bias else None,
+        )
+        self.positions = state[f"{p}embeddings.position_embedding.weight"]
+        self.class_embedding = (
+            state[f"{p}embeddings.class_embedding"] if family.class_token else None
+        )
+        self.pre_norm = _affine(state, f"{p}pre_layrnorm.") if family.pre_norm else None
+        self.layers = torch.nn.ModuleList(
+            TowerLayer(state, f"{p}encoder.layers.{i}.", self.geometry)
+            for i in range(config.num_hidden_layers)
+        )
+        self.post_norm = _affine(state, f"{p}post_layernorm.")
+        self.projection = projection
+        self.map_head = None if family.class_token else MapHead(state, f"{p}head.", self.geometry)
+        self.num_tokens = int(self.positions.shape[0])
+
+    @torch.inference_mode()
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:  # [B, 3, H, W] -> [B, out]
+        """Each image's embedding, as the family's get_image_features."""
+        g = self.geometry
+        weight, bias = self.patches
+        grid = F.conv2d(pixels.to(weight.dtype), weight, bias, stride=self.patch_size)
+        x = grid.flatten(2).transpose(1, 2)  # [B, num_patches, hidden]
+        if self.class_embedding is not None:
+            cls = self.class_embedding.expand(x.shape[0], 1, -1)
+            x = torch.cat([cls, x], dim=1)
+        if x.shape[1] != self.num_tokens:
+            raise ValueError(f"an image of {x.shape[1]} tokens; the tower takes {self.num_tokens}")
+        x = x + self.positions
+        if self.pre_norm is not None:
+            x = F.layer_norm(x, (g.hidden,), *self.pre_norm, g.eps)
+        for layer in self.layers:
+            x = layer(x, _dense_attention)
+        if self.map_head is not None:
+            return self.map_head(F.layer_norm(x, (g.hidden,), *self.post_norm, g.eps))
+        pooled = F.layer_norm(x[:, 0], (g.hidden,), *self.post_norm, g.eps)
+        return pooled if self.projection is None else F.linear(pooled, self.projection)
+
+
+def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Bidirectional attention of equal-length sequences [B, N, heads, head_dim]."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    return out.transpose(1, 2)
+
+
+class MapHead(torch.nn.Module):
+    """SigLIP's attention pooling: a learned probe attends over the tokens, then an MLP."""
+
+    def __init__(self, state: dict[str, torch.Tensor], prefix: str, geometry: Geometry) -> None:
+        super().__init__()
+        self.geometry = geometry
+        self.act = activation(geometry.act)
+        self.probe = state[f"{prefix}probe"]  # [1, 1, hidden]
+        weight = state[f"{prefix}attention.in_proj_weight"].chunk(3)
+        bias = state[f"{prefix}attention.in_proj_bias"].chunk(3)
+        self.q, self.k, self.v = ((w, b) for w, b in zip(weight, bias, strict=True))
+        self.o = _affine(state, f"{prefix}attention.out_proj.")
+        self.norm = _affine(state, f"{prefix}layernorm.")
+        self.fc1 = _affine(state, f"{prefix}mlp.fc1.")
+        self.fc2 = _affine(state, f"{prefix}mlp.fc2.")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, N, hidden] -> [B, hidden]
+        """The probe's attention output, plus the MLP of its normalized self."""
+        g, batch = self.geometry, x.shape[0]
+        shape = (batch, -1, g.num_heads, g.head_dim)
+        q = F.linear(self.probe.expand(batch, -1, -1), *self.q).reshape(shape)
+        k = F.linear(x, *self.k).reshape(shape)
+        v = F.linear(x, *self.v).reshape(shape)
+        h = F.linear(_dense_attention(q, k, v).reshape(batch, 1, g.hidden), *self.o)
+        normed = F.layer_norm(h, (g.hidden,), *self.norm, g.eps)
+        return (h + F.linear(self.act(F.linear(normed, *self.fc1)), *self.fc2))[:, 0]
+
+
+class DualEncoderModel(PackedModel):
+    """The text tower over the packed stream; `embed_images` runs the image tower."""
+
+    def __init__(
+        self,
+        family: DualFamily,
+        config: PretrainedConfig,
+        state: dict[str, torch.Tensor],
+        backend: AttentionBackend,
+        images: ImageInputs,
+    ) -> None:
+        super().__init__()
+        text = config.text_config
+        self.family, self.backend, self.images = family, backend, images
+        self.geometry = _geometry(text)
+        self.vocab_size = text.vocab_size
+        p = "text_model."
+        self.words = state[f"{p}embeddings.token_embedding.weight"]
+        self.positions = state[f"{p}embeddings.position_embedding.weight"]
+        self.layers = torch.nn.ModuleList(
+            TowerLayer(state, f"{p}encoder.layers.{i}.", self.geometry)
+            for i in range(text.num_hidden_layers)
+        )
+        self.final_norm = _affine(state, f"{p}final_layer_norm.")
+        projection = state.get(f"{family.image_head}weight") if family.image_head else None
+        self.vision = VisionTower(family, config.vision_config, state, projection)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        attn: AttentionMetadata,
+        kv_cache: PagedKVCache | None,
+        out: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        """The text tower's states after its final LayerNorm (whole prompts, never chunked)."""
+        self.check_inputs(input_ids)
+        if attn.has_context:
+            raise ValueError("a dual encoder's text tower runs whole prompts")
+        g = self.geometry
+        x = self.words[input_ids] + self.positions[positions]  # [num_tokens, hidden]
+        meta = dataclasses.replace(attn, causal=self.family.causal_text)
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return self.backend.attend(
+                q,
+                k,
+                v,
+                layer=0,
+                meta=meta,
+                kv_cache=None,
+                sliding_window=None,
+                scale=1 / math.sqrt(g.head_dim),
+            )
+
+        for layer in self.layers:
+            x = layer(x, attend)
+        x = F.layer_norm(x, (g.hidden,), *self.final_norm, g.eps)
+        return self.deliver(x, out)
+
+    def embed_images(self, pixels: torch.Tensor) -> torch.Tensor:  # [B, 3, H, W] -> [B, out]
+        """Each image's embedding (the image tower's pooled state through its projection)."""
+        return self.vision(pixels)
+
+
+def image_inputs(path: Path, family: DualFamily, config: PretrainedConfig) -> ImageInputs:
+    """The checkpoint's image processor and the tokens one image costs in a step."""
+    processor = path / "preprocessor_config.json"
+    if not processor.is_file():
+        raise ModelLoadError(f"{family.classes[0]}: preprocessor_config.json is missing")
+    try:
+        steps = read_processing(json.loads(processor.read_text()), square=family.square_sizes)
+    except ValueError as exc:
+        raise ModelLoadError(f"preprocessor_config.json: {exc}") from exc
+    vision = config.vision_config
+    size = vision.image_size
+    if steps.output_size != (size, size):
+        raise ModelLoadError(
+            f"the image processor gives {steps.output_size} pixels; the tower takes {size}x{size}"
+        )
+    patches = (size // vision.patch_size) ** 2
+    width = config.projection_dim if family.image_head else vision.hidden_size
+    return ImageInputs(steps, patches + int(family.class_token), int(width), vision.num_channels)
+
+
+def text_head(
+    family: DualFamily, state: dict[str, torch.Tensor], device: torch.device
+) -> torch.nn.Linear:
+    """The pooled text state's Linear (float32, as every head), the embed head's projection."""
+    weight = state[f"{family.text_head}weight"]
+    bias = state.get(f"{family.text_head}bias") if family.text_head_bias else None
+    head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    with torch.no_grad():
+        head.weight.copy_(weight)
+        if bias is not None:
+            head.bias.copy_(bias)
+    return head.to(device=device, dtype=torch.float32).requires_grad_(False)
