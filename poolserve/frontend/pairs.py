@@ -168,8 +168,8 @@ def _joined_prompts(job: ScoreJob, model: ModelHandle, cuts: PairTruncation) -> 
         name = f"{_name(job.document_field, document, len(job.documents))} with its query"
         if not capped and (not window.complete or len(window.ids) > want):
             raise InputTooLongError(
-                f"{name} has more than {most} tokens ({what}) with the special tokens; shorten "
-                "it or set truncate_prompt_tokens",
+                f"{name} has more than {most} tokens ({what}) with the special tokens. Please "
+                "reduce the length of the input prompt, or set truncate_prompt_tokens",
                 job.document_field,
             )
         if not window.complete and len(window.ids) < want:
@@ -217,7 +217,8 @@ def _prompts(
             raise InputTooLongError(
                 f"{_name(job.document_field, document, len(job.documents))} with its "
                 f"{job.query_field} makes {len(first) + len(second) + num_specials} tokens, more "
-                f"than {what} ({most}); shorten it or set truncate_prompt_tokens",
+                f"than {what} ({most}). Please reduce the length of the input prompt, or set "
+                "truncate_prompt_tokens",
                 job.document_field,
             )
         prompts.append(layout.join(first, second))
@@ -249,8 +250,8 @@ def _contents(
         if not capped and (not window.complete or len(window.ids) > want):
             most, what = cuts.limit or (model.max_model_len, "max_model_len")
             raise InputTooLongError(
-                f"{name} has more than {most} tokens ({what}) with the special tokens; shorten "
-                "it or set truncate_prompt_tokens",
+                f"{name} has more than {most} tokens ({what}) with the special tokens. Please "
+                "reduce the length of the input prompt, or set truncate_prompt_tokens",
                 field,
             )
         if not window.complete and len(window.ids) < want:

@@ -52,7 +52,8 @@ def templated_prompts(job: ScoreJob, model: ModelHandle, cuts: PairTruncation) -
             raise InputTooLongError(
                 f"{_name(job.document_field, document, len(job.documents))} with its "
                 f"{job.query_field} makes {len(ids) + len(layout)} tokens in the score template, "
-                f"more than {what} ({most}); shorten it or set truncate_prompt_tokens",
+                f"more than {what} ({most}). Please reduce the length of the input prompt, or set "
+                "truncate_prompt_tokens",
                 job.document_field,
             )
         if len(ids) > budget:

@@ -106,7 +106,14 @@ def truncation_for(truncate: Truncate, model: ModelHandle) -> Truncation:
     if requested is None and auto:
         requested = -1
     if requested is not None:
-        if requested == 0 or requested > model.max_model_len:
+        if requested > model.max_model_len:  # vLLM's words, then the numbers
+            raise InvalidRequestError(
+                "truncate_prompt_tokens value is greater than max_model_len. Please request a "
+                f"smaller truncation size. (max_model_len is {model.max_model_len}, got "
+                f"{requested})",
+                "truncate_prompt_tokens",
+            )
+        if requested == 0:
             raise InvalidRequestError(
                 f"truncate_prompt_tokens must be between 1 and max_model_len "
                 f"({model.max_model_len}), or -1, got {requested}",
@@ -308,7 +315,8 @@ def _whole(window: Window, limit: int, what: str, specials: SpecialTokens, name:
     if not window.complete or num_tokens > limit:
         raise InputTooLongError(
             f"{name} has more than {limit} tokens ({what}): its first {window.num_chars} "
-            f"characters already make {num_tokens}; shorten it or set truncate_prompt_tokens",
+            f"characters already make {num_tokens}. Please reduce the length of the input "
+            "prompt, or set truncate_prompt_tokens",
             "input",
         )
     return [*specials.prefix, *window.ids, *specials.suffix]
