@@ -1,5 +1,5 @@
 """Checks the vLLM test ports share (tests/http/api/test_vllm_*.py): closeness by cosine, bytes
-read back into floats, and the MiniLM checkpoint given a chat template."""
+read back into floats, a checkpoint given a chat template, a tiny ColBERT and its reference."""
 
 from __future__ import annotations
 
@@ -11,6 +11,10 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoTokenizer
+
+from tests.tiny_encoders import build_hf_encoder, save_tiny_encoder
 
 EMBED_DTYPES = ("float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2")
 ENDIANNESS = ("native", "big", "little")
@@ -64,3 +68,42 @@ def with_chat_template(source: Path, directory: Path, template: str) -> Path:
     config["chat_template"] = template
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     return directory
+
+
+def save_tiny_colbert(directory: Path, dim: int = 8) -> Path:
+    """The tiny BERT saved as Stanford ColBERT saves HF_ColBERT: `bert.*` and a bias-free
+    `linear` projection to `dim`."""
+    save_tiny_encoder("bert", directory)
+    weights = directory / "model.safetensors"
+    state = {f"bert.{name}": tensor for name, tensor in load_file(weights).items()}
+    hidden = state["bert.embeddings.word_embeddings.weight"].shape[1]
+    generator = torch.Generator().manual_seed(3)
+    state["linear.weight"] = torch.randn(dim, hidden, generator=generator)
+    save_file(state, weights)
+    config = json.loads((directory / "config.json").read_text())
+    config.update({"architectures": ["HF_ColBERT"], "dim": dim})
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+class ColBERTReference:
+    """vLLM's ColBERTScoringHfRunner on the tiny checkpoint: transformers' BERT, the projection,
+    L2 per token, MaxSim (the sum over query tokens of the best dot product with a document's)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.tokenizer = AutoTokenizer.from_pretrained(str(directory))
+        self.model = build_hf_encoder("bert")
+        self.linear = load_file(directory / "model.safetensors")["linear.weight"]
+
+    def vectors(self, text: str) -> torch.Tensor:
+        ids = torch.tensor([self.tokenizer(text)["input_ids"]])
+        with torch.inference_mode():
+            hidden = self.model(input_ids=ids).last_hidden_state[0]  # [tokens, hidden]
+        return torch.nn.functional.normalize(hidden @ self.linear.T, dim=-1)  # [tokens, dim]
+
+    def predict(self, pairs: Sequence[Sequence[str]]) -> list[float]:
+        scores = []
+        for query, document in pairs:
+            similarity = self.vectors(query) @ self.vectors(document).T  # [q, d]
+            scores.append(float(similarity.max(dim=1).values.sum()))
+        return scores
