@@ -154,6 +154,10 @@ def _scores(model: ModelHandle) -> bool:
     return True
 
 
+# SageMaker's name of the adapter an invocation is for (AWS's model-hosting-container-standards,
+# which vLLM's /invocations applies): it replaces the body's `model`. No SageMaker header names
+# the route of a POST /invocations (Model-Invocation-Path is the bidirectional stream's).
+ADAPTER_HEADER = "x-amzn-sagemaker-adapter-identifier"
 # Only the pooling body names a task: a body with one is no other route's, although those accept
 # unknown fields (vLLM would answer it as embeddings, silently dropping the task).
 TASK_FIELD = "task"
@@ -175,6 +179,9 @@ INVOCATIONS: tuple[tuple[Callable[[ModelHandle], bool], str, type[BaseModel], Ha
 )
 async def invocations(payload: Payload, request: Request) -> Response:
     """SageMaker's inference route: the body decides which route answers (as vLLM's does)."""
+    adapter = request.headers.get(ADAPTER_HEADER)
+    if adapter is not None:  # the model (a LoRA adapter) SageMaker invokes replaces the body's
+        payload = {**payload, "model": adapter}
     name = payload.get("model")
     _, model = check_serving(service_state(request), name if isinstance(name, str) else None)
     expected = []

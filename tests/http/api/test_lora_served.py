@@ -86,6 +86,26 @@ def test_an_unknown_adapter_is_a_404_listing_the_adapters(
     assert "legal" in response.json()["error"]["message"]
 
 
+def test_sagemaker_adapter_header_names_the_adapter(
+    served: tuple[TestClient, dict, dict],
+) -> None:
+    """SageMaker's X-Amzn-SageMaker-Adapter-Identifier (AWS's container standards, which vLLM's
+    /invocations applies) replaces the body's `model`: the adapter answers, as it does when the
+    body names it; an adapter not loaded is a 404."""
+    client, _, _ = served
+    body = {"model": BASE, "input": TEXT}
+    direct = client.post("/v1/embeddings", json={**body, "model": "legal"})
+    header = {"X-Amzn-SageMaker-Adapter-Identifier": "legal"}
+    invoked = client.post("/invocations", json=body, headers=header)
+    assert invoked.status_code == 200, invoked.text
+    assert invoked.json()["model"] == "legal"
+    assert invoked.json()["data"] == direct.json()["data"]
+    header = {"X-Amzn-SageMaker-Adapter-Identifier": "finance"}
+    missing = client.post("/invocations", json=body, headers=header)
+    assert missing.status_code == 404
+    assert missing.json()["error"]["param"] == "model"
+
+
 def test_adapters_load_and_unload_at_run_time(
     served: tuple[TestClient, dict, dict], tmp_path: Path
 ) -> None:
