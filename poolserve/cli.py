@@ -31,6 +31,7 @@ from poolserve.types.errors import command_error
 
 if TYPE_CHECKING:  # argparse's class takes a type argument only for type checkers
     Commands = argparse._SubParsersAction[argparse.ArgumentParser]
+    from poolserve.http.edge.server import Beside
 
 
 def _add_serve(commands: Commands) -> None:
@@ -83,10 +84,19 @@ def serve(settings: ServerSettings) -> None:
         sockets = bind_port(settings.host, settings.port, 1)
         from poolserve.http.edge.server import run_server  # imported late: for --help
 
-        code = 0 if run_server(settings, sockets=sockets) else 1
+        code = 0 if run_server(settings, sockets=sockets, beside=_beside(settings)) else 1
     except ListenError as exc:
         code = command_error("serve", str(exc.strerror))
     _exit(code)
+
+
+def _beside(settings: ServerSettings) -> tuple[Beside, ...]:
+    """The gRPC server when --grpc-port asks for it (its code loads only then)."""
+    if settings.grpc_port is None:
+        return ()
+    from poolserve.grpc.server import beside_http
+
+    return beside_http(settings)
 
 
 def _exit(code: int) -> NoReturn:

@@ -356,7 +356,12 @@ def _front_end_main(settings: ServerSettings, address: str, listener: socket.soc
     fix_mmap_threshold()
     from poolserve.http.edge.server import run_server  # after the malloc setting
 
-    started = run_server(settings, core_address=address, sockets=[listener])
+    beside: tuple[Any, ...] = ()
+    if settings.grpc_port is not None:  # the gRPC server's code loads only when asked for
+        from poolserve.grpc.server import beside_http
+
+        beside = beside_http(settings)
+    started = run_server(settings, core_address=address, sockets=[listener], beside=beside)
     logging.shutdown()
     os._exit(0 if started else START_FAILED_EXIT)
 

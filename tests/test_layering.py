@@ -27,6 +27,7 @@ PACKAGES = {
     "observability",
     "frontend",
     "http",
+    "grpc",
     "offline",
     "jobs",
 }
@@ -40,6 +41,9 @@ ALLOWED = {
     "observability": {"types", "config"},
     "frontend": {"types", "config", "observability"},
     "http": {"types", "config", "observability", "frontend", "memory"},
+    # TEI's gRPC API: beside http, on the same pipeline; it reuses the HTTP side's error table
+    # and TEI translation helpers, and http never imports it (the process entries pass it in)
+    "grpc": {"types", "config", "observability", "frontend", "http"},
     # request() answers a raw HTTP request in process (run-batch replays request bodies)
     "offline": {"types", "config", "observability", "frontend", "http"},
     "jobs": {"types", "config", "observability", "frontend", "offline", "http"},
@@ -106,7 +110,8 @@ def test_lazy_imports_stay_inside_functions() -> None:
 
 def test_no_relative_or_bare_imports() -> None:
     """Every project import names the poolserve root (no `import http`, no relative ones)."""
-    bare = (PACKAGES | TOP | {"bench"}) - {"types", "http"}  # stdlib names, imported as such
+    # stdlib and library names, imported as such
+    bare = (PACKAGES | TOP | {"bench"}) - {"types", "http", "grpc"}
     offenders = {}
     for path in PACKAGE.rglob("*.py"):
         tree = ast.parse(path.read_text())
@@ -120,8 +125,8 @@ def test_no_relative_or_bare_imports() -> None:
 # top-level module -> what it loads only inside the function that needs it (the CLI's commands
 # add their parsers from jobs' light modules; tests/test_process_imports.py checks what loads)
 LATE = {
-    "supervisor.py": {"engine", "models", "pooling", "frontend", "http", "offline", "jobs"},
-    "cli.py": {"engine", "models", "pooling", "frontend", "http", "offline"},
+    "supervisor.py": {"engine", "models", "pooling", "frontend", "http", "grpc", "offline", "jobs"},
+    "cli.py": {"engine", "models", "pooling", "frontend", "http", "grpc", "offline"},
 }
 
 

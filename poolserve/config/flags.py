@@ -89,6 +89,7 @@ GROUPS: tuple[Group, ...] = (
         ),
         SERVE_ONLY,
     ),
+    Group("gRPC server", ("grpc_port",), SERVE_ONLY),
     Group(
         "processes and shutdown",
         ("api_server_count", "engine_core_timeout", "shutdown_timeout", "drain_delay"),

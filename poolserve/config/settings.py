@@ -125,6 +125,15 @@ class ServerSettings(BaseSettings):
         description="Port to bind (Vertex AI's AIP_HTTP_PORT when it sets one, else 8000).",
         json_schema_extra=SERVER,
     )
+    grpc_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="Also serve TEI's gRPC API (package tei.v1, with grpc.health.v1 and "
+        "reflection) on this port, on --host, in every front-end process; TLS with "
+        "--ssl-keyfile/--ssl-certfile (unset: no gRPC).",
+        json_schema_extra=SERVER,
+    )
     vertex_predict_route: str = Field(
         default_factory=lambda: os.environ.get("AIP_PREDICT_ROUTE", "/vertex"),
         description='Path of Vertex AI\'s prediction route ({"instances": [...]} in, '

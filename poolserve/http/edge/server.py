@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import orjson
@@ -16,8 +18,12 @@ from poolserve.http.app import create_app
 from poolserve.http.edge.middleware import SECURITY_HEADERS, InFlight
 from poolserve.http.errors import error_document
 from poolserve.http.internals import HEAD_LIMIT_BYTES, BoundedHttpProtocol, Header, HookedServer
+from poolserve.observability.logs import report_start_failure
 
 logger = logging.getLogger(__name__)
+# a server that runs beside the HTTP one for as long as the app serves (the gRPC server)
+Beside = Callable[[ServiceState], AbstractAsyncContextManager[None]]
+Lifespan = Callable[[Any], AbstractAsyncContextManager[Any]]
 
 # After the drain deadline, a stream gets this long to reach a line end before it is cut.
 STREAM_GRACE_S = 0.5
@@ -110,11 +116,15 @@ def run_server(
     settings: ServerSettings,
     core_address: str | None = None,
     sockets: list[socket.socket] | None = None,
+    beside: Sequence[Beside] = (),
 ) -> bool:
     """Serve until drained: one process, or one front end of an engine core at core_address.
-    False when the start failed (said in one line)."""
+    False when the start failed (said in one line). `beside`: servers that run on the same loop
+    once the models are served and stop before they close (the gRPC server)."""
     app = create_app(settings, core_address, owns_process=True)
     state: ServiceState = app.state.poolserve
+    if beside:
+        app.router.lifespan_context = _with_beside(app.router.lifespan_context, state, beside)
     config = EdgeConfig(
         app,
         head_timeout_s=settings.body_timeout,
@@ -144,6 +154,24 @@ def run_server(
     finally:
         logging.getLogger("uvicorn.error").removeFilter(quiet)
     return state.start_failure is None
+
+
+def _with_beside(inner: Lifespan, state: ServiceState, beside: Sequence[Beside]) -> Lifespan:
+    """The app's lifespan, with the `beside` servers inside it: started after it, stopped first."""
+
+    @asynccontextmanager
+    async def lifespan(app: Any) -> AsyncIterator[None]:
+        async with inner(app), AsyncExitStack() as stack:
+            try:
+                for start in beside:
+                    await stack.enter_async_context(start(state))
+            except BaseException as exc:
+                state.start_failure = exc
+                report_start_failure("serve", exc)
+                raise
+            yield
+
+    return lifespan
 
 
 def _address(listener: socket.socket, scheme: str) -> str:
