@@ -11,7 +11,8 @@ machine for minutes. So are `fleet` (replicas behind HAProxy), `fleet-ray` (Ray 
 `frontend-interleaved` (the same servers up at once, taking turns, for same-moment ratios), and
 `footprint` (the command line's answer times, every server process's memory, the modules one
 request runs), `static` (a model2vec model through the offline engine against model2vec's
-own encode) and `lora` (LoRA adapters mixed in one step against the base model alone).
+own encode) and `lora` (LoRA adapters mixed in one step against the base model alone). So is
+`grpc` (TEI's gRPC EmbedStream against HTTP /embed on one server, same batch sizes).
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ SEPARATE: dict[str, Callable[[Sequence[str]], None]] = {
     "step-threads": lambda argv: _with_list("engine.step_threads", argv),
     "static": lambda argv: _with_list("offline.static", argv),
     "lora": lambda argv: _with_list("offline.lora", argv),
+    "grpc": lambda argv: _with_list("served.grpc", argv),
 }
 
 
