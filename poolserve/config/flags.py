@@ -78,6 +78,18 @@ GROUPS: tuple[Group, ...] = (
         ANSWERS_REQUESTS,
     ),
     Group(
+        "images",
+        (
+            "allowed_media_domains",
+            "allow_private_media_addresses",
+            "media_fetch_timeout",
+            "max_image_bytes",
+            "max_image_pixels",
+            "max_media_redirects",
+        ),
+        ANSWERS_REQUESTS,
+    ),
+    Group(
         "HTTP server",
         (
             "host",

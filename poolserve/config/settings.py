@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -31,6 +32,8 @@ MODEL: dict[str, Any] = {"scope": Scope.MODEL.value, "shapes_outputs": False}
 SERVER_OUTPUTS: dict[str, Any] = {"scope": Scope.SERVER.value, "shapes_outputs": True}
 SERVER: dict[str, Any] = {"scope": Scope.SERVER.value, "shapes_outputs": False}
 ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s]+")  # what browsers send in Origin
+# An --allowed-media-domains entry: a host name, or its subdomains as *.name or .name
+MEDIA_HOST = re.compile(r"(\*\.|\.)?[a-z0-9_-]+(\.[a-z0-9_-]+)*")
 
 
 class ServerSettings(BaseSettings):
@@ -244,6 +247,46 @@ class ServerSettings(BaseSettings):
         "such requests get 400, since a template is a program run on the server.",
         json_schema_extra=MODEL,
     )
+    allowed_media_domains: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Hosts whose http(s) image URLs may be fetched (vLLM's flag): example.com "
+        "exactly, *.example.com (or .example.com) its subdomains, * any host; none = image URLs "
+        "are refused and images come as data URLs or base64. Every redirect is checked again.",
+        json_schema_extra=SERVER,
+    )
+    allow_private_media_addresses: bool = Field(
+        False,
+        description="Fetch image URLs whose host resolves to a private, loopback, link-local, "
+        "multicast or reserved address (off: such URLs are refused before any connection).",
+        json_schema_extra=SERVER,
+    )
+    media_fetch_timeout: float = Field(
+        5.0,
+        gt=0,
+        description="Seconds one image URL has to be fetched, connection, redirects and body "
+        "together (vLLM's default for images); 408 after.",
+        json_schema_extra=SERVER,
+    )
+    max_image_bytes: int = Field(
+        20 * 1024 * 1024,
+        gt=0,
+        description="Largest encoded image in bytes, a data URL's after base64 decoding or a "
+        "fetched body (413 above).",
+        json_schema_extra=SERVER,
+    )
+    max_image_pixels: int = Field(
+        50_000_000,
+        gt=0,
+        description="Most pixels (width x height) of one image, checked from its header before it "
+        "is decoded (413 above): a 48-megapixel photo passes, a decompression bomb does not.",
+        json_schema_extra=SERVER,
+    )
+    max_media_redirects: int = Field(
+        3,
+        ge=0,
+        description="Most redirects followed when fetching an image URL (400 above).",
+        json_schema_extra=SERVER,
+    )
     payload_limit: int = Field(
         16 * 1024 * 1024,
         gt=0,
@@ -405,6 +448,7 @@ class ServerSettings(BaseSettings):
         "allowed_origins",
         "allowed_methods",
         "allowed_headers",
+        "allowed_media_domains",
         mode="before",
     )
     @classmethod
@@ -452,6 +496,21 @@ class ServerSettings(BaseSettings):
             if origin != "*" and not ORIGIN.fullmatch(origin):
                 raise ValueError(f"{origin!r} is not an origin like https://app.example:8443")
         return origins
+
+    @field_validator("allowed_media_domains")
+    @classmethod
+    def _media_hosts(cls, hosts: list[str]) -> list[str]:
+        """Host names (ASCII: an IDN in its xn-- form) or IP addresses, lower case, each with an
+        optional *. or . before it; or *."""
+        checked = []
+        for entry in hosts:
+            host = entry.lower().rstrip(".").removeprefix("[").removesuffix("]")
+            if host != "*" and not MEDIA_HOST.fullmatch(host) and not _is_ip(host):
+                raise ValueError(
+                    f"{entry!r} is not a host name like images.example.com, *.example.com or *"
+                )
+            checked.append(host)
+        return checked
 
     @field_validator("vertex_predict_route", "vertex_health_route")
     @classmethod
@@ -524,6 +583,15 @@ class ServerSettings(BaseSettings):
             return overrides
         dims = [int(p) for p in self.matryoshka_dimensions.split(",")]
         return {**(overrides or {}), "matryoshka_dimensions": dims}
+
+
+def _is_ip(text: str) -> bool:
+    """Whether text is an IPv4 or IPv6 address."""
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 def split_list(item: object) -> list[str]:

@@ -33,4 +33,6 @@ def card_of(engine: Engine) -> ModelCard:
         # the checkpoint's own (a request's task); PEFT adapters are reached by model name
         adapters=loaded.model.adapter_names if engine.adapters is None else (),
         lora_modules=() if engine.adapters is None else engine.adapters.modules,
+        images=loaded.images,
+        pad_texts_to=loaded.pad_texts_to,
     )

@@ -296,8 +296,7 @@ class Runner:
 def _chunk_inputs(chunks: Sequence[ChunkWork]) -> list[ChunkInput]:
     """What pooling needs of each chunk (an int64 array serves as a sequence of ints)."""
     return [
-        ChunkInput(len(c.token_ids), cast("Sequence[int]", c.token_ids), c.is_last)
-        for c in chunks
+        ChunkInput(len(c.token_ids), cast("Sequence[int]", c.token_ids), c.is_last) for c in chunks
     ]
 
 

@@ -25,6 +25,7 @@ from poolserve.types import protocol
 from poolserve.types.admission import AdmissionControl
 from poolserve.types.card import ModelCard
 from poolserve.types.errors import DrainingError, EngineDeadError, OverloadedError
+from poolserve.types.images import image_prompt
 from poolserve.types.lora import LoraModule
 from poolserve.types.model_info import PoolingModelInfo
 from poolserve.types.observer import EngineObserver, NullObserver
@@ -207,8 +208,10 @@ class EngineClient:
         params: PoolingParams,
         priority: int = 0,
         token_type_ids: Sequence[Sequence[int] | None] | None = None,
+        pixels: Sequence[np.ndarray | None] | None = None,
     ) -> list[asyncio.Future[PoolingOutput]]:
-        """Admit all prompts or none; each gets a future, at once.
+        """Admit all prompts or none; each gets a future, at once. `pixels`: per prompt, an
+        image's pixel values (its prompt is then the image's placeholder), or None for a text.
 
         The core does not acknowledge a submission (a reply per request would cost both sides a
         message and this caller a loop turn): what it refuses fails each future with the engine's
@@ -217,20 +220,28 @@ class EngineClient:
         """
         self.precheck(len(prompts))
         card = self.card
-        ids = [checked_prompt(p, card.max_model_len, card.vocab_size) for p in prompts]
+        images = list(pixels) if pixels is not None else [None] * len(prompts)
+        ids = [
+            checked_prompt(p, card.max_model_len, card.vocab_size)
+            if image is None
+            else image_prompt(image, card.images)
+            for p, image in zip(prompts, images, strict=True)
+        ]
         types = checked_token_types(token_type_ids, ids, card.num_token_types)
         self.check_params(params)
         if not ids:
             return []
         self._reserve(len(ids), sum(len(prompt) for prompt in ids))
         lengths, typed, frames = protocol.flat_prompts(ids, types)
+        image_flags, pixel_frames = protocol.pixel_frame(images)
+        frames.extend(pixel_frames)
         loop = asyncio.get_running_loop()
         request_ids = [next(self._ids) for _ in ids]
         futures = [loop.create_future() for _ in ids]
         for request_id, future in zip(request_ids, futures, strict=True):
             self._pending[request_id] = future
             self._id_of[future] = request_id
-        self._send(Submit(request_ids, lengths, params, priority, typed), frames)
+        self._send(Submit(request_ids, lengths, params, priority, typed, image_flags), frames)
         return futures
 
     def cancel_future(self, future: asyncio.Future[PoolingOutput]) -> None:

@@ -111,7 +111,28 @@ class ScoreJob:
         return cls((query,), tuple(documents), pairs, "query", document_field, **options)
 
 
-Job = TextJob | ScoreJob
+@dataclass(frozen=True)
+class MediaItem:
+    """One input of a request that may carry images: an image reference or a text."""
+
+    image: str | None = None  # a data URL, bare base64, or an http(s) URL (when allowed)
+    text: str | None = None
+    where: str = "input"  # where the body holds it, for error messages ("input[2]")
+
+
+@dataclass(frozen=True)
+class MediaJob:
+    """Images (and texts beside them) embedded by a model that takes images: one prompt each."""
+
+    task: PoolingTask
+    items: tuple[MediaItem, ...]
+    requested: Requested = field(default_factory=Requested)
+    model: str | None = None
+    truncate: Truncate = field(default_factory=Truncate)
+    priority: int = 0
+
+
+Job = TextJob | ScoreJob | MediaJob
 
 
 def merge(task: PoolingTask, requested: Requested, defaults: PoolerDefaults) -> PoolingParams:

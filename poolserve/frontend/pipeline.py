@@ -105,7 +105,7 @@ async def submit_job(state: ServiceState, job: Job, caller: Caller = IN_PROCESS)
     slicing = None
     if limit is None:
         futures = await engine.submit_many(
-            batch.token_ids, batch.params, job.priority, batch.token_type_ids
+            batch.token_ids, batch.params, job.priority, batch.token_type_ids, batch.pixels
         )
     else:
         check_lengths(limit, batch.token_ids)

@@ -8,14 +8,19 @@ parameters), or one per pair (laid out as the model was trained) or per text to 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from poolserve.frontend.adapters import choose_adapter
 from poolserve.frontend.chat import render_conversations
 from poolserve.frontend.client import EngineClient
-from poolserve.frontend.jobs import Requested, ScoreJob, TextJob, merge
+from poolserve.frontend.images import pixel_values
+from poolserve.frontend.jobs import MediaJob, Requested, ScoreJob, TextJob, merge
+from poolserve.frontend.media import MediaLimits, load_image
 from poolserve.frontend.pairs import PairTruncation, PromptMode, check_pairs, tokenize_job
 from poolserve.frontend.prompts import prepend, prompt_length
 from poolserve.frontend.score_prompts import tokenize_templated
@@ -31,6 +36,7 @@ from poolserve.frontend.texts import (
     truncation_for,
 )
 from poolserve.types.errors import InvalidRequestError
+from poolserve.types.images import ImageInputs
 from poolserve.types.params import PoolingParams
 from poolserve.types.scoring import PairMode, job_scorer
 from poolserve.types.tasks import PoolingTask
@@ -47,6 +53,8 @@ class Batch:
     token_ids: list[list[int]]
     token_type_ids: Sequence[Sequence[int] | None] | None = None  # None: no prompt has types
     char_spans: CharSpans | None = None  # late chunking: each prompt's spans, in characters
+    # per prompt, an image's pixel values (its token ids then placeholders) or None; None: texts
+    pixels: Sequence[np.ndarray | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -112,7 +120,10 @@ def plan_texts(job: TextJob, engine: EngineClient, model: ModelHandle, state: Se
         pooled = params
         if prompt is not None:
             pooled = await _prompt_params(model, prompt, params, specials, on_reject)
-        return Batch(pooled, await tokenize(inputs, model, truncation, on_reject, specials))
+        ids = await tokenize(inputs, model, truncation, on_reject, specials)
+        if model.card.pad_texts_to is not None:
+            ids = [padded(prompt, model) for prompt in ids]
+        return Batch(pooled, ids)
 
     return Plan(params, len(chats) if chats is not None else len(raw or ()), run)
 
@@ -191,7 +202,10 @@ def plan_pairs(
             prompts = await tokenize_job(job, model, mode, cuts, on_reject)
         types = [p.token_type_ids for p in prompts]
         typed = typed_model and any(t is not None for t in types)
-        return Batch(params, [p.token_ids for p in prompts], types if typed else None)
+        ids = [p.token_ids for p in prompts]
+        if not joint and model.card.pad_texts_to is not None:  # each text as the model embeds it
+            ids = [padded(list(prompt), model) for prompt in ids]
+        return Batch(params, ids, types if typed else None)
 
     count = len(job.pairs) if joint else len(job.queries) + len(job.documents)
     return Plan(params, count, run)
@@ -213,5 +227,76 @@ def _joint_mode(model: ModelHandle, is_decoder: bool) -> PromptMode:
     return PromptMode.TEMPLATE
 
 
+def plan_media(
+    job: MediaJob, engine: EngineClient, model: ModelHandle, state: ServiceState
+) -> Plan:
+    """One prompt per item: an image loaded, checked and turned into the model's pixel values,
+    a text tokenized; refused before any work unless the model takes images and the task
+    gives one vector per input."""
+    images = model.card.images
+    if images is None:
+        where = next((item.where for item in job.items if item.image is not None), "input")
+        raise InvalidRequestError(
+            f"model {model.served_name!r} takes no images: send text", where.split("[")[0]
+        )
+    if job.task is not PoolingTask.EMBED:
+        raise InvalidRequestError(
+            f"task {job.task.value!r} does not take images: an image gives one embedding "
+            "(task 'embed')",
+            "task",
+        )
+    check_batch_size(len(job.items), model.settings.max_client_batch_size, "input")
+    params = merge(job.task, job.requested, model.defaults)
+    truncation = truncation_for(job.truncate, model)
+    limits = MediaLimits.from_settings(model.settings)
+
+    async def run() -> Batch:
+        on_reject = state.metrics.model(model.model_name).on_reject
+        texts = tuple(item.text or "" for item in job.items if item.image is None)
+        for item in job.items:
+            if item.image is None and not item.text:
+                raise InvalidRequestError(f"{item.where} is empty", item.where)
+        ids_of_texts = (
+            await tokenize(RawInputs(texts, None), model, truncation, on_reject) if texts else []
+        )
+        tokenized = iter(ids_of_texts)
+        pixels = await asyncio.gather(
+            *(_pixels(item.image, item.where, images, limits) for item in job.items if item.image)
+        )
+        loaded = iter(pixels)
+        ids: list[list[int]] = []
+        per_prompt: list[np.ndarray | None] = []
+        for item in job.items:
+            if item.image is None:
+                ids.append(padded(next(tokenized), model))
+                per_prompt.append(None)
+            else:
+                ids.append([0] * images.num_tokens)  # its placeholder: the tokens it costs
+                per_prompt.append(next(loaded))
+        return Batch(params, ids, pixels=per_prompt)
+
+    return Plan(params, len(job.items), run)
+
+
+async def _pixels(ref: str, where: str, images: ImageInputs, limits: MediaLimits) -> np.ndarray:
+    """An image reference as the model's pixel values (decoding and processing off the loop)."""
+    image = await load_image(ref, limits, what=where)
+    return await asyncio.to_thread(pixel_values, image, images.processing)
+
+
+def padded(ids: list[int], model: ModelHandle) -> list[int]:
+    """A text's ids padded with the pad token to the length the model was trained on (SigLIP's
+    texts; `pad_texts_to`); longer prompts are left for the length check to refuse."""
+    length = model.card.pad_texts_to
+    pad = model.tokenizer.pad_token_id
+    if length is None or len(ids) >= length or pad is None:
+        return ids
+    return ids + [pad] * (length - len(ids))
+
+
 # job kind -> how it is checked and tokenized; everything else is the same for every job
-PLANNERS: dict[type, Callable[..., Plan]] = {TextJob: plan_texts, ScoreJob: plan_pairs}
+PLANNERS: dict[type, Callable[..., Plan]] = {
+    TextJob: plan_texts,
+    ScoreJob: plan_pairs,
+    MediaJob: plan_media,
+}

@@ -109,19 +109,55 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+class ImageUrl(BaseModel):
+    """OpenAI's `image_url` object: a data URL (base64) or an http(s) URL."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    url: StrictStr
+    detail: StrictStr | None = None  # OpenAI's; a pooling model's processor decides the size
+
+
+class ImageUrlPart(BaseModel):
+    """One image part of a chat message's content (OpenAI's `image_url` content part)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+ContentPart = Annotated[TextPart | ImageUrlPart, Field(discriminator="type")]
+
+
 class ChatMessage(BaseModel):
     """One chat message; other keys (name, ...) are handed to the chat template as sent."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
 
     role: StrictStr
-    content: StrictStr | list[TextPart] | None = None
+    content: StrictStr | list[ContentPart] | None = None
+
+    def images(self) -> list[str]:
+        """The URLs of its image parts."""
+        if not isinstance(self.content, list):
+            return []
+        return [p.image_url.url for p in self.content if isinstance(p, ImageUrlPart)]
+
+    def text(self) -> str | None:
+        """Its text: the string, or its text parts joined by newlines."""
+        if not isinstance(self.content, list):
+            return self.content
+        return "\n".join(p.text for p in self.content if isinstance(p, TextPart))
+
+    def has_text(self) -> bool:
+        """Whether it carries any text (a string, or a text part)."""
+        if not isinstance(self.content, list):
+            return bool(self.content)
+        return any(isinstance(p, TextPart) for p in self.content)
 
 
 def as_template_message(message: ChatMessage) -> dict[str, Any]:
     """A message as chat templates read it: text parts joined by newlines, as vLLM does."""
     fields = dict(message.model_extra or {})
-    content = message.content
-    if isinstance(content, list):
-        content = "\n".join(part.text for part in content)
-    return {**fields, "role": message.role, "content": content}
+    return {**fields, "role": message.role, "content": message.text()}

@@ -9,6 +9,7 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
+from poolserve.models.dual_encoder import ARCHITECTURES as DUAL_ARCHITECTURES
 from poolserve.models.families import (
     bert,
     colbert,
@@ -136,5 +137,5 @@ ARCHITECTURES: dict[str, ArchitectureEntry] = {
 
 
 def supported_architectures() -> tuple[str, ...]:
-    """Every architecture name load_model() accepts, sorted."""
-    return tuple(sorted(ARCHITECTURES))
+    """Every architecture name load_model() accepts, sorted (dual encoders included)."""
+    return tuple(sorted({*ARCHITECTURES, *DUAL_ARCHITECTURES}))

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from poolserve.types.images import ImageInputs
 from poolserve.types.limits import SchedulerConfig
 from poolserve.types.lora import LoraModule
 from poolserve.types.model import SentenceTransformersConfig
@@ -49,6 +50,8 @@ class ModelCard:
     adapters: tuple[str, ...] = ()  # the LoRA adapters a request may name (jina-v3's tasks)
     # PEFT adapters (--lora-modules): each a name a request's `model` may send
     lora_modules: tuple[LoraModule, ...] = ()
+    images: ImageInputs | None = None  # None: the model takes no images
+    pad_texts_to: int | None = None  # texts padded with the pad token to this length (SigLIP)
 
     def dumps(self) -> bytes:
         """The card as it travels."""

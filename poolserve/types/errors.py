@@ -299,6 +299,26 @@ class PayloadTooLargeError(APIError):
     status, type, code = 413, "invalid_request_error", "payload_too_large"
 
 
+class InvalidImageError(InvalidRequestError):
+    """An image input that cannot be used: not a data URL, base64 or an allowed http(s) URL,
+    refused by the media policy, not fetched, or not a decodable PNG, JPEG, WebP or GIF (400)."""
+
+    code = "invalid_image"
+
+
+class ImageTooLargeError(PayloadTooLargeError):
+    """An image above --max-image-bytes (encoded) or --max-image-pixels (decoded) (413)."""
+
+    code = "image_too_large"
+
+
+class ImageFetchTimeoutError(APIError):
+    """An image URL not fetched within --media-fetch-timeout (408: a client error, as the URL
+    is the client's, and one a client may retry)."""
+
+    status, type, code = 408, "invalid_request_error", "image_fetch_timeout"
+
+
 class NotReadyError(APIError):
     """The server is still warming up (503)."""
 

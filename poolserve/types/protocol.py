@@ -49,7 +49,8 @@ class Hello(msgspec.Struct, tag="hello", array_like=True):
 
 
 class Submit(msgspec.Struct, tag="submit", array_like=True):
-    """Prompts admitted all or none; frames: flat int64 token ids, then flat type ids if typed.
+    """Prompts admitted all or none; frames: flat int64 token ids, then flat type ids if typed,
+    then the images' float32 pixel values if any prompt is an image.
 
     Not acknowledged: a refused Submit comes back as a failure of each of its ids in Results.
     """
@@ -59,6 +60,9 @@ class Submit(msgspec.Struct, tag="submit", array_like=True):
     params: PoolingParams
     priority: int
     typed: list[bool]  # per prompt: whether its type ids are in the second frame
+    # per prompt: whether it is an image (its ids placeholders, its pixels in the last frame);
+    # empty: no image
+    images: list[bool] = []
 
 
 class Cancel(msgspec.Struct, tag="cancel", array_like=True):
@@ -222,6 +226,34 @@ def split_prompts(
         raise ValueError("token type frame does not match the typed prompts' lengths")
     parts = iter(_views(types, typed_lengths))
     return prompts, [next(parts) if t else None for t in message.typed]
+
+
+def pixel_frame(pixels: Sequence[np.ndarray | None]) -> tuple[list[bool], list[memoryview]]:
+    """A Submit's image flags and its pixel frame (none when no prompt is an image)."""
+    flags = [p is not None for p in pixels]
+    if not any(flags):
+        return [], []
+    joined = np.concatenate([p.reshape(-1) for p in pixels if p is not None])
+    return flags, [joined.astype(np.float32, copy=False).data]
+
+
+def split_pixels(
+    message: Submit, frames: Sequence[bytes | memoryview], shape: tuple[int, ...] | None
+) -> list[np.ndarray | None] | None:
+    """Each prompt's pixel values (views of the last frame), None for a text; None: no image."""
+    if not any(message.images):
+        return None
+    if shape is None:
+        raise ValueError("images sent to a model that takes none")
+    if len(message.images) != len(message.lengths):
+        raise ValueError("image flags do not match the prompts")
+    flat = np.frombuffer(frames[-1], dtype=np.float32)
+    count = sum(message.images)
+    size = int(np.prod(shape))
+    if len(flat) != count * size:
+        raise ValueError("pixel frame does not match the images")
+    parts = iter(flat.reshape(count, *shape))
+    return [next(parts) if is_image else None for is_image in message.images]
 
 
 def _views(flat: np.ndarray, lengths: Sequence[int]) -> list[np.ndarray]:

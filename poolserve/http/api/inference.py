@@ -24,7 +24,7 @@ from poolserve.frontend.encoding import (
     sparse_parts,
     stream_item,
 )
-from poolserve.frontend.jobs import Requested
+from poolserve.frontend.jobs import MediaJob, Requested
 from poolserve.frontend.pipeline import Submitted, as_completed, check_serving, gather
 from poolserve.frontend.quantize import quantize
 from poolserve.http.api.embedding_fields import agreed, nim_model_suffix
@@ -182,13 +182,22 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     truncate = body.client_truncate(body.truncate_prompt_tokens)
     state = service_state(request)
     model, named_type = nim_model_suffix(body.model, lambda name: state.find(name) is not None)
-    job = dataclasses.replace(
-        job,
-        model=model,
-        adapter=body.task,  # Jina's `task`
-        input_type=agreed(("input_type", body.input_type), ("model", named_type)),
-        truncate=job.truncate if truncate is None else truncate,
-    )
+    input_type = agreed(("input_type", body.input_type), ("model", named_type))
+    if isinstance(job, MediaJob):
+        for name, value in (("task", body.task), ("input_type", input_type)):
+            if value is not None:  # a prompt or an adapter for texts: never silently dropped
+                raise InvalidRequestError(f"{name} does not apply to image inputs", name)
+        job = dataclasses.replace(
+            job, model=model, truncate=job.truncate if truncate is None else truncate
+        )
+    else:
+        job = dataclasses.replace(
+            job,
+            model=model,
+            adapter=body.task,  # Jina's `task`
+            input_type=input_type,
+            truncate=job.truncate if truncate is None else truncate,
+        )
     run = await submit(request, job)
     outputs = await gather(run)
     rows = span_rows(run.char_spans, outputs)  # late chunking: an item per span

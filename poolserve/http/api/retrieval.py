@@ -17,14 +17,22 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from poolserve.frontend.encoding import dumps
-from poolserve.frontend.jobs import ScoreJob, Truncate
-from poolserve.frontend.pipeline import check_serving
+from poolserve.frontend.jobs import MediaItem, MediaJob, Requested, ScoreJob, Truncate
+from poolserve.frontend.pipeline import Submitted, check_serving, gather
 from poolserve.frontend.scoring import Scored, best_first
-from poolserve.http.api.schemas import RerankRequestBody, ScoreRequestBody
-from poolserve.http.calls import answer, score, service_state
+from poolserve.http.api.schemas import (
+    Documents,
+    MultiModalDocuments,
+    RerankRequestBody,
+    ScoreRequestBody,
+)
+from poolserve.http.bodies import ContentPart, ImageUrlPart, TextPart
+from poolserve.http.calls import answer, score, service_state, submit
 from poolserve.http.routing import StrictJSONRoute
 from poolserve.types.errors import InvalidRequestError, RouteNotServedError, UnsupportedTaskError
-from poolserve.types.scoring import scorer_plan
+from poolserve.types.outputs import PoolingOutput
+from poolserve.types.scoring import cosine_score, scorer_plan
+from poolserve.types.tasks import PoolingTask
 
 logger = logging.getLogger(__name__)
 router = APIRouter(route_class=StrictJSONRoute)
@@ -113,6 +121,59 @@ def _prompt_tokens(job: ScoreJob, scored: Scored, request: Request) -> int:
     )
 
 
+def _has_images(documents: Documents) -> bool:
+    """Whether vLLM's multimodal documents hold an image (text parts alone are texts)."""
+    return isinstance(documents, MultiModalDocuments) and any(
+        isinstance(part, ImageUrlPart) for part in documents.content
+    )
+
+
+def _texts(documents: Documents) -> tuple[str, ...]:
+    """Texts, or multimodal documents of text parts only as their texts."""
+    if isinstance(documents, MultiModalDocuments):
+        return tuple(part.text for part in documents.content if isinstance(part, TextPart))
+    return _as_tuple(documents)
+
+
+def _media_items(documents: MultiModalDocuments, field: str) -> tuple[MediaItem, ...]:
+    """vLLM's multimodal documents: each content part one document, a text or an image."""
+    return tuple(
+        MediaItem(image=part.image_url.url, where=f"{field}.content[{i}]")
+        if isinstance(part, ImageUrlPart)
+        else MediaItem(text=part.text, where=f"{field}.content[{i}]")
+        for i, part in enumerate(documents.content)
+    )
+
+
+async def _media_scores(
+    request: Request,
+    body: ScoreRequestBody | RerankRequestBody,
+    queries: tuple[str, ...],
+    documents: tuple[MediaItem, ...],
+    defaults: Defaults,
+) -> tuple[list[float], Submitted, list[PoolingOutput]]:
+    """Each document against its query (one query: all of them), by the cosine of their
+    embeddings: texts and images of a model that takes both (CLIP, SigLIP) in one job."""
+    options = _options(body, request, defaults)
+    items = (*(MediaItem(text=q, where=f"query[{i}]") for i, q in enumerate(queries)), *documents)
+    job = MediaJob(
+        PoolingTask.EMBED,
+        items,
+        Requested(normalize=False),
+        options["model"],
+        options["truncate"],
+        options["priority"],
+    )
+    run = await submit(request, job)
+    outputs = await gather(run)
+    firsts, seconds = outputs[: len(queries)], outputs[len(queries) :]
+    scores = [
+        cosine_score(firsts[0 if len(firsts) == 1 else i].data, second.data)
+        for i, second in enumerate(seconds)
+    ]
+    return scores, run, outputs
+
+
 @router.post("/score")
 @router.post("/v1/score")
 async def score_texts(body: ScoreRequestBody, request: Request) -> Response:
@@ -121,7 +182,10 @@ async def score_texts(body: ScoreRequestBody, request: Request) -> Response:
     assert form is not None  # the schema refuses a body without one
     first_field, second_field = form
     firsts = _as_tuple(getattr(body, first_field))
-    seconds = _as_tuple(getattr(body, second_field))
+    second = getattr(body, second_field)
+    if _has_images(second):
+        return await _score_media(body, request, firsts, _media_items(second, second_field))
+    seconds = _texts(second)
     if len(firsts) > 1 and len(firsts) != len(seconds):
         raise InvalidRequestError(
             f"{first_field} has {len(firsts)} texts and {second_field} {len(seconds)}: pair "
@@ -151,6 +215,34 @@ async def score_texts(body: ScoreRequestBody, request: Request) -> Response:
     return await answer(request, scored.outputs, lambda: dumps(reply))
 
 
+async def _score_media(
+    body: ScoreRequestBody,
+    request: Request,
+    firsts: tuple[str, ...],
+    seconds: tuple[MediaItem, ...],
+) -> Response:
+    """/score with vLLM's multimodal documents, answered as for texts."""
+    if len(firsts) > 1 and len(firsts) != len(seconds):
+        raise InvalidRequestError("pair the queries with the documents 1:1, 1:N or N:N", "queries")
+    scores, run, outputs = await _media_scores(request, body, firsts, seconds, VLLM)
+    tokens = run.num_prompt_tokens
+    reply = {
+        "id": _response_id(request, body),
+        "object": "list",
+        "created": int(time.time()),
+        "model": run.model.served_name,
+        "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
+        "usage": {
+            "prompt_tokens": tokens,
+            "total_tokens": tokens,
+            "completion_tokens": 0,
+            "prompt_tokens_details": None,
+            "completion_tokens_details": None,
+        },
+    }
+    return await answer(request, outputs, lambda: dumps(reply))
+
+
 @router.post("/v1/rerank")
 async def rerank(body: RerankRequestBody, request: Request) -> Response:
     """vLLM's (and Jina's) rerank: results best first, top_n of them (0: all)."""
@@ -167,7 +259,9 @@ async def _rerank(body: RerankRequestBody, request: Request, defaults: Defaults)
     """The body as one scoring job, then its results best first."""
     if body.relevant_spans is not None:
         logger.debug("relevant_spans ignored: no spans are computed")
-    documents = _as_tuple(body.documents)
+    if isinstance(body.documents, MultiModalDocuments) and _has_images(body.documents):
+        return await _rerank_media(body, request, defaults, body.documents)
+    documents = _texts(body.documents)
     options = _options(body, request, defaults)
     job = ScoreJob.one_query(body.query, documents, "documents", **options)
     scored = await score(request, job)
@@ -186,3 +280,35 @@ async def _rerank(body: RerankRequestBody, request: Request, defaults: Defaults)
         "results": results,
     }
     return await answer(request, scored.outputs, lambda: dumps(reply))
+
+
+async def _rerank_media(
+    body: RerankRequestBody,
+    request: Request,
+    defaults: Defaults,
+    documents: MultiModalDocuments,
+) -> Response:
+    """Rerank of vLLM's multimodal documents; a returned document is its content part."""
+    items = _media_items(documents, "documents")
+    scores, run, outputs = await _media_scores(request, body, (body.query,), items, defaults)
+    parts = documents.content
+    results = [
+        {"index": i, "relevance_score": scores[i]}
+        | ({"document": _document(parts[i])} if body.return_documents else {})
+        for i in best_first(scores, body.top_n)
+    ]
+    tokens = run.num_prompt_tokens
+    reply = {
+        "id": _response_id(request, body),
+        "model": run.model.served_name,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        "results": results,
+    }
+    return await answer(request, outputs, lambda: dumps(reply))
+
+
+def _document(part: ContentPart) -> dict[str, Any]:
+    """vLLM's RerankDocument of one content part: its text, or the part itself."""
+    if isinstance(part, ImageUrlPart):
+        return {"multi_modal": part.model_dump(exclude_none=True)}
+    return {"text": part.text}

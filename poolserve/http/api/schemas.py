@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Literal, Self, cast
 
 from pydantic import (
@@ -16,18 +17,20 @@ from pydantic import (
 )
 from pydantic.json_schema import JsonDict
 
-from poolserve.frontend.jobs import Chat, Requested, TextJob, Truncate
+from poolserve.frontend.jobs import Chat, MediaItem, MediaJob, Requested, TextJob, Truncate
 from poolserve.frontend.spans import LateChunking
 from poolserve.http.api.embedding_fields import ClientEmbeddingFields
 from poolserve.http.bodies import (
     REQUEST_ID_PATTERN,
     ChatMessage,
+    ContentPart,
     Input,
     RequestBody,
     TokenId,
     TokenIds,
     as_template_message,
 )
+from poolserve.types.errors import InvalidRequestError
 from poolserve.types.tasks import PUBLIC_TASKS, PoolingTask
 
 # The tasks a client may name (an internal one is refused as a task the model lacks): the
@@ -115,9 +118,28 @@ class InputBody(RequestBody):
         """The body's chat conversations (one here; /v1/embeddings also takes a batch)."""
         return None if self.messages is None else (tuple(self.messages),)
 
-    def job(self, task: PoolingTask, requested: Requested | None = None) -> TextJob:
-        """The front end's job for this body."""
+    def job(self, task: PoolingTask, requested: Requested | None = None) -> TextJob | MediaJob:
+        """The front end's job for this body (a media job when an input holds an image)."""
+        items = _jina_items(self.input)
+        if items is not None and any(item.image is not None for item in items):
+            return MediaJob(
+                task,
+                items,
+                requested or Requested(),
+                self.model,
+                Truncate(self.truncate_prompt_tokens, self.truncation_side),
+                self.priority,
+            )
         conversations = self.conversations()
+        if conversations is not None and any(m.images() for c in conversations for m in c):
+            return MediaJob(
+                task,
+                tuple(_media_item(c, i) for i, c in enumerate(conversations)),
+                requested or Requested(),
+                self.model,
+                Truncate(self.truncate_prompt_tokens, self.truncation_side),
+                self.priority,
+            )
         chats = None
         if conversations is not None:
             chats = tuple(
@@ -136,7 +158,7 @@ class InputBody(RequestBody):
         late = self.late_chunking if isinstance(self, LateChunkingFields) else None
         return TextJob(
             task,
-            self.input,
+            self.input if items is None else [item.text for item in items],
             chats,
             requested or Requested(),
             self.model,
@@ -146,6 +168,49 @@ class InputBody(RequestBody):
             self.priority,
             None if late is None else late.job(),
         )
+
+
+class JinaInput(BaseModel):
+    """Jina's multimodal input item: `{"text": ...}` or `{"image": URL or base64}`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    text: StrictStr | None = None
+    image: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _one_of(self) -> Self:
+        """Exactly one of text and image."""
+        if (self.text is None) == (self.image is None):
+            raise ValueError("each input object holds exactly one of text and image")
+        return self
+
+
+def _jina_items(value: object) -> tuple[MediaItem, ...] | None:
+    """Jina's input objects as the job's items; None: `input` holds no objects."""
+    if not (isinstance(value, list) and value and isinstance(value[0], JinaInput)):
+        return None
+    return tuple(
+        MediaItem(image=item.image, text=item.text, where=f"input[{i}]")
+        for i, item in enumerate(cast(list[JinaInput], value))
+    )
+
+
+def _media_item(conversation: Sequence[ChatMessage], index: int) -> MediaItem:
+    """One conversation of a request with images: its one image, or its text (a dual encoder
+    embeds an image or a text, as vLLM serves CLIP and SigLIP)."""
+    where = f"messages[{index}]"
+    images = [url for message in conversation for url in message.images()]
+    if not images:
+        text = "\n".join(m.text() or "" for m in conversation if m.has_text())
+        return MediaItem(text=text, where=where)
+    if len(images) > 1 or any(m.has_text() for m in conversation):
+        raise InvalidRequestError(
+            f"{where}: one image_url part, or text, per conversation: this model embeds an "
+            "image or a text, not both together",
+            "messages",
+        )
+    return MediaItem(image=images[0], where=where)
 
 
 # ---- late chunking: an extension (no peer serves it as a released API) -------------------------
@@ -230,6 +295,8 @@ class EmbeddingRequest(InputBody, PromptFields, LateChunkingFields, ClientEmbedd
     either (then read as `messages`).
     """
 
+    # wider than InputBody's: Jina's text and image objects
+    input: Input | list[JinaInput] | None = None  # type: ignore[assignment]
     # wider than InputBody's: a batch of conversations too (vLLM 0.33's /v1/embeddings only)
     messages: Conversations | None = Field(  # type: ignore[assignment]
         default=None,
@@ -459,16 +526,29 @@ class _ScoringBody(RequestBody):
     mm_processor_kwargs: dict[str, object] | None = None
 
 
+class MultiModalDocuments(BaseModel):
+    """vLLM's multimodal side of a pair (`ScoreMultiModalParam`): each content part is one
+    document, a text or an image (`image_url`), for a model that takes images."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    content: Annotated[list[ContentPart], Field(min_length=1)]
+
+
+# A side of a scoring request: texts, or vLLM's multimodal content parts
+Documents = Texts | MultiModalDocuments
+
+
 class ScoreRequestBody(_ScoringBody):
     """vLLM `POST /score`: queries with documents (or items, data_2, text_2): 1:1, 1:N or N:N."""
 
     queries: Texts | None = None
-    documents: Texts | None = None
-    items: Texts | None = None
+    documents: Documents | None = None
+    items: Documents | None = None
     data_1: Texts | None = None
-    data_2: Texts | None = None
+    data_2: Documents | None = None
     text_1: Texts | None = None
-    text_2: Texts | None = None
+    text_2: Documents | None = None
 
     @model_validator(mode="after")
     def _one_form(self) -> Self:
@@ -492,7 +572,7 @@ class RerankRequestBody(_ScoringBody):
     """`POST /rerank`, `/v1/rerank`, `/v2/rerank`: vLLM's, Jina's and Cohere's rerank body."""
 
     query: StrictStr
-    documents: Texts
+    documents: Documents
     top_n: NonNegative | None = Field(
         0, description="Return only the best top_n results (0 or null: all, as vLLM's default)."
     )

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 from starlette.responses import Response
 
 from poolserve.frontend.encoding import dumps, to_dtype_bytes
-from poolserve.frontend.jobs import Requested, TextJob, Truncate
+from poolserve.frontend.jobs import MediaItem, MediaJob, Requested, TextJob, Truncate
 from poolserve.frontend.pipeline import check_serving, gather
 from poolserve.frontend.quantize import PRECISIONS, quantize
 from poolserve.frontend.state import ModelHandle
@@ -46,7 +46,7 @@ PART_SEPARATOR = "\n"
 
 
 class TextContent(BaseModel):
-    """One part of an `inputs` item; only text parts are served."""
+    """One part of an `inputs` item: a text, or an image (`image_url`: {"url": ...})."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -87,10 +87,45 @@ class CohereEmbedRequest(RequestBody):
     priority: Annotated[StrictInt, Field(ge=0, le=999)] = 0  # Cohere's range; 0 runs first
 
 
+def _media(body: CohereEmbedRequest, max_batch: int) -> tuple[str, list[MediaItem]] | None:
+    """The field and the inputs as images and texts when any input is an image (a model that
+    takes images answers it; any other refuses it); None: texts only."""
+    if body.images is not None:
+        if body.texts is not None or body.inputs is not None:
+            raise InvalidRequestError("send exactly one of texts, images and inputs", "images")
+        if not body.images:
+            raise InvalidRequestError("images must not be empty", "images")
+        check_batch_size(len(body.images), max_batch, "images")
+        return "images", [
+            MediaItem(image=url, where=f"images[{i}]") for i, url in enumerate(body.images)
+        ]
+    items = body.inputs or []
+    if not any(part.type == "image_url" for item in items for part in item.content):
+        return None
+    check_batch_size(len(items), max_batch, "inputs")
+    return "inputs", [_input_item(item, n) for n, item in enumerate(items)]
+
+
+def _input_item(item: EmbedInput, index: int) -> MediaItem:
+    """One `inputs` item: its image (one image part alone), or its text parts as one text."""
+    where = f"inputs[{index}]"
+    images = [part for part in item.content if part.type == "image_url"]
+    if not images:
+        return MediaItem(text=_input_text(item, index), where=where)
+    url = images[0].image_url.get("url") if images[0].image_url else None
+    if len(item.content) != 1 or not isinstance(url, str):
+        raise InvalidRequestError(
+            f"{where}: an input with an image holds that one image_url part ({{'url': ...}}): "
+            "this model embeds an image or a text, not both together",
+            "inputs",
+        )
+    return MediaItem(image=url, where=where)
+
+
 def _texts(body: CohereEmbedRequest, max_batch: int) -> tuple[str, list[str]]:
-    """The field the texts came from and one text per input; images are refused."""
-    if body.images or (body.input_type == "image" and not (body.texts or body.inputs)):
-        raise InvalidRequestError("image embeddings are not served: send texts", "images")
+    """The field the texts came from and one text per input."""
+    if body.input_type == "image" and not (body.texts or body.inputs):
+        raise InvalidRequestError("input_type 'image' needs images", "images")
     if (body.texts is None) == (body.inputs is None):
         raise InvalidRequestError("send exactly one of texts and inputs", "texts")
     field = "texts" if body.texts is not None else "inputs"
@@ -158,18 +193,29 @@ async def embed(body: CohereEmbedRequest, request: Request) -> Response:
     # (Cohere and vLLM refuse it too): another model's vectors would silently mix spaces;
     # --served-model-name adds the name a client sends
     _, model = check_serving(state, body.model)
-    field, texts = _texts(body, model.settings.max_client_batch_size)
     kinds = list(dict.fromkeys(body.embedding_types or ["float"]))  # in order, once each
     truncate, limit = _truncate(body, model)
-    job = TextJob(
-        PoolingTask.EMBED,
-        texts,
-        requested=Requested(dimensions=body.output_dimension),
-        model=body.model,
-        input_type=body.input_type,
-        truncate=truncate,
-        priority=body.priority,
-    )
+    requested = Requested(dimensions=body.output_dimension)
+    media = _media(body, model.settings.max_client_batch_size)
+    job: TextJob | MediaJob
+    texts: list[str] | None
+    if media is not None:
+        field, items = media
+        texts = None  # Cohere's answer lists the texts of a text request only
+        job = MediaJob(
+            PoolingTask.EMBED, tuple(items), requested, body.model, truncate, body.priority
+        )
+    else:
+        field, texts = _texts(body, model.settings.max_client_batch_size)
+        job = TextJob(
+            PoolingTask.EMBED,
+            texts,
+            requested=requested,
+            model=body.model,
+            input_type=body.input_type,
+            truncate=truncate,
+            priority=body.priority,
+        )
     run = await submit(request, job)
     outputs = await gather(run)
     _check_lengths(outputs, limit, field)
@@ -179,16 +225,17 @@ async def embed(body: CohereEmbedRequest, request: Request) -> Response:
 
 
 def _encode(
-    texts: list[str], kinds: Sequence[str], outputs: list[PoolingOutput], num_tokens: int
+    texts: list[str] | None, kinds: Sequence[str], outputs: list[PoolingOutput], num_tokens: int
 ) -> bytes:
-    """`EmbedByTypeResponse` with one matrix per requested type."""
+    """`EmbedByTypeResponse` with one matrix per requested type (`texts` for texts only)."""
     floats = np.stack([np.asarray(o.data, dtype=np.float32) for o in outputs])  # [n, dim]
     units = {"input_tokens": num_tokens}
+    listed = {} if texts is None else {"texts": texts}
     return dumps(
         {
             "id": str(uuid.uuid4()),
             "embeddings": {kind: ENCODERS[kind](floats) for kind in kinds},
-            "texts": texts,
+            **listed,
             "meta": {"api_version": {"version": "2"}, "billed_units": units, "tokens": units},
             "response_type": "embeddings_by_type",
         }

@@ -17,7 +17,7 @@ from pydantic import Field, StrictInt, StrictStr, StringConstraints
 from starlette.responses import Response
 
 from poolserve.frontend.encoding import document, dumps, encode_item
-from poolserve.frontend.jobs import ScoreJob, TextJob
+from poolserve.frontend.jobs import MediaItem, MediaJob, ScoreJob, TextJob
 from poolserve.frontend.pipeline import check_serving, gather
 from poolserve.frontend.state import ModelHandle, ServiceState
 from poolserve.frontend.texts import check_batch_size
@@ -30,6 +30,8 @@ from poolserve.types.stats import EngineSnapshot
 from poolserve.types.tasks import CAPABILITIES, PoolingTask
 
 router = APIRouter(route_class=StrictJSONRoute)
+# Infinity's capability of a model that embeds images
+IMAGE_CAPABILITY = "image_embed"
 # What Infinity's clients send when no model is named; with one model Infinity takes any name.
 UNNAMED_MODEL = "default/not-specified"
 # Infinity strips each input text before embedding it; the same text must give the same vector.
@@ -37,7 +39,8 @@ InfinityText = Annotated[StrictStr, StringConstraints(strip_whitespace=True)]
 
 
 class InfinityEmbeddingRequest(RequestBody):
-    """Infinity's embeddings body: OpenAI's fields plus `modality` (text only here)."""
+    """Infinity's embeddings body: OpenAI's fields plus `modality` (text, or image: each input
+    an image's URL or data URI)."""
 
     input: InfinityText | list[InfinityText]
     model: StrictStr = UNNAMED_MODEL
@@ -62,9 +65,9 @@ class InfinityRerankRequest(RequestBody):
 @router.post("/embeddings")
 async def embeddings(body: InfinityEmbeddingRequest, request: Request) -> Response:
     """Infinity's text embeddings, answered as `OpenAIEmbeddingResult`."""
-    if body.modality != "text":
+    if body.modality == "audio":
         raise InvalidRequestError(
-            f"modality {body.modality!r} is not served: this server embeds text", "modality"
+            "modality 'audio' is not served: this server embeds texts and images", "modality"
         )
     name = _routed_name(service_state(request), body.model)
     engine, model = check_serving(service_state(request), name)
@@ -73,7 +76,17 @@ async def embeddings(body: InfinityEmbeddingRequest, request: Request) -> Respon
         raise InvalidRequestError("input must not be empty", "input")
     check_batch_size(len(texts), model.settings.max_client_batch_size, "input")
     width = _cut(body.dimensions, model.defaults.dimensions or engine.pooling_info.embedding_size)
-    outputs, num_tokens = await _embed(request, texts, model, name)
+    if body.modality == "image" and model.card.images is None:
+        raise InvalidRequestError(
+            f"modality 'image' is not served by model {model.served_name!r}: it embeds text",
+            "modality",
+        )
+    if body.modality == "image":  # each input an image's URL or data URI, as Infinity takes
+        images = tuple(MediaItem(image=url, where=f"input[{i}]") for i, url in enumerate(texts))
+        run = await submit(request, MediaJob(PoolingTask.EMBED, images, model=name))
+        outputs, num_tokens = await gather(run), run.num_prompt_tokens
+    else:
+        outputs, num_tokens = await _embed(request, texts, model, name)
     usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
     fields = {
         "object": "list",
@@ -175,7 +188,10 @@ def _card(model: ModelHandle, snapshot: EngineSnapshot) -> dict[str, object]:
         "owned_by": "infinity",
         "created": int(time.time()),
         "backend": "torch",
-        "capabilities": sorted(CAPABILITIES[t] for t in tasks if t in CAPABILITIES),
+        "capabilities": sorted(
+            {CAPABILITIES[t] for t in tasks if t in CAPABILITIES}
+            | ({IMAGE_CAPABILITY} if model.card.images is not None else set())
+        ),
     }
 
 

@@ -388,9 +388,11 @@ def test_priority_reaches_the_engine(client: TestClient, monkeypatch: pytest.Mon
     seen: list[int] = []
     original = engine.submit_many
 
-    async def spy(prompts: Any, params: Any, priority: int, token_type_ids: Any = None) -> Any:
+    async def spy(
+        prompts: Any, params: Any, priority: int, token_type_ids: Any = None, pixels: Any = None
+    ) -> Any:
         seen.append(priority)
-        return await original(prompts, params, priority, token_type_ids)
+        return await original(prompts, params, priority, token_type_ids, pixels)
 
     monkeypatch.setattr(engine, "submit_many", spy)
     _post(client, "/v1/embeddings", input=TEXT, priority=-5)
