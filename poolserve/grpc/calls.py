@@ -113,7 +113,7 @@ class GrpcCall:
             "method": "POST",
             "path": method,
             "raw_path": method.encode("latin-1", "replace"),
-            "client": (peer, 0),
+            "client": _client(peer),
             "state": {},
         }
         self.request_id = metadata.get("x-request-id", "")[:128] or f"{id(self):x}"
@@ -187,6 +187,15 @@ def status_of(exc: BaseException) -> int:
     if isinstance(exc, ClientDisconnectedError):
         return CLIENT_CLOSED
     return 500
+
+
+def _client(peer: str) -> tuple[str, int]:
+    """(host, port) of gRPC's peer string (`ipv4:10.0.0.1:5000`, `ipv6:[::1]:5000`)."""
+    _, _, address = peer.partition(":")
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        return (peer, 0)
+    return (host.strip("[]"), int(port))
 
 
 def _nothing() -> None:

@@ -29,6 +29,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from tests.http.serving import live_server
 from tests.http.test_server_process import free_port
+from tests.tiny_encoders import save_tiny_encoder
 from tests.tiny_models import MINILM_DIR
 from tests.tiny_rerankers import save_cross_encoder
 
@@ -37,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "grpc-test-key"
 AUTH = (("authorization", f"Bearer {API_KEY}"),)
 RERANKER = (*AUTH, ("model", "reranker"))
+SPLADE = (*AUTH, ("model", "splade"))
 TEXTS = ["an embedding of a sentence", "another, somewhat longer sentence to embed", "short"]
 QUERY = "what is the capital of france"
 DOCUMENTS = ["paris is the capital of france", "the cat sat on the mat", "berlin is in germany"]
@@ -71,9 +73,11 @@ def stubs(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModuleType, ModuleT
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[httpx.Client, int]]:
     """`poolserve serve MINILM RERANKER --grpc-port P --api-key K`: its HTTP client, P."""
-    reranker = save_cross_encoder("bert_cls", tmp_path_factory.mktemp("grpc") / "reranker")
+    models = tmp_path_factory.mktemp("grpc")
+    reranker = save_cross_encoder("bert_cls", models / "reranker")
+    splade = save_tiny_encoder("bert_mlm", models / "splade")
     port = free_port()
-    args = (str(MINILM_DIR), str(reranker), "--api-server-count", "1")
+    args = (str(MINILM_DIR), str(reranker), str(splade), "--api-server-count", "1")
     with live_server(*args, "--grpc-port", str(port), "--api-key", API_KEY) as http:
         http.headers["Authorization"] = f"Bearer {API_KEY}"
         yield http, port
@@ -128,6 +132,22 @@ def test_embed_rpcs_equal_tei_http(stubs: Any, channel: grpc.Channel, http: http
     assert [len(a.token_embeddings) for a in all_streamed] == [
         len(rows) for rows in _post(http, "/embed_all", {"inputs": TEXTS})
     ]
+
+
+def test_sparse_rpcs_equal_the_pooling_route(
+    stubs: Any, channel: grpc.Channel, http: httpx.Client
+) -> None:
+    pb, pb_grpc = stubs
+    embed = pb_grpc.EmbedStub(channel)
+    body = {"model": "splade", "task": "embed_sparse", "input": TEXTS}
+    want = [row["data"] for row in _post(http, "/v1/pooling", body)["data"]]
+    got = embed.EmbedSparse(pb.EmbedSparseRequest(inputs=TEXTS[0]), metadata=SPLADE)
+    assert [v.index for v in got.sparse_embeddings] == want[0]["indices"]
+    _close([v.value for v in got.sparse_embeddings], want[0]["values"])
+    messages = iter([pb.EmbedSparseRequest(inputs=t) for t in TEXTS])
+    for answer, row in zip(embed.EmbedSparseStream(messages, metadata=SPLADE), want, strict=True):
+        assert [v.index for v in answer.sparse_embeddings] == row["indices"]
+        _close([v.value for v in answer.sparse_embeddings], row["values"])
 
 
 def test_tokenize_and_decode_equal_tei_http(
