@@ -381,8 +381,10 @@ def test_a_client_that_does_not_read_holds_a_bounded_stream(
     _wait(lambda: _engine_idle(http))
 
 
-def test_tls_when_the_http_side_has_it(tmp_path: Path) -> None:
-    """The gRPC port speaks TLS with --ssl-keyfile/--ssl-certfile (health only: no model)."""
+def test_tls_and_health_following_readiness(tmp_path: Path) -> None:
+    """The gRPC port speaks TLS with --ssl-keyfile/--ssl-certfile; health says NOT_SERVING until
+    the server is ready and again once it leaves (a SIGTERM's drain). The server state is driven
+    by lines on the process's stdin: no model is loaded."""
     from tests.config.test_operator_flags import self_signed_pair
 
     key, cert = self_signed_pair(tmp_path)
@@ -401,7 +403,8 @@ async def main():
     state = ServiceState(settings=settings, metrics=ServiceMetrics())
     async with serving_grpc(state):
         print("up", flush=True)
-        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+        while line := await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline):
+            setattr(state, line.strip(), True)
 
 asyncio.run(main())
 """
@@ -413,12 +416,23 @@ asyncio.run(main())
     )
     try:
         assert process.stdout is not None and process.stdout.readline().strip() == b"up"
+        assert process.stdin is not None
         credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
         with grpc.secure_channel(f"127.0.0.1:{port}", credentials) as secure:
-            answer = health_pb2_grpc.HealthStub(secure).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=30
-            )
-        assert answer.status == health_pb2.HealthCheckResponse.NOT_SERVING  # no model yet
+            health = health_pb2_grpc.HealthStub(secure)
+
+            def status() -> int:
+                asked = health_pb2.HealthCheckRequest(service="tei.v1.Embed")
+                return int(health.Check(asked, timeout=30).status)
+
+            assert status() == health_pb2.HealthCheckResponse.NOT_SERVING  # not ready yet
+            for line, want in (
+                (b"ready\n", health_pb2.HealthCheckResponse.SERVING),
+                (b"leaving\n", health_pb2.HealthCheckResponse.NOT_SERVING),
+            ):
+                process.stdin.write(line)
+                process.stdin.flush()
+                _wait(lambda want=want: status() == want, timeout_s=10)
         with grpc.insecure_channel(f"127.0.0.1:{port}") as plain, pytest.raises(grpc.RpcError):
             health_pb2_grpc.HealthStub(plain).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=5
