@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 
 from poolserve.frontend.state import ServiceState
-from poolserve.http.errors import _shape_of
+from poolserve.http.errors import shape_of
 from poolserve.observability.logs import (
     ACCESS_LOGGER,
     LORA_KEY,
@@ -74,7 +74,7 @@ def grpc_error(exc: Exception) -> GrpcError:
     """The gRPC status of a project error: the HTTP table's status and message, then CODES."""
     if isinstance(exc, GrpcError):
         return exc
-    shape, message = _shape_of(exc)
+    shape, message = shape_of(exc)
     code = CODES_BY_ERROR.get(shape.code) or CODES.get(shape.status, grpc.StatusCode.INTERNAL)
     return GrpcError(code, message, shape.status)
 

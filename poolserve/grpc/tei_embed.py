@@ -27,8 +27,8 @@ from poolserve.grpc.handling import (
     truncate_of,
 )
 from poolserve.http.compat.tei_common import Ran, best_first, empty
-from poolserve.http.compat.tei_embed import _cut
-from poolserve.http.compat.tei_predict import _predictions
+from poolserve.http.compat.tei_embed import matryoshka_cut
+from poolserve.http.compat.tei_predict import labels_best_first
 from poolserve.types.errors import InvalidRequestError
 from poolserve.types.tasks import PoolingTask
 
@@ -79,7 +79,7 @@ class EmbedService(pb_grpc.EmbedServicer):
         ran = await _text_job(self.calls, call, PoolingTask.EMBED, request, requested)
         vector = ran.outputs[0].data
         if dimensions is not None:
-            vector = _cut(vector, dimensions, normalize)
+            vector = matryoshka_cut(vector, dimensions, normalize)
         embeddings = np.asarray(vector, dtype=np.float32).tolist()
         return pb.EmbedResponse(embeddings=embeddings, metadata=metadata(started, ran))
 
@@ -189,7 +189,7 @@ class PredictService(pb_grpc.PredictServicer):
                 task=PoolingTask.CLASSIFY,
             )
         ran = await run(state, call, job, sum(len(t) for t in texts))
-        found: list[dict[str, Any]] = _predictions(ran.outputs[0], model.card.labels)
+        found: list[dict[str, Any]] = labels_best_first(ran.outputs[0], model.card.labels)
         predictions = [pb.Prediction(score=p["score"], label=p["label"]) for p in found]
         return pb.PredictResponse(predictions=predictions, metadata=metadata(started, ran))
 

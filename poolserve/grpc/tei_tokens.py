@@ -15,7 +15,7 @@ from poolserve.grpc.calls import GrpcCall
 from poolserve.grpc.handling import Calls, Context, model_of, prompt_of
 from poolserve.http.api.admin import tei_info
 from poolserve.http.compat.tei_common import empty
-from poolserve.http.compat.tei_tokens import _tokens
+from poolserve.http.compat.tei_tokens import token_lists
 from poolserve.types.errors import InvalidRequestError
 
 TOKENIZE = "/tei.v1.Tokenize/"
@@ -49,7 +49,7 @@ class TokenizeService(pb_grpc.TokenizeServicer):
             )
         on_reject = state.metrics.model(model.served_name).on_reject
         found: list[list[dict[str, Any]]] = await run_budgeted(
-            model, len(texts[0]), on_reject, _tokens, model, texts, request.add_special_tokens
+            model, len(texts[0]), on_reject, token_lists, model, texts, request.add_special_tokens
         )
         tokens = [
             pb.SimpleToken(

@@ -152,7 +152,7 @@ def error_response(
     return Response(body, status_code=status, media_type="application/json", headers=headers)
 
 
-def _shape_of(exc: Exception) -> tuple[ErrorShape, str]:
+def shape_of(exc: Exception) -> tuple[ErrorShape, str]:
     """The HTTP shape of an exception and its message (500 without details for the unknown)."""
     if isinstance(exc, APIError):
         return ErrorShape(exc.status, exc.type, exc.code, lambda _: exc.param), exc.message
@@ -202,7 +202,7 @@ def response_for(
     exc: Exception, headers: Mapping[str, str] | None = None, family: str | None = None
 ) -> Response:
     """Map any exception to its HTTP response (in `family`'s shape, OpenAI's by default)."""
-    shape, message = _shape_of(exc)
+    shape, message = shape_of(exc)
     extra = {**(_retry_after(exc) or {}), **(headers or {})}
     return family_error_response(
         family, shape.status, message, shape.type, shape.param(exc), shape.code, extra or None
@@ -211,7 +211,7 @@ def response_for(
 
 def error_line(exc: Exception) -> bytes:
     """The last line of an NDJSON stream that an error ended."""
-    shape, message = _shape_of(exc)
+    shape, message = shape_of(exc)
     return orjson.dumps(error_document(message, shape.type, shape.param(exc), shape.code)) + b"\n"
 
 

@@ -157,11 +157,11 @@ async def embed(body: EmbedRequest, request: Request) -> Response:
     outputs, ran = await _run(request, PoolingTask.EMBED, body.inputs, body, requested)
     vectors = [o.data for o in outputs]
     if dimensions is not None:
-        vectors = [_cut(v, dimensions, body.normalize) for v in vectors]
+        vectors = [matryoshka_cut(v, dimensions, body.normalize) for v in vectors]
     return await reply(request, started, ran, lambda: vectors)
 
 
-def _cut(data: np.ndarray, dimensions: int, normalize: bool) -> np.ndarray:
+def matryoshka_cut(data: np.ndarray, dimensions: int, normalize: bool) -> np.ndarray:
     """TEI's Matryoshka cut (`core/src/infer.rs`): the first `dimensions` values, L2-normalized
     when asked, the norm summed in float64 and applied as a float32 scale."""
     if dimensions > data.shape[-1]:

@@ -115,11 +115,11 @@ async def predict(body: PredictRequest, request: Request) -> Response:
         together = await run(request, paired, chars)
         outputs.update(zip(pairs, together.outputs, strict=True))
         ran += together
-    found = [_predictions(outputs[i], labels) for i in range(len(sequences.items))]
+    found = [labels_best_first(outputs[i], labels) for i in range(len(sequences.items))]
     return await reply(request, started, ran, lambda: found[0] if sequences.single else found)
 
 
-def _predictions(output: PoolingOutput, labels: tuple[str, ...]) -> list[dict[str, object]]:
+def labels_best_first(output: PoolingOutput, labels: tuple[str, ...]) -> list[dict[str, object]]:
     """Every label with its score, best first."""
     scores = [float(s) for s in output.data.reshape(-1)]
     names = [labels[i] if i < len(labels) else f"LABEL_{i}" for i in range(len(scores))]

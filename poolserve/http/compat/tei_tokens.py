@@ -72,12 +72,12 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     num_chars = sum(len(t) for t in texts)
     on_reject = state.metrics.model(model.served_name).on_reject
     tokens = await run_budgeted(
-        model, num_chars, on_reject, _tokens, model, texts, body.add_special_tokens
+        model, num_chars, on_reject, token_lists, model, texts, body.add_special_tokens
     )
     return _json(tokens)
 
 
-def _tokens(
+def token_lists(
     model: ModelHandle, texts: list[str], add_special_tokens: bool
 ) -> list[list[dict[str, object]]]:
     """The tokenizer's own encodings, read as TEI reads them (offsets in UTF-8 bytes)."""
