@@ -72,6 +72,8 @@ def serve(settings: ServerSettings) -> None:
         # the port first (one plain bind, closed again: the server's own comes later), then the
         # models and files: all before any process starts or any model loads
         bind_port(settings.host, settings.port, 1)[0].close()
+        if settings.grpc_port:  # --grpc-port too (0: the kernel picks one when it starts)
+            _check_grpc_port(settings.host, settings.grpc_port)
         preflight(settings)
     except ListenError as exc:
         _exit(command_error("serve", str(exc.strerror)))
@@ -88,6 +90,17 @@ def serve(settings: ServerSettings) -> None:
     except ListenError as exc:
         code = command_error("serve", str(exc.strerror))
     _exit(code)
+
+
+def _check_grpc_port(host: str, port: int) -> None:
+    """ListenError, naming the flag, when anything listens on the gRPC port."""
+    from poolserve.supervisor import ListenError, bind_port
+
+    try:
+        bind_port(host, port, 1)[0].close()
+    except ListenError as exc:
+        why = str(exc.strerror).replace("pick --port", "pick --grpc-port")
+        raise ListenError(exc.errno, f"--grpc-port: {why}") from exc
 
 
 def _beside(settings: ServerSettings) -> tuple[Beside, ...]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -441,3 +442,23 @@ asyncio.run(main())
         assert process.stdin is not None
         process.stdin.close()
         process.wait(timeout=30)
+
+
+def test_a_taken_grpc_port_is_said_before_any_model_loads() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        command = [sys.executable, "-m", "poolserve", "serve", "--port", str(free_port())]
+        done = subprocess.run(
+            [*command, "--grpc-port", str(busy), "--api-server-count", "0"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
+    assert done.returncode == 1
+    assert done.stderr.splitlines()[-1] == (
+        f"poolserve serve: error: --grpc-port: 127.0.0.1:{busy} is already in use: stop what "
+        "listens there or pick --grpc-port"
+    )
