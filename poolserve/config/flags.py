@@ -86,6 +86,7 @@ GROUPS: tuple[Group, ...] = (
             "max_image_bytes",
             "max_image_pixels",
             "max_media_redirects",
+            "max_images_per_request",
         ),
         ANSWERS_REQUESTS,
     ),

@@ -287,6 +287,13 @@ class ServerSettings(BaseSettings):
         description="Most redirects followed when fetching an image URL (400 above).",
         json_schema_extra=SERVER,
     )
+    max_images_per_request: int = Field(
+        32,
+        gt=0,
+        description="Most images in one request (400 above, before any is loaded): each becomes "
+        "pixel values held until the request is submitted (CLIP at 224 px: 0.6 MB each).",
+        json_schema_extra=SERVER,
+    )
     payload_limit: int = Field(
         16 * 1024 * 1024,
         gt=0,

@@ -246,6 +246,7 @@ def plan_media(
             "task",
         )
     check_batch_size(len(job.items), model.settings.max_client_batch_size, "input")
+    _check_image_count(job, model.settings.max_images_per_request)
     params = merge(job.task, job.requested, model.defaults)
     truncation = truncation_for(job.truncate, model)
     limits = MediaLimits.from_settings(model.settings)
@@ -276,6 +277,18 @@ def plan_media(
         return Batch(params, ids, pixels=per_prompt)
 
     return Plan(params, len(job.items), run)
+
+
+def _check_image_count(job: MediaJob, limit: int) -> None:
+    """400 before any image is loaded when the request holds more than `limit` images."""
+    count = sum(item.image is not None for item in job.items)
+    if count > limit:
+        where = next(item.where for item in job.items if item.image is not None)
+        raise InvalidRequestError(
+            f"{count} images in one request, more than the limit of {limit} "
+            "(--max-images-per-request)",
+            where.split("[")[0],
+        )
 
 
 async def _pixels(ref: str, where: str, images: ImageInputs, limits: MediaLimits) -> np.ndarray:

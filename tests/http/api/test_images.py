@@ -345,3 +345,23 @@ def test_the_card_declares_images(served: tuple[Any, Reference]) -> None:
     assert client.get("/info").json()["modalities"] == ["text", "image"]
     models = client.get("/models").json()["data"]
     assert "image_embed" in models[0]["capabilities"]
+
+
+def test_images_per_request_are_bounded_before_any_is_loaded(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    from starlette.testclient import TestClient
+
+    from poolserve.config.settings import ServerSettings
+    from poolserve.http.app import create_app
+
+    directory = save_dual_encoder("clip", tmp_path_factory.mktemp("capped"))
+    settings = ServerSettings(model=str(directory), max_images_per_request=2)
+    url = data_url(PICTURES[0])
+    with TestClient(create_app(settings)) as client:
+        ok = client.post("/v2/embed", json={"images": [url, url], "embedding_types": ["float"]})
+        assert ok.status_code == 200, ok.text
+        # the third is never decoded: an invalid one there would otherwise be a different 400
+        refused = client.post("/v2/embed", json={"images": [url, url, "@@"]})
+        assert refused.status_code == 400, refused.text
+        assert "--max-images-per-request" in refused.json()["error"]["message"]
