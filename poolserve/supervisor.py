@@ -3,9 +3,10 @@
 This process is the supervisor: it binds the port (the front ends inherit the socket and the
 kernel spreads connections over them), starts the engine core and the front ends, and watches
 them. SIGTERM (or SIGINT) drains: every front end drains as a single server does, then the
-core finishes what is left and stops; exit 0. Any child that exits on its own takes the server
-down, loudly and non-zero: a lost engine core first turns every front end's answers into 503
-(its connection closes), a lost front end stops the rest; a model that cannot start is said in
+core finishes what is left and stops; exit 0. SIGHUP goes on to every front end, which re-reads
+the API keys file. Any child that exits on its own takes the server down, loudly and non-zero:
+a lost engine core first turns every front end's answers into 503 (its connection closes), a
+lost front end stops the rest; a model that cannot start is said in
 one line, by the process that hit it, and stops everything at once (exit 1). Restarting is the
 orchestrator's job.
 """
@@ -103,6 +104,9 @@ def run_processes(plan: Plan, workdir: Path) -> int:
     os.mkdir(address)
     listeners = bind_port(plan.host, plan.port, plan.api_server_count)
     supervisor = _Supervisor(plan)
+    # the children start ignoring SIGHUP (inherited): the core for good, a front end until its
+    # app has started and handles it
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
         supervisor.core = _spawn(["core", str(settings_file), address], env)
         supervisor.front_ends = [
@@ -111,6 +115,7 @@ def run_processes(plan: Plan, workdir: Path) -> int:
         ]
         for listener in listeners:
             listener.close()  # the front ends hold them now
+        signal.signal(signal.SIGHUP, supervisor.on_hangup)
         return supervisor.watch()
     finally:
         supervisor.kill_all()
@@ -155,6 +160,12 @@ class _Supervisor:
         self.stopping = True
         for front_end in self.front_ends:
             _signal(front_end, signal.SIGTERM)
+
+    def on_hangup(self, sig: int, frame: FrameType | None) -> None:
+        """SIGHUP: every front end re-reads the API keys file (the core has nothing to read)."""
+        logger.info("signal %d: passed on to %d front end(s)", sig, len(self.front_ends))
+        for front_end in self.front_ends:
+            _signal(front_end, signal.SIGHUP)
 
     def watch(self) -> int:
         """Block until the server has stopped; 0 after a clean drain."""

@@ -62,6 +62,8 @@ def _cases(tmp: Path) -> dict[str, Case]:
     cert, key = tmp / "cert.pem", tmp / "key.pem"
     cert.write_text("-----BEGIN CERTIFICATE-----\nnot one\n-----END CERTIFICATE-----\n")
     key.write_text("not a key\n")
+    keys = tmp / "keys.yaml"
+    keys.write_text("keys:\n  - name: team-a\n    key: sk-secret\n    requests_per_second: 0\n")
     offline = (("HF_HUB_OFFLINE", "1"), ("HF_HUB_CACHE", str(tmp / "empty-cache")))
     # a closed port: the Hub cannot be reached, at once and on any machine
     unreachable = (
@@ -105,6 +107,12 @@ def _cases(tmp: Path) -> dict[str, Case]:
         "tls files that do not load": Case(
             ("--ssl-certfile", str(cert), "--ssl-keyfile", str(key)),
             f"--ssl-certfile {str(cert)!r} with --ssl-keyfile {str(key)!r}: cannot load them",
+            True,
+        ),
+        "api keys file, bad limit": Case(
+            ("--api-keys-file", str(keys)),
+            f"--api-keys-file {keys}: keys[0] (team-a).requests_per_second: Input should be "
+            "greater than 0",
             True,
         ),
         "unsupported architecture": Case(
@@ -173,6 +181,7 @@ CASE_NAMES = [
     "models file, missing model",
     "models file, bad pooler config",
     "tls files that do not load",
+    "api keys file, bad limit",
     "unsupported architecture",
     "no cuda device, one process",
 ]

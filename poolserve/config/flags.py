@@ -108,7 +108,7 @@ GROUPS: tuple[Group, ...] = (
         ("api_server_count", "engine_core_timeout", "shutdown_timeout", "drain_delay"),
         SERVE_ONLY,
     ),
-    Group("security", ("api_key", "ssl_keyfile", "ssl_certfile"), SERVE_ONLY),
+    Group("security", ("api_key", "api_keys_file", "ssl_keyfile", "ssl_certfile"), SERVE_ONLY),
     Group(
         "CORS",
         ("allowed_origins", "allowed_methods", "allowed_headers", "allow_credentials"),

@@ -1,12 +1,14 @@
 """What can be checked before any process starts, checked there: the models (the flags or the
-models file, each model's pooler config, where its files are: a folder, the Hub, the cache) and
-the TLS files. Each problem is one line that names the flag, key or model; what needs torch
-(the architecture, the device, the precision) is the engine core's to check as it loads."""
+models file, each model's pooler config, where its files are: a folder, the Hub, the cache), the
+TLS files and the API keys file. Each problem is one line that names the flag, key or model;
+what needs torch (the architecture, the device, the precision) is the engine core's to check as
+it loads."""
 
 from __future__ import annotations
 
 import ssl
 
+from poolserve.config.api_keys import read_keys
 from poolserve.config.model_path import resolve_model_path
 from poolserve.config.models_file import ServedModels, served_models
 from poolserve.config.settings import ServerSettings
@@ -15,6 +17,8 @@ from poolserve.config.settings import ServerSettings
 def preflight(settings: ServerSettings) -> ServedModels:
     """The models the settings serve, each found (a Hub model fetched into the cache); raises
     ModelsConfigError, ModelLoadError or ValueError with the one line to say."""
+    if settings.api_keys_file is not None:
+        read_keys(settings.api_keys_file, settings.api_key)  # each front end reads it again
     served = served_models(settings)
     for model in served.models:
         model.pooler  # noqa: B018 - parsed (and cached) now: a bad --pooler-config names the model

@@ -305,6 +305,14 @@ class ServerSettings(BaseSettings):
         description="Require `Authorization: Bearer KEY` on inference routes.",
         json_schema_extra=SERVER,
     )
+    api_keys_file: str | None = Field(
+        None,
+        description="API keys of many tenants: a YAML (or .json) file of keys, each with a name "
+        "and optional requests_per_second, tokens_per_minute, models and routes; re-read on "
+        "SIGHUP. With --api-key too, that key is one more, named default, without limits "
+        "(docs/deploy.md, 'Keys for many tenants').",
+        json_schema_extra=SERVER,
+    )
     async_scheduling: bool = Field(
         True, description="Plan step N+1 while step N runs.", json_schema_extra=MODEL
     )

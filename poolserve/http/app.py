@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
@@ -23,6 +24,7 @@ from poolserve.http.compat.tei_common import TEIRoute
 from poolserve.http.edge.handlers import install_error_handlers, openapi_schema
 from poolserve.http.edge.middleware import EdgeMiddleware, InFlight, open_paths
 from poolserve.http.routing import DirectRoutes, StrictJSONRoute
+from poolserve.http.tenants import KeyRing, on_hangup
 from poolserve.observability.logs import report_start_failure
 from poolserve.observability.metrics import ServiceMetrics
 from poolserve.observability.tracing import build_tracing
@@ -57,16 +59,24 @@ def create_app(
         owns_process=owns_process,
     )
     inflight = InFlight()
+    keys = None
+    if settings.api_keys_file is not None:
+        share = settings.api_server_count  # each front end enforces 1/N of every key's limits
+        keys = KeyRing(settings.api_keys_file, settings.api_key, share, state.metrics)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         try:
+            if keys is not None:
+                keys.load()  # checked before any process started; read here as it is now
             await start(state)
         except BaseException as exc:
             state.start_failure = exc
             if owns_process:  # a server process: one line, as every start-up error is said
                 report_start_failure("serve", exc)
             raise
+        if owns_process:  # every front end re-reads the keys file on SIGHUP
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, on_hangup, keys)
         if state.address is not None:
             logger.info("listening on %s", state.address)
         try:
@@ -90,6 +100,7 @@ def create_app(
     )
     app.state.poolserve = state
     app.state.inflight = inflight
+    app.state.api_keys = keys
     install_error_handlers(app)
     # Vertex AI's routes: where the platform names them (AIP_PREDICT_ROUTE, AIP_HEALTH_ROUTE)
     vertex = APIRouter(route_class=StrictJSONRoute)
@@ -112,7 +123,7 @@ def create_app(
         app.include_router(router)
     # inside the edge (added first): every request still meets the edge's checks and accounting
     app.add_middleware(DirectRoutes, routes=[r for router in routers for r in router.routes])
-    app.add_middleware(EdgeMiddleware, state=state, inflight=inflight)
+    app.add_middleware(EdgeMiddleware, state=state, inflight=inflight, keys=keys)
     if settings.allowed_origins:
         # added last, so outermost: preflights are answered before the API key check
         app.add_middleware(

@@ -21,6 +21,7 @@ from poolserve.frontend.jobs import Job, ScoreJob
 from poolserve.frontend.pipeline import Submitted, submit_job
 from poolserve.frontend.scoring import Scored, scores_of
 from poolserve.frontend.state import ServiceState
+from poolserve.http.tenants import TENANT_KEY
 from poolserve.observability.logs import LORA_KEY, MODEL_KEY, PROMPT_TOKENS_KEY
 from poolserve.observability.metrics import NO_LORA
 from poolserve.observability.tracing import LORA_SPAN_ATTRIBUTE, NO_TRACE, SpanRecord, trace_of
@@ -66,14 +67,25 @@ class HTTPCaller:
 
     def routed(self, model_name: str, lora_name: str | None) -> None:
         """The model in the access log, the request metrics and on the request span; the LoRA
-        adapter beside it only when the request runs through one."""
+        adapter beside it only when the request runs through one. 403 when the request's API
+        key may not use it (--api-keys-file's `models`)."""
         scope_state = self.request.scope.setdefault("state", {})
         scope_state[MODEL_KEY] = model_name
         if lora_name is None:
             self.trace.set({"poolserve.model": model_name})
-            return
-        scope_state[LORA_KEY] = lora_name
-        self.trace.set({"poolserve.model": model_name, LORA_SPAN_ATTRIBUTE: lora_name})
+        else:
+            scope_state[LORA_KEY] = lora_name
+            self.trace.set({"poolserve.model": model_name, LORA_SPAN_ATTRIBUTE: lora_name})
+        tenant = scope_state.get(TENANT_KEY)
+        if tenant is not None and tenant.spec.models is not None:
+            tenant.check_model(self._served_names(model_name, lora_name))
+
+    def _served_names(self, model_name: str, lora_name: str | None) -> tuple[str, ...]:
+        """Every name of the model a request runs on (an adapter: its own name only)."""
+        if lora_name is not None:
+            return (lora_name,)
+        served = service_state(self.request).served.get(model_name)
+        return (model_name,) if served is None else served.handle.served_names
 
     def tokenized(self, started: float, ended: float, num_inputs: int, num_tokens: int) -> None:
         """The tokenize span."""
@@ -81,11 +93,14 @@ class HTTPCaller:
         self.trace.record(SpanRecord("tokenize", started, ended, attributes))
 
     def admitted(self, task: PoolingTask, num_tokens: int) -> None:
-        """Prompt tokens in the access log and on the request span."""
+        """Prompt tokens in the access log, on the request span and charged to its API key."""
         scope_state = self.request.scope.setdefault("state", {})
         # a request may submit more than one job (TEI's /predict of texts and pairs): they add up
         total = scope_state.get(PROMPT_TOKENS_KEY, 0) + num_tokens
         scope_state[PROMPT_TOKENS_KEY] = total
+        tenant = scope_state.get(TENANT_KEY)
+        if tenant is not None:  # charged once known: --api-keys-file's tokens_per_minute
+            tenant.charge(num_tokens)
         self.trace.set({"poolserve.prompt_tokens": total, "poolserve.task": task.value})
 
     def on_leave(self, callback: Callable[[], None]) -> Callable[[], None]:

@@ -4,6 +4,7 @@ TEI's routes)."""
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ from poolserve.types.errors import (
     InvalidPoolingParamsError,
     InvalidTokenIdError,
     InvalidTokenTypeError,
+    KeyRateLimitedError,
     LoraAdapterNotFoundError,
     ModelError,
     OverloadedError,
@@ -218,6 +220,8 @@ def error_line(exc: Exception) -> bytes:
 def _retry_after(exc: Exception) -> dict[str, str] | None:
     if isinstance(exc, OverloadedError):
         return {"Retry-After": str(max(1, round(exc.retry_after_s)))}
+    if isinstance(exc, KeyRateLimitedError):  # never sooner than the key's bucket allows
+        return {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}
     return None
 
 

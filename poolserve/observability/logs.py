@@ -28,6 +28,9 @@ PROMPT_TOKENS_KEY = "prompt_tokens"
 MODEL_KEY = "model"
 # ...and the LoRA adapter it runs through, when it names one (MODEL_KEY is then its base's).
 LORA_KEY = "lora_name"
+# Where the edge notes the name of the API key a request came with (--api-keys-file): what
+# later features scope a tenant's resources by (`request.state.api_key_name`).
+API_KEY_NAME_KEY = "api_key_name"
 # Attribute of a LogRecord that carries structured fields (set through `extra`).
 FIELDS_ATTR = "poolserve_fields"
 
@@ -48,14 +51,17 @@ class AccessRecord:
     trace_id: str | None  # set when the request was traced
     # the LoRA adapter the request ran through (`model` is its base); None: none
     lora_name: str | None = None
+    # the name of the API key it came with (--api-keys-file); None: no keys file
+    key: str | None = None
 
     def message(self) -> str:
         """The text line: what the JSON form carries as separate keys."""
         lora = "" if self.lora_name is None else f"lora_name={self.lora_name} "
+        key = "" if self.key is None else f"key={self.key} "
         text = (
             f"{self.method} {self.path} {self.status} {self.duration_ms:.1f}ms "
             f"route={self.route} model={_or_dash(self.model)} {lora}"
-            f"prompt_tokens={_or_dash(self.prompt_tokens)} "
+            f"prompt_tokens={_or_dash(self.prompt_tokens)} {key}"
             f"request_id={self.request_id} client={_or_dash(self.client)}"
         )
         if self.trace_id is not None:
@@ -65,11 +71,14 @@ class AccessRecord:
         return text
 
     def fields(self) -> dict[str, object]:
-        """The JSON form's keys; `lora_name` only on a request that ran through an adapter, so
-        every other line keeps the keys it always had."""
+        """The JSON form's keys; `lora_name` only on a request that ran through an adapter and
+        `key` only on one that came with a keys file's key, so every other line keeps the keys
+        it always had."""
         fields = dict(vars(self))
         if self.lora_name is None:
             del fields["lora_name"]
+        if self.key is None:
+            del fields["key"]
         return fields
 
 
@@ -82,7 +91,7 @@ def access_record(
     trace_id: str | None,
 ) -> AccessRecord:
     """What the access log says about one request; its model, LoRA adapter and prompt tokens as
-    the pipeline noted them."""
+    the pipeline noted them, its API key's name as the edge did."""
     client = scope.get("client")
     # the path as sent: decoded, a %0A could break the line
     raw = scope.get("raw_path")
@@ -91,6 +100,7 @@ def access_record(
     prompt_tokens = noted.get(PROMPT_TOKENS_KEY)
     model = noted.get(MODEL_KEY)
     lora = noted.get(LORA_KEY)
+    key = noted.get(API_KEY_NAME_KEY)
     return AccessRecord(
         method=str(scope.get("method", "")),
         path=clip(path),
@@ -103,6 +113,7 @@ def access_record(
         client=str(client[0]) if client else None,
         trace_id=trace_id,
         lora_name=lora if isinstance(lora, str) else None,
+        key=key if isinstance(key, str) else None,
     )
 
 

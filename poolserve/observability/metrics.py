@@ -51,6 +51,8 @@ UNROUTED = ""
 LORA_LABEL = "lora_name"
 # ...with this value for a request of the model itself (and one that reached no model).
 NO_LORA = ""
+# The API key series (--api-keys-file) name the key by its name under this label.
+KEY_LABEL = "key"
 
 
 def fix_process_identity() -> None:
@@ -127,6 +129,25 @@ class ServiceMetrics:
             "poolserve_rejected_requests",
             "Requests refused before any work, by model and reason.",
             [m, "reason"],
+            registry=r,
+        )
+        # --api-keys-file: each key's usage under its name (never the key itself)
+        self.key_requests = Counter(
+            "poolserve_api_key_requests",
+            "Requests made with each API key, by the key's name (whatever their answer).",
+            [KEY_LABEL],
+            registry=r,
+        )
+        self.key_prompt_tokens = Counter(
+            "poolserve_api_key_prompt_tokens",
+            "Prompt tokens admitted for each API key, by the key's name.",
+            [KEY_LABEL],
+            registry=r,
+        )
+        self.key_rejected = Counter(
+            "poolserve_api_key_rejected_requests",
+            "Requests of each API key refused by its limits, models or routes, by reason.",
+            [KEY_LABEL, "reason"],
             registry=r,
         )
         self._models: dict[str, ModelMetrics] = {}

@@ -287,6 +287,22 @@ class AuthenticationError(APIError):
     status, type, code = 401, "authentication_error", "invalid_api_key"
 
 
+class PermissionDeniedError(APIError):
+    """The API key may not use this model or route (403)."""
+
+    status, type, code = 403, "permission_error", "permission_denied"
+
+
+class KeyRateLimitedError(APIError):
+    """The API key's own limit is spent for now (429; Retry-After: `retry_after_s`, rounded up)."""
+
+    status, type, code = 429, "rate_limit_error", "rate_limit_exceeded"
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class ModelNotFoundError(APIError):
     """Unknown `model` name (404)."""
 

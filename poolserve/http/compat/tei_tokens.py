@@ -19,7 +19,7 @@ from poolserve.frontend.texts import (
     run_budgeted,
 )
 from poolserve.http.bodies import TokenIds
-from poolserve.http.calls import service_state
+from poolserve.http.calls import HTTPCaller, service_state
 from poolserve.http.compat.tei_common import TEIBody, TEIRoute, empty, mark, prompt_for
 from poolserve.types.errors import InvalidRequestError
 
@@ -58,6 +58,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     mark(request)
     state = service_state(request)
     _, model = check_serving(state, None)  # TEI's routes: the default model
+    HTTPCaller(request).routed(model.model_name, model.lora_name)
     texts = [body.inputs] if isinstance(body.inputs, str) else list(body.inputs)
     _batch(model, texts, "inputs")
     # TEI's prompt rule: the request's prompt_name, else the server's --default-prompt-name
@@ -129,6 +130,7 @@ def _id_lists(ids: list[int] | list[list[int]]) -> list[list[int]]:
 async def decode(body: DecodeRequest, request: Request) -> Response:
     """The text of each id list: `["text", ...]`."""
     _, model = check_serving(service_state(request), None)
+    HTTPCaller(request).routed(model.model_name, model.lora_name)
     batch = _id_lists(body.ids)
     _batch(model, batch, "ids")
     vocab_size = model.card.vocab_size

@@ -20,8 +20,10 @@ from poolserve.http.edge.handlers import error_answer
 from poolserve.http.errors import CLOSE, EdgeError, error_line, response_for
 from poolserve.http.internals import matched_route
 from poolserve.http.routing import route_path
+from poolserve.http.tenants import TENANT_KEY, KeyRing
 from poolserve.observability.logs import (
     ACCESS_LOGGER,
+    API_KEY_NAME_KEY,
     CLIENT_CLOSED,
     LORA_KEY,
     MODEL_KEY,
@@ -42,6 +44,7 @@ from poolserve.types.errors import (
 logger = logging.getLogger(__name__)
 ACCESS_LOG = logging.getLogger(ACCESS_LOGGER)
 
+MISSING_KEY = "missing or invalid API key (send Authorization: Bearer KEY)"
 OPEN_PATHS = frozenset({"/health", "/ready", "/ping", "/metrics", "/version"})
 # Sent twice, these could be read one way by a proxy and another by us: refused.
 SINGLE_HEADERS = frozenset({"authorization", "content-length", "content-type", "host"})
@@ -137,12 +140,22 @@ class InFlight:
 class EdgeMiddleware:
     """Everything a request meets before its route, and the accounting after it."""
 
-    def __init__(self, app: ASGIApp, *, state: ServiceState, inflight: InFlight) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        state: ServiceState,
+        inflight: InFlight,
+        keys: KeyRing | None = None,
+    ) -> None:
         self.app = app
         self.state = state
         self.inflight = inflight
         api_key = state.settings.api_key
         self.api_key = api_key.encode() if api_key else None
+        self.keys = keys  # --api-keys-file (with --api-key among its keys)
+        # chosen once: without a keys file a request pays nothing for it
+        self._authorize = self._check_auth if keys is None else self._check_tenant
         self.payload_limit = state.settings.payload_limit
         self.body_timeout = state.settings.body_timeout
         self.counted = Counted(state)
@@ -193,7 +206,7 @@ class EdgeMiddleware:
     ) -> None:
         """Refuse at the edge, or run the app; what escapes it is answered here, once."""
         try:
-            self._check(exchange.open_path, headers, repeated)
+            self._check(scope, exchange.open_path, headers, repeated)
         except APIError as exc:
             await response_for(exc, CLOSE)(scope, receive, send)
             return
@@ -207,23 +220,38 @@ class EdgeMiddleware:
             # logged once and its 500 carries the edge's headers
             await error_answer(exc, scope)(scope, receive, send)
 
-    def _check(self, open_path: bool, headers: dict[str, str], repeated: str | None) -> None:
+    def _check(
+        self, scope: Scope, open_path: bool, headers: dict[str, str], repeated: str | None
+    ) -> None:
         if repeated is not None:
             raise InvalidRequestError(
                 f"the {repeated} header must be sent once", repeated, "duplicate_header"
             )
-        self._check_auth(open_path, headers)
+        self._authorize(scope, open_path, headers)
         declared = headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.payload_limit:
             raise self._too_large()
 
-    def _check_auth(self, open_path: bool, headers: dict[str, str]) -> None:
+    def _check_auth(self, scope: Scope, open_path: bool, headers: dict[str, str]) -> None:
         if self.api_key is None or open_path:
             return
         given = headers.get("authorization", "")
         token = given[7:].strip() if given.lower().startswith("bearer ") else ""
         if not hmac.compare_digest(token.encode("latin-1"), self.api_key):
-            raise AuthenticationError("missing or invalid API key (send Authorization: Bearer KEY)")
+            raise AuthenticationError(MISSING_KEY)
+
+    def _check_tenant(self, scope: Scope, open_path: bool, headers: dict[str, str]) -> None:
+        """A keys file's key: 401 unknown, 403 a route it may not use, 429 its limit spent."""
+        if open_path:
+            return
+        assert self.keys is not None
+        tenant = self.keys.find(_bearer(headers))
+        if tenant is None:
+            raise AuthenticationError(MISSING_KEY)
+        noted = scope["state"]
+        noted[TENANT_KEY] = tenant
+        noted[API_KEY_NAME_KEY] = tenant.name  # what later features scope a tenant's data by
+        tenant.admit(route_path(scope), time.monotonic())
 
     def _too_large(self) -> PayloadTooLargeError:
         return PayloadTooLargeError(
@@ -343,6 +371,12 @@ class EdgeMiddleware:
             status,
             end - start,
         )
+
+
+def _bearer(headers: dict[str, str]) -> bytes:
+    """The key an Authorization: Bearer header carries (empty without one)."""
+    given = headers.get("authorization", "")
+    return (given[7:].strip() if given.lower().startswith("bearer ") else "").encode("latin-1")
 
 
 def _first_values(raw: Iterable[tuple[bytes, bytes]]) -> tuple[dict[str, str], str | None]:

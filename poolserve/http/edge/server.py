@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -121,6 +122,9 @@ def run_server(
     """Serve until drained: one process, or one front end of an engine core at core_address.
     False when the start failed (said in one line). `beside`: servers that run on the same loop
     once the models are served and stop before they close (the gRPC server)."""
+    # a SIGHUP re-reads the keys file once the app has started (its lifespan installs that);
+    # until then it must not end the process
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     app = create_app(settings, core_address, owns_process=True)
     state: ServiceState = app.state.poolserve
     if beside:
