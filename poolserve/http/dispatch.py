@@ -61,14 +61,40 @@ def validated(model: type[B], payload: dict[str, Any]) -> B:
 
 
 def body_schema(*models: type[BaseModel]) -> dict[str, Any]:
-    """An OpenAPI request body that is any one of the models (none of them nests another)."""
-    schemas = [m.model_json_schema() for m in models]
+    """An OpenAPI request body that is any one of the models, each schema self-contained: a
+    nested model's `$defs` entry is written in place (`#/$defs/...` would be read from the
+    OpenAPI document's root, where it is not)."""
+    schemas = [_inlined(m.model_json_schema()) for m in models]
     return {
         "requestBody": {
             "required": True,
             "content": {"application/json": {"schema": {"anyOf": schemas}}},
         }
     }
+
+
+def _inlined(schema: dict[str, Any]) -> dict[str, Any]:
+    """The schema with every `$ref` to its own `$defs` replaced by the definition (the bodies'
+    models are not recursive); a discriminator keeps its property, its mapping of refs goes."""
+    defs = schema.pop("$defs", {})
+
+    def resolve(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return resolve(defs[ref.removeprefix("#/$defs/")])
+            if "discriminator" in node:
+                node = {
+                    **node,
+                    "discriminator": {"propertyName": node["discriminator"]["propertyName"]},
+                }
+            return {key: resolve(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [resolve(item) for item in node]
+        return node
+
+    resolved: dict[str, Any] = resolve(schema)
+    return resolved
 
 
 RERANK_BODIES = (RerankRequestBody, tei_rerank.TEIRerankRequest, infinity.InfinityRerankRequest)
