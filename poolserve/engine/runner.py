@@ -56,19 +56,19 @@ class PreparedStep:
     num_tokens: int  # every chunk's tokens, an image's counted as its tower's
     slot: int
     has_token_types: bool  # the slot's type buffer holds this step's types
-    num_texts: int = -1  # the leading chunks that run through the token stream (-1: all)
-    num_text_tokens: int = -1  # their tokens, packed in the slot (-1: num_tokens)
+    num_texts: int | None = None  # the leading chunks that run through the token stream (None: all)
+    num_text_tokens: int | None = None  # their tokens, packed in the slot (None: num_tokens)
     pixels: torch.Tensor | None = None  # [num_images, channels, height, width] of the images
 
     @property
     def texts(self) -> tuple[ChunkWork, ...]:
         """The chunks packed into the token stream."""
-        return self.chunks if self.num_texts < 0 else self.chunks[: self.num_texts]
+        return self.chunks if self.num_texts is None else self.chunks[: self.num_texts]
 
     @property
     def images(self) -> tuple[ChunkWork, ...]:
         """The images, run through the model's image tower."""
-        return () if self.num_texts < 0 else self.chunks[self.num_texts :]
+        return () if self.num_texts is None else self.chunks[self.num_texts :]
 
 
 @dataclass(frozen=True)
@@ -239,7 +239,8 @@ class Runner:
 
     def _forward(self, step: PreparedStep) -> torch.Tensor:
         """Copy inputs to the device, build attention metadata, run the model."""
-        n, slot = step.num_tokens if step.num_text_tokens < 0 else step.num_text_tokens, step.slot
+        n = step.num_tokens if step.num_text_tokens is None else step.num_text_tokens
+        slot = step.slot
         ids = self.dev_ids[slot, :n]
         pos = self.dev_pos[slot, :n]
         ids.copy_(self.host_ids[slot, :n], non_blocking=True)
