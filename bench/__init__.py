@@ -8,7 +8,8 @@ One folder per thing measured; helpers shared by several benchmarks live in comm
     peers/      what poolserve is measured against: offline peers in child processes, the
                 FastAPI + sentence-transformers app, the CPU runtimes, Infinity's environment
     offline/    `offline` (cpu.py), the CUDA run (gpu.sh, gpu.py), model FLOPs (efficiency.py)
-    served/     `served` (embeddings*.py), `token` (token_level.py), `rerank`, `models`
+    served/     `served` (embeddings*.py), `token` (token_level.py), `rerank`, `models`,
+                `images-served` (images*.py)
     frontend/   `frontend` (sequential.py), `frontend-interleaved`; the floor, servers, report
     engine/     `engine` (loop.py), `planner`, `prefix` (prefix_cache.py), `step-threads`
     precision/  `precision` (fidelity.py), `cpu-peers`

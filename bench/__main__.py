@@ -12,7 +12,9 @@ machine for minutes. So are `fleet` (replicas behind HAProxy), `fleet-ray` (Ray 
 `footprint` (the command line's answer times, every server process's memory, the modules one
 request runs), `static` (a model2vec model through the offline engine against model2vec's
 own encode) and `lora` (LoRA adapters mixed in one step against the base model alone). So is
-`grpc` (TEI's gRPC EmbedStream against HTTP /embed on one server, same batch sizes).
+`grpc` (TEI's gRPC EmbedStream against HTTP /embed on one server, same batch sizes), and so is
+`images-served` (poolserve against Infinity on one CLIP checkpoint: images, and images mixed
+with texts; it starts both servers and needs Infinity's environment).
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ SEPARATE: dict[str, Callable[[Sequence[str]], None]] = {
     "step-threads": lambda argv: _with_list("engine.step_threads", argv),
     "static": lambda argv: _with_list("offline.static", argv),
     "lora": lambda argv: _with_list("offline.lora", argv),
+    "images-served": lambda argv: _with_list("served.images", argv),
     "grpc": lambda argv: _with_list("served.grpc", argv),
 }
 
