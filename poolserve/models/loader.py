@@ -120,6 +120,11 @@ def load_model(
         if lora is not None or quantization is not None:
             what = "LoRA adapters" if lora is not None else f"--quantization {quantization}"
             raise ModelLoadError(f"{what}: not supported for a dual encoder (CLIP, SigLIP)")
+        if device.type == "cpu" and dtype != torch.float32:
+            # its towers' matmuls are not timed at start (cpu_kernels.py): never silently slower
+            name = str(dtype).removeprefix("torch.")
+            reason = "a dual encoder (CLIP, SigLIP) runs float32 on the CPU; use --dtype float32"
+            raise UnsupportedDtypeError(name, "cpu", reason)
         return _load_dual(path, raw, overrides, dual, (device, dtype))
     architecture = _check_architecture({**raw, **overrides})
     entry = ARCHITECTURES[architecture]

@@ -365,3 +365,15 @@ def test_images_per_request_are_bounded_before_any_is_loaded(
         refused = client.post("/v2/embed", json={"images": [url, url, "@@"]})
         assert refused.status_code == 400, refused.text
         assert "--max-images-per-request" in refused.json()["error"]["message"]
+
+
+def test_a_half_precision_on_the_cpu_is_refused(tmp_path: Path) -> None:
+    """Its towers' kernels are not measured at start: never silently slower than float32."""
+    import torch
+
+    from poolserve.models.loader import load_model
+    from poolserve.types.errors import UnsupportedDtypeError
+
+    directory = save_dual_encoder("clip", tmp_path / "clip")
+    with pytest.raises(UnsupportedDtypeError, match="runs float32 on the CPU"):
+        load_model(str(directory), device=torch.device("cpu"), dtype=torch.bfloat16)
