@@ -7,10 +7,12 @@ One folder per thing measured; helpers shared by several benchmarks live in comm
                 plotting
     peers/      what poolserve is measured against: offline peers in child processes, the
                 FastAPI + sentence-transformers app, the CPU runtimes, Infinity's environment
-    offline/    `offline` (cpu.py), the CUDA run (gpu.sh, gpu.py), model FLOPs (efficiency.py)
+    offline/    `offline` (cpu.py), the CUDA run (gpu.sh, gpu.py), model FLOPs (efficiency.py),
+                `static`, `lora`, `images` (CLIP's image tower against transformers)
     served/     `served` (embeddings*.py), `token` (token_level.py), `rerank`, `models`,
                 `images-served` (images*.py)
-    frontend/   `frontend` (sequential.py), `frontend-interleaved`; the floor, servers, report
+    frontend/   `frontend` (sequential.py), `frontend-interleaved`, `footprint`, `api-keys`
+                (api_keys.py); the floor, servers, report
     engine/     `engine` (loop.py), `planner`, `prefix` (prefix_cache.py), `step-threads`
     precision/  `precision` (fidelity.py), `cpu-peers`
     jobs/       `embed-job` (embed.py), `ray-embed` (ray_data.py)

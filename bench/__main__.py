@@ -11,8 +11,10 @@ machine for minutes. So are `fleet` (replicas behind HAProxy), `fleet-ray` (Ray 
 `frontend-interleaved` (the same servers up at once, taking turns, for same-moment ratios), and
 `footprint` (the command line's answer times, every server process's memory, the modules one
 request runs), `static` (a model2vec model through the offline engine against model2vec's
-own encode) and `lora` (LoRA adapters mixed in one step against the base model alone). So is
-`grpc` (TEI's gRPC EmbedStream against HTTP /embed on one server, same batch sizes), and so is
+own encode), `lora` (LoRA adapters mixed in one step against the base model alone), `images`
+(a CLIP checkpoint's images through the engine against transformers) and `api-keys` (what API
+keys cost a request at the edge). So is `grpc`
+(TEI's gRPC EmbedStream against HTTP /embed on one server, same batch sizes), and so is
 `images-served` (poolserve against Infinity on one CLIP checkpoint: images, and images mixed
 with texts; it starts both servers and needs Infinity's environment).
 """
@@ -71,11 +73,13 @@ SEPARATE: dict[str, Callable[[Sequence[str]], None]] = {
     "frontend": lambda argv: _with_list("frontend.sequential", argv),
     "frontend-interleaved": lambda argv: _with_list("frontend.interleaved", argv),
     "footprint": lambda argv: _with_list("frontend.footprint", argv),
+    "api-keys": lambda argv: _with_list("frontend.api_keys", argv),
     "models": lambda argv: _with_list("served.models", argv),
     "embed-job": lambda argv: _with_list("jobs.embed", argv),
     "step-threads": lambda argv: _with_list("engine.step_threads", argv),
     "static": lambda argv: _with_list("offline.static", argv),
     "lora": lambda argv: _with_list("offline.lora", argv),
+    "images": lambda argv: _with_list("offline.images", argv),
     "images-served": lambda argv: _with_list("served.images", argv),
     "grpc": lambda argv: _with_list("served.grpc", argv),
 }

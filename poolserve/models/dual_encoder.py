@@ -119,6 +119,10 @@ class TowerLayer(torch.nn.Module):
         self.o = _affine(state, f"{prefix}self_attn.out_proj.")
         self.fc1 = _affine(state, f"{prefix}mlp.fc1.")
         self.fc2 = _affine(state, f"{prefix}mlp.fc2.")
+        # the projections seen as the layer's buffers too (the same tensors): what the engine
+        # counts to size a CPU step's threads (engine/cpu_threads.py)
+        for name in ("qkv", "o", "fc1", "fc2"):
+            self.register_buffer(f"{name}_matrix", getattr(self, name)[0], persistent=False)
 
     def forward(self, x: torch.Tensor, attend: Attend) -> torch.Tensor:  # [..., hidden]
         """One layer; `attend(q, k, v)` is the tower's attention over [..., heads, head_dim]."""

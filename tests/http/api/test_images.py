@@ -377,3 +377,19 @@ def test_a_half_precision_on_the_cpu_is_refused(tmp_path: Path) -> None:
     directory = save_dual_encoder("clip", tmp_path / "clip")
     with pytest.raises(UnsupportedDtypeError, match="runs float32 on the CPU"):
         load_model(str(directory), device=torch.device("cpu"), dtype=torch.bfloat16)
+
+
+def test_cpu_steps_get_threads_by_the_towers_work(tmp_path: Path) -> None:
+    """The engine sizes a CPU step's threads by its matmul FLOPs per token: a dual encoder's
+    projections must count (they once did not, and every CLIP step ran on one thread)."""
+    import torch
+
+    from poolserve.engine.cpu_threads import matmul_flops_per_token
+    from poolserve.models.loader import load_model
+
+    loaded = load_model(
+        str(save_dual_encoder("clip", tmp_path / "clip")), device=torch.device("cpu")
+    )
+    reference = Reference(tmp_path / "clip", "clip").model.text_model.encoder.layers
+    matrices = [p for p in reference.parameters() if p.dim() == 2]
+    assert matmul_flops_per_token(loaded.model) == 2 * sum(p.numel() for p in matrices)
