@@ -3,7 +3,10 @@ its API key and model from the metadata, its accounting in the request metrics a
 log, and the one table that turns the project's errors into gRPC status codes.
 
 Every request message is accounted as one request, as an HTTP request is: a stream's messages
-each count once, under the stream's method path as the endpoint.
+each count once, under the stream's method path as the endpoint. With --api-keys-file each
+message is also one request of its key (its route the method path, its requests-per-second
+bucket taking one), so a stream whose key's bucket runs dry ends at the message that found it
+empty.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from typing import Any
 import grpc
 
 from poolserve.frontend.state import ServiceState
-from poolserve.http.errors import shape_of
+from poolserve.http.errors import retry_after_s, shape_of
+from poolserve.http.tenants import TenantKey, served_names
 from poolserve.observability.logs import (
     ACCESS_LOGGER,
     LORA_KEY,
@@ -60,23 +64,35 @@ CODES_BY_ERROR: dict[str, grpc.StatusCode] = {
 }
 
 
-class GrpcError(Exception):
-    """An error already in gRPC's terms: the code, the message and the HTTP status it counts as."""
+# gRPC has no Retry-After: a refusal that says when to come back says it in trailing metadata
+RETRY_AFTER_METADATA = "retry-after"
+Trailers = tuple[tuple[str, str], ...]
 
-    def __init__(self, code: grpc.StatusCode, message: str, status: int) -> None:
+
+class GrpcError(Exception):
+    """An error already in gRPC's terms: the code, the message and the HTTP status it counts as,
+    and the trailing metadata it ends the call with."""
+
+    def __init__(
+        self, code: grpc.StatusCode, message: str, status: int, trailers: Trailers = ()
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.status = status
+        self.trailers = trailers
 
 
 def grpc_error(exc: Exception) -> GrpcError:
-    """The gRPC status of a project error: the HTTP table's status and message, then CODES."""
+    """The gRPC status of a project error: the HTTP table's status and message, then CODES; the
+    seconds of HTTP's Retry-After as `retry-after` trailing metadata."""
     if isinstance(exc, GrpcError):
         return exc
     shape, message = shape_of(exc)
     code = CODES_BY_ERROR.get(shape.code) or CODES.get(shape.status, grpc.StatusCode.INTERNAL)
-    return GrpcError(code, message, shape.status)
+    seconds = retry_after_s(exc)
+    trailers = () if seconds is None else ((RETRY_AFTER_METADATA, str(seconds)),)
+    return GrpcError(code, message, shape.status, trailers)
 
 
 def metadata_of(context: grpc.aio.ServicerContext[Any, Any]) -> dict[str, str]:
@@ -88,13 +104,18 @@ def metadata_of(context: grpc.aio.ServicerContext[Any, Any]) -> dict[str, str]:
     return found
 
 
+def bearer(metadata: Mapping[str, str]) -> bytes:
+    """The key an `authorization: Bearer KEY` metadata carries (empty without one)."""
+    given = metadata.get("authorization", "")
+    token = given[7:].strip() if given.lower().startswith("bearer ") else ""
+    return token.encode("utf-8", "replace")
+
+
 def check_key(api_key: bytes | None, metadata: Mapping[str, str]) -> None:
     """`authorization: Bearer KEY` as the HTTP edge checks it (constant-time compare)."""
     if api_key is None:
         return
-    given = metadata.get("authorization", "")
-    token = given[7:].strip() if given.lower().startswith("bearer ") else ""
-    if not hmac.compare_digest(token.encode("utf-8", "replace"), api_key):
+    if not hmac.compare_digest(bearer(metadata), api_key):
         raise AuthenticationError(MISSING_KEY)
 
 
@@ -121,6 +142,7 @@ class GrpcCall:
             self.scope, metadata, self.started, self.request_id
         )
         self.task = "none"
+        self.tenant: TenantKey | None = None  # its --api-keys-file key, once checked
         state.active_requests += 1  # a drain waits for it, as for an HTTP request
 
     @property
@@ -130,13 +152,17 @@ class GrpcCall:
         return noted
 
     def routed(self, model_name: str, lora_name: str | None) -> None:
-        """The model in the access log, the metrics and on the trace."""
+        """The model in the access log, the metrics and on the trace; PERMISSION_DENIED when the
+        call's key may not use it (--api-keys-file's `models`)."""
         self.noted[MODEL_KEY] = model_name
         if lora_name is None:
             self.trace.set({"poolserve.model": model_name})
         else:
             self.noted[LORA_KEY] = lora_name
             self.trace.set({"poolserve.model": model_name, LORA_SPAN_ATTRIBUTE: lora_name})
+        tenant = self.tenant
+        if tenant is not None and tenant.spec.models is not None:
+            tenant.check_model(served_names(self.state, model_name, lora_name))
 
     def tokenized(self, started: float, ended: float, num_inputs: int, num_tokens: int) -> None:
         """The tokenize span."""
@@ -144,9 +170,12 @@ class GrpcCall:
         self.trace.record(SpanRecord("tokenize", started, ended, attributes))
 
     def admitted(self, task: PoolingTask, num_tokens: int) -> None:
-        """Prompt tokens in the access log and on the trace (a call may submit two jobs)."""
+        """Prompt tokens in the access log, on the trace and charged to the call's key (a call
+        may submit two jobs)."""
         total = self.noted.get(PROMPT_TOKENS_KEY, 0) + num_tokens
         self.noted[PROMPT_TOKENS_KEY] = total
+        if self.tenant is not None:  # --api-keys-file's tokens_per_minute
+            self.tenant.charge(num_tokens)
         self.task = task.value
         self.trace.set({"poolserve.prompt_tokens": total, "poolserve.task": task.value})
 

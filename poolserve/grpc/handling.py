@@ -16,14 +16,19 @@ from poolserve.frontend.state import ModelHandle, ServiceState
 from poolserve.grpc import tei_pb2 as pb
 from poolserve.grpc.calls import (
     CLIENT_CLOSED,
+    MISSING_KEY,
     GrpcCall,
     GrpcError,
+    bearer,
     check_key,
     grpc_error,
     metadata_of,
 )
 from poolserve.grpc.streams import in_order
 from poolserve.http.compat.tei_common import Ran, truncation
+from poolserve.http.tenants import KeyRing
+from poolserve.observability.logs import API_KEY_NAME_KEY
+from poolserve.types.errors import AuthenticationError
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp", bound="Sized")
@@ -40,10 +45,28 @@ class Sized(Protocol):
 class Calls:
     """Runs each RPC's work as one accounted call of the server state's pipeline."""
 
-    def __init__(self, state: ServiceState) -> None:
+    def __init__(self, state: ServiceState, keys: KeyRing | None = None) -> None:
         self.state = state
         key = state.settings.api_key
         self.api_key = key.encode() if key else None
+        self.keys = keys  # --api-keys-file: the front end's one table, shared with HTTP
+        # chosen once: without a keys file a call pays nothing for it
+        self._authorize = self._check_key if keys is None else self._check_tenant
+
+    def _check_key(self, call: GrpcCall, metadata: dict[str, str]) -> None:
+        check_key(self.api_key, metadata)
+
+    def _check_tenant(self, call: GrpcCall, metadata: dict[str, str]) -> None:
+        """A keys file's key: UNAUTHENTICATED unknown, PERMISSION_DENIED a method its `routes`
+        leave out, RESOURCE_EXHAUSTED its limit spent; one request of the key either way."""
+        assert self.keys is not None
+        tenant = self.keys.find(bearer(metadata))
+        if tenant is None:
+            raise AuthenticationError(MISSING_KEY)
+        call.tenant = tenant
+        call.noted[API_KEY_NAME_KEY] = tenant.name
+        # a call's route is its method path, the endpoint its metrics and access log name
+        tenant.admit(call.method, time.monotonic())
 
     async def one(
         self, context: Context, method: str, work: Callable[[GrpcCall], Awaitable[Resp]]
@@ -52,7 +75,7 @@ class Calls:
         metadata = metadata_of(context)
         call = GrpcCall(self.state, method, metadata, context.peer())
         try:
-            check_key(self.api_key, metadata)
+            self._authorize(call, metadata)
             reply = await work(call)
         except asyncio.CancelledError:
             call.finish(CLIENT_CLOSED)
@@ -71,7 +94,7 @@ class Calls:
         try:
             return await self.one(context, method, work)
         except GrpcError as error:
-            await context.abort(error.code, error.message)
+            await context.abort(error.code, error.message, error.trailers)
             raise  # abort raises; this says so to the type checker
 
     async def stream(
@@ -90,7 +113,7 @@ class Calls:
             async for reply in in_order(requests, answer):
                 yield reply
         except GrpcError as error:
-            await context.abort(error.code, error.message)
+            await context.abort(error.code, error.message, error.trailers)
 
 
 def model_of(state: ServiceState, call: GrpcCall) -> ModelHandle:

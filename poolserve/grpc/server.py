@@ -25,6 +25,7 @@ from poolserve.grpc import tei_pb2_grpc as pb_grpc
 from poolserve.grpc.handling import Calls
 from poolserve.grpc.tei_embed import EmbedService, PredictService, RerankService
 from poolserve.grpc.tei_tokens import InfoService, TokenizeService
+from poolserve.http.tenants import KeyRing
 
 logger = logging.getLogger(__name__)
 
@@ -37,15 +38,18 @@ class GrpcStartError(OSError):
     """The gRPC port could not be bound."""
 
 
-def build_server(state: ServiceState) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
-    """The server with every service added; not bound yet."""
+def build_server(
+    state: ServiceState, keys: KeyRing | None = None
+) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    """The server with every service added (checking `keys`, the HTTP side's, when the
+    --api-keys-file is set); not bound yet."""
     settings = state.settings
     options = [
         ("grpc.so_reuseport", 1 if settings.api_server_count > 1 else 0),
         ("grpc.max_receive_message_length", settings.payload_limit),
     ]
     server = grpc.aio.server(options=options)
-    calls = Calls(state)
+    calls = Calls(state, keys)
     pb_grpc.add_InfoServicer_to_server(InfoService(calls), server)
     pb_grpc.add_EmbedServicer_to_server(EmbedService(calls), server)
     pb_grpc.add_PredictServicer_to_server(PredictService(calls), server)
@@ -95,12 +99,12 @@ async def _follow_health(state: ServiceState, checks: health.aio.HealthServicer)
 
 
 @contextlib.asynccontextmanager
-async def serving_grpc(state: ServiceState) -> AsyncIterator[None]:
-    """The gRPC server running on this loop for the block's length."""
-    if getattr(state.settings, "api_keys_file", None) is not None:
-        # the gRPC side checks --api-key only: it must not serve a tenant's keys unchecked
-        raise GrpcStartError("--grpc-port takes --api-key, not --api-keys-file")
-    server, checks = build_server(state)
+async def serving_grpc(state: ServiceState, keys: KeyRing | None = None) -> AsyncIterator[None]:
+    """The gRPC server running on this loop for the block's length; with --api-keys-file it
+    checks `keys`, the table the HTTP edge of this process checks and SIGHUP reloads."""
+    if state.settings.api_keys_file is not None and keys is None:
+        raise GrpcStartError("--api-keys-file: the gRPC server got no keys to check")
+    server, checks = build_server(state, keys)
     port = bind(server, state.settings)
     await server.start()
     scheme = "grpcs" if state.settings.ssl_certfile else "grpc"
@@ -116,7 +120,7 @@ async def serving_grpc(state: ServiceState) -> AsyncIterator[None]:
 
 def beside_http(
     settings: ServerSettings,
-) -> tuple[Callable[[ServiceState], AbstractAsyncContextManager[None]], ...]:
+) -> tuple[Callable[[ServiceState, KeyRing | None], AbstractAsyncContextManager[None]], ...]:
     """What runs beside the HTTP server of a front end: the gRPC server when --grpc-port is set."""
     if settings.grpc_port is None:
         return ()

@@ -21,7 +21,7 @@ from poolserve.frontend.jobs import Job, ScoreJob
 from poolserve.frontend.pipeline import Submitted, submit_job
 from poolserve.frontend.scoring import Scored, scores_of
 from poolserve.frontend.state import ServiceState
-from poolserve.http.tenants import TENANT_KEY
+from poolserve.http.tenants import TENANT_KEY, served_names
 from poolserve.observability.logs import LORA_KEY, MODEL_KEY, PROMPT_TOKENS_KEY
 from poolserve.observability.metrics import NO_LORA
 from poolserve.observability.tracing import LORA_SPAN_ATTRIBUTE, NO_TRACE, SpanRecord, trace_of
@@ -78,14 +78,8 @@ class HTTPCaller:
             self.trace.set({"poolserve.model": model_name, LORA_SPAN_ATTRIBUTE: lora_name})
         tenant = scope_state.get(TENANT_KEY)
         if tenant is not None and tenant.spec.models is not None:
-            tenant.check_model(self._served_names(model_name, lora_name))
-
-    def _served_names(self, model_name: str, lora_name: str | None) -> tuple[str, ...]:
-        """Every name of the model a request runs on (an adapter: its own name only)."""
-        if lora_name is not None:
-            return (lora_name,)
-        served = service_state(self.request).served.get(model_name)
-        return (model_name,) if served is None else served.handle.served_names
+            state = service_state(self.request)
+            tenant.check_model(served_names(state, model_name, lora_name))
 
     def tokenized(self, started: float, ended: float, num_inputs: int, num_tokens: int) -> None:
         """The tokenize span."""

@@ -217,12 +217,18 @@ def error_line(exc: Exception) -> bytes:
     return orjson.dumps(error_document(message, shape.type, shape.param(exc), shape.code)) + b"\n"
 
 
-def _retry_after(exc: Exception) -> dict[str, str] | None:
+def retry_after_s(exc: Exception) -> int | None:
+    """The whole seconds a refusal asks the client to wait (HTTP's Retry-After), or None."""
     if isinstance(exc, OverloadedError):
-        return {"Retry-After": str(max(1, round(exc.retry_after_s)))}
+        return max(1, round(exc.retry_after_s))
     if isinstance(exc, KeyRateLimitedError):  # never sooner than the key's bucket allows
-        return {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}
+        return max(1, math.ceil(exc.retry_after_s))
     return None
+
+
+def _retry_after(exc: Exception) -> dict[str, str] | None:
+    seconds = retry_after_s(exc)
+    return None if seconds is None else {"Retry-After": str(seconds)}
 
 
 def http_error_response(exc: StarletteHTTPException, family: str | None = None) -> Response:

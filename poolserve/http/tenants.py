@@ -8,9 +8,10 @@ spreading connections over them. Requests per second: a bucket of `burst` reques
 the rate, one request taking one. Tokens per minute: a bucket of a minute's prompt tokens,
 refilled continuously; a request is admitted while the bucket is not in debt, and its prompt
 tokens are charged once the engine has admitted them, so one request may overdraw the bucket and
-the key then waits until the refill has paid the debt. A SIGHUP re-reads the file: the buckets
-of the names it keeps carry over (a reload neither resets nor forgets what a tenant used); a bad
-file keeps the keys read before.
+the key then waits until the refill has paid the debt. The HTTP edge and the gRPC server of a
+front end share its one `KeyRing` (table, buckets, counters). A SIGHUP re-reads the file: the
+buckets of the names it keeps carry over (a reload neither resets nor forgets what a tenant
+used); a bad file keeps the keys read before.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from itertools import repeat
 
 from poolserve.config.api_keys import ApiKeysFileError, KeySpec, read_keys
+from poolserve.frontend.state import ServiceState
 from poolserve.observability.metrics import ServiceMetrics
 from poolserve.types.errors import KeyRateLimitedError, PermissionDeniedError, clip
 
@@ -167,6 +169,15 @@ class TenantKey:
         usage.prompt_tokens.inc(num_tokens)
         if usage.tokens is not None:
             usage.tokens.charge(num_tokens, time.monotonic())
+
+
+def served_names(state: ServiceState, model_name: str, lora_name: str | None) -> tuple[str, ...]:
+    """Every name of the model a request runs on, as a key's `models` reads them (an adapter:
+    its own name only)."""
+    if lora_name is not None:
+        return (lora_name,)
+    served = state.served.get(model_name)
+    return (model_name,) if served is None else served.handle.served_names
 
 
 class KeyRing:

@@ -1,15 +1,12 @@
-"""TEI's gRPC API (`--grpc-port`) on a real server process, called through a client compiled here
-from the project's poolserve/grpc/tei.proto as a TEI user compiles TEI's: each RPC and stream
-answers what the HTTP route answers for the same input; errors take TEI's gRPC codes; a stream
-that is cancelled frees the engine, and one whose client does not read stays bounded.
-
-One server process serves the bundled MiniLM (the default model: TEI's HTTP routes) and a tiny
-cross-encoder that calls pick with the `model` metadata.
+"""TEI's gRPC API (`--grpc-port`) on a real server process (tests/grpc/conftest.py), called
+through a client compiled from the project's poolserve/grpc/tei.proto as a TEI user compiles
+TEI's: each RPC and stream answers what the HTTP route answers for the same input; errors take
+TEI's gRPC codes; a stream that is cancelled frees the engine, and one whose client does not read
+stays bounded.
 """
 
 from __future__ import annotations
 
-import importlib
 import re
 import socket
 import subprocess
@@ -18,7 +15,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import grpc
@@ -28,15 +24,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from tests.http.serving import live_server
+from tests.grpc.serving import API_KEY, ROOT
 from tests.http.test_server_process import free_port
-from tests.tiny_encoders import save_tiny_encoder
-from tests.tiny_models import MINILM_DIR
-from tests.tiny_rerankers import save_cross_encoder
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
-API_KEY = "grpc-test-key"
 AUTH = (("authorization", f"Bearer {API_KEY}"),)
 RERANKER = (*AUTH, ("model", "reranker"))
 SPLADE = (*AUTH, ("model", "splade"))
@@ -45,54 +36,6 @@ QUERY = "what is the capital of france"
 DOCUMENTS = ["paris is the capital of france", "the cat sat on the mat", "berlin is in germany"]
 PAGE = "x" * 2_000  # one 2 KB message
 LONG = " ".join(["a long text keeps the engine busy for a while"] * 40)
-
-
-@pytest.fixture(scope="module")
-def stubs(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModuleType, ModuleType]:
-    """tei_pb2 and tei_pb2_grpc compiled from the project's proto, as a client compiles TEI's."""
-    out = tmp_path_factory.mktemp("stubs")
-    proto_dir = ROOT / "poolserve" / "grpc"
-    from grpc_tools import protoc
-
-    code = protoc.main(
-        [
-            "protoc",
-            f"-I{proto_dir}",
-            f"--python_out={out}",
-            f"--grpc_python_out={out}",
-            str(proto_dir / "tei.proto"),
-        ]
-    )
-    assert code == 0
-    sys.path.insert(0, str(out))
-    try:
-        return importlib.import_module("tei_pb2"), importlib.import_module("tei_pb2_grpc")
-    finally:
-        sys.path.remove(str(out))
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[httpx.Client, int]]:
-    """`poolserve serve MINILM RERANKER --grpc-port P --api-key K`: its HTTP client, P."""
-    models = tmp_path_factory.mktemp("grpc")
-    reranker = save_cross_encoder("bert_cls", models / "reranker")
-    splade = save_tiny_encoder("bert_mlm", models / "splade")
-    port = free_port()
-    args = (str(MINILM_DIR), str(reranker), str(splade), "--api-server-count", "1")
-    with live_server(*args, "--grpc-port", str(port), "--api-key", API_KEY) as http:
-        http.headers["Authorization"] = f"Bearer {API_KEY}"
-        yield http, port
-
-
-@pytest.fixture(scope="module")
-def channel(server: tuple[httpx.Client, int]) -> Iterator[grpc.Channel]:
-    with grpc.insecure_channel(f"127.0.0.1:{server[1]}") as opened:
-        yield opened
-
-
-@pytest.fixture(scope="module")
-def http(server: tuple[httpx.Client, int]) -> httpx.Client:
-    return server[0]
 
 
 def _post(http: httpx.Client, path: str, body: dict[str, Any]) -> Any:

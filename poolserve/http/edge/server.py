@@ -19,11 +19,13 @@ from poolserve.http.app import create_app
 from poolserve.http.edge.middleware import SECURITY_HEADERS, InFlight
 from poolserve.http.errors import error_document
 from poolserve.http.internals import HEAD_LIMIT_BYTES, BoundedHttpProtocol, Header, HookedServer
+from poolserve.http.tenants import KeyRing
 from poolserve.observability.logs import report_start_failure
 
 logger = logging.getLogger(__name__)
-# a server that runs beside the HTTP one for as long as the app serves (the gRPC server)
-Beside = Callable[[ServiceState], AbstractAsyncContextManager[None]]
+# a server that runs beside the HTTP one for as long as the app serves (the gRPC server), on the
+# app's state and its --api-keys-file table (one per process: SIGHUP reloads it for both)
+Beside = Callable[[ServiceState, KeyRing | None], AbstractAsyncContextManager[None]]
 Lifespan = Callable[[Any], AbstractAsyncContextManager[Any]]
 
 # After the drain deadline, a stream gets this long to reach a line end before it is cut.
@@ -128,7 +130,9 @@ def run_server(
     app = create_app(settings, core_address, owns_process=True)
     state: ServiceState = app.state.poolserve
     if beside:
-        app.router.lifespan_context = _with_beside(app.router.lifespan_context, state, beside)
+        lifespan = app.router.lifespan_context
+        keys: KeyRing | None = app.state.api_keys
+        app.router.lifespan_context = _with_beside(lifespan, state, keys, beside)
     config = EdgeConfig(
         app,
         head_timeout_s=settings.body_timeout,
@@ -160,15 +164,18 @@ def run_server(
     return state.start_failure is None
 
 
-def _with_beside(inner: Lifespan, state: ServiceState, beside: Sequence[Beside]) -> Lifespan:
-    """The app's lifespan, with the `beside` servers inside it: started after it, stopped first."""
+def _with_beside(
+    inner: Lifespan, state: ServiceState, keys: KeyRing | None, beside: Sequence[Beside]
+) -> Lifespan:
+    """The app's lifespan, with the `beside` servers inside it: started after it (the keys
+    loaded), stopped first."""
 
     @asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
         async with inner(app), AsyncExitStack() as stack:
             try:
                 for start in beside:
-                    await stack.enter_async_context(start(state))
+                    await stack.enter_async_context(start(state, keys))
             except BaseException as exc:
                 state.start_failure = exc
                 report_start_failure("serve", exc)
