@@ -24,6 +24,7 @@ SECRETS = {
     "reranking": "sk-grpc-reranking-0123",
     "rps": "sk-grpc-rps-0123",
     "streamer": "sk-grpc-streamer-0123",
+    "tokens": "sk-grpc-tokens-0123",
     "late": "sk-grpc-late-0123",  # only in the file a reload reads
 }
 KEYS_FILE = f"""
@@ -42,6 +43,9 @@ keys:
     key: {SECRETS["streamer"]}
     requests_per_second: 0.01
     burst: 3
+  - name: tokens
+    key: {SECRETS["tokens"]}
+    tokens_per_minute: 12
 """
 
 

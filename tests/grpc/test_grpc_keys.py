@@ -2,9 +2,10 @@
 keys, buckets and counters the HTTP edge of the same front end uses. UNAUTHENTICATED for a
 missing or unknown key, PERMISSION_DENIED for a method its `routes` leave out (a call's route is
 its method path) or a model its `models` leave out, RESOURCE_EXHAUSTED with `retry-after`
-trailing metadata when its requests per second are spent; each stream message is one request,
-and a stream ends at the message that finds the bucket empty. Counted per key name in the
-metrics and the access log; a SIGHUP reloads the table for both transports.
+trailing metadata when its requests per second are spent or its prompt tokens in debt; each
+stream message is one request, and a stream ends at the message that finds the bucket empty.
+Counted per key name in the metrics and the access log; a SIGHUP reloads the table for both
+transports.
 """
 
 from __future__ import annotations
@@ -144,6 +145,23 @@ def test_a_spent_request_bucket_is_resource_exhausted_with_retry_after(
     headers = {"Authorization": f"Bearer {SECRETS['rps']}"}
     refused = http.post("/embed", json={"inputs": "a"}, headers=headers)
     assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
+
+
+def test_prompt_tokens_are_charged_then_the_debt_is_resource_exhausted(
+    stubs: Any, channel: grpc.Channel, http: httpx.Client
+) -> None:
+    pb, pb_grpc = stubs
+    embed = pb_grpc.EmbedStub(channel)
+    long = " ".join(f"word{i}" for i in range(40))  # more tokens than a minute's 12
+    answer = embed.Embed(pb.EmbedRequest(inputs=long), metadata=_auth("tokens"))
+    charged = _sample(http, "poolserve_api_key_prompt_tokens_total", key="tokens")
+    assert charged == answer.metadata.compute_tokens > 12
+    error = _refused(lambda: embed.Embed(pb.EmbedRequest(inputs="a"), metadata=_auth("tokens")))
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "tokens_per_minute" in error.details()
+    assert _retry_after(error) >= 1
+    series = "poolserve_api_key_rejected_requests_total"
+    assert _sample(http, series, key="tokens", reason="tokens_per_minute") == 1
 
 
 def test_a_stream_ends_at_the_message_that_finds_the_bucket_empty(
