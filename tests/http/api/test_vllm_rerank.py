@@ -27,8 +27,7 @@ each difference).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,15 +35,14 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from sentence_transformers import CrossEncoder, SentenceTransformer
 from transformers import AutoTokenizer
 
 from tests.http.api.test_score_templates import _qwen_like, qwen3_card
-from tests.http.api.vllm_checks import ColBERTReference, save_tiny_colbert
+from tests.http.api.vllm_checks import Served
 from tests.http.serving import started_client
 from tests.tiny_decoders import save_tiny_decoder
 from tests.tiny_models import MINILM_DIR, build_hf_model
-from tests.tiny_rerankers import QWEN3_YES_NO, build_cross_encoder, save_cross_encoder
+from tests.tiny_rerankers import QWEN3_YES_NO, build_cross_encoder
 
 INPUT_TEXT = "This product was excellent and exceeded my expectations"
 QUERY = "What is the capital of France?"
@@ -59,51 +57,7 @@ GEMMA_YES = {
 }
 
 
-@dataclass(frozen=True)
-class Reranker:
-    """One served model and the reference of its scores."""
-
-    client: Any
-    name: str
-    predict: Callable[[list[list[str]]], list[float]]
-
-
-@pytest.fixture(scope="module")
-def cross_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_cross_encoder("xlmroberta_cls", tmp_path_factory.mktemp("xlmr") / "ce")
-
-
-@pytest.fixture(scope="module")
-def cross(cross_dir: Path) -> Iterator[Reranker]:
-    # vLLM: BAAI/bge-reranker-base --max-model-len 100
-    reference = CrossEncoder(str(cross_dir), device="cpu")
-    with started_client(lambda _: cross_dir, "reranker", max_model_len=100) as started:
-        yield Reranker(started, "reranker", lambda pairs: reference.predict(pairs).tolist())
-
-
-@pytest.fixture(scope="module")
-def bi(minilm_dir: Path) -> Iterator[Reranker]:
-    # vLLM: BAAI/bge-base-en-v1.5 --max-model-len 100
-    st = SentenceTransformer(str(minilm_dir), device="cpu")
-
-    def cosines(pairs: list[list[str]]) -> list[float]:
-        scores = []
-        for pair in pairs:
-            query, document = st.encode(pair, convert_to_tensor=True)
-            scores.append(float(F.cosine_similarity(query, document, dim=0)))
-        return scores
-
-    with started_client(lambda _: minilm_dir, "embedder", max_model_len=100) as started:
-        yield Reranker(started, "embedder", cosines)
-
-
-@pytest.fixture(scope="module")
-def colbert(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Reranker]:
-    # vLLM: answerdotai/answerai-colbert-small-v1 --max-model-len 512
-    directory = save_tiny_colbert(tmp_path_factory.mktemp("colbert") / "m")
-    reference = ColBERTReference(directory)
-    with started_client(lambda _: directory, "colbert", max_model_len=512) as started:
-        yield Reranker(started, "colbert", reference.predict)
+Reranker = Served  # the shared fixtures' record (conftest.py)
 
 
 @pytest.fixture(params=["cross", "bi", "colbert"])

@@ -20,8 +20,6 @@ purpose, the case asserts this server's answer and says why (docs/api.md lists e
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +27,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from sentence_transformers import CrossEncoder, SentenceTransformer
 from transformers import AutoTokenizer
 
-from tests.http.api.vllm_checks import ColBERTReference, save_tiny_colbert
-from tests.http.serving import started_client
-from tests.tiny_rerankers import save_cross_encoder
+from tests.http.api.vllm_checks import Served
 
 INPUT_TEXT = "This product was excellent and exceeded my expectations"
 TEXTS_1 = ["What is the capital of France?", "What is the capital of Germany?"]
@@ -45,51 +40,7 @@ TOO_LONG = "Please reduce the length of the input prompt"
 SMALLER = "Please request a smaller truncation size."
 
 
-@dataclass(frozen=True)
-class Scorer:
-    """One served model and the reference of its scores."""
-
-    client: Any
-    name: str
-    predict: Callable[[list[list[str]]], list[float]]
-
-
-@pytest.fixture(scope="module")
-def cross_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_cross_encoder("xlmroberta_cls", tmp_path_factory.mktemp("xlmr") / "ce")
-
-
-@pytest.fixture(scope="module")
-def cross(cross_dir: Path) -> Iterator[Scorer]:
-    # vLLM: BAAI/bge-reranker-base --max-model-len 100
-    reference = CrossEncoder(str(cross_dir), device="cpu")
-    with started_client(lambda _: cross_dir, "reranker", max_model_len=100) as started:
-        yield Scorer(started, "reranker", lambda pairs: reference.predict(pairs).tolist())
-
-
-@pytest.fixture(scope="module")
-def bi(minilm_dir: Path) -> Iterator[Scorer]:
-    # vLLM: BAAI/bge-base-en-v1.5 --max-model-len 100
-    st = SentenceTransformer(str(minilm_dir), device="cpu")
-
-    def cosines(pairs: list[list[str]]) -> list[float]:
-        scores = []
-        for pair in pairs:
-            query, document = st.encode(pair, convert_to_tensor=True)
-            scores.append(float(F.cosine_similarity(query, document, dim=0)))
-        return scores
-
-    with started_client(lambda _: minilm_dir, "embedder", max_model_len=100) as started:
-        yield Scorer(started, "embedder", cosines)
-
-
-@pytest.fixture(scope="module")
-def colbert(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scorer]:
-    # vLLM: answerdotai/answerai-colbert-small-v1 --max-model-len 512
-    directory = save_tiny_colbert(tmp_path_factory.mktemp("colbert") / "m")
-    reference = ColBERTReference(directory)
-    with started_client(lambda _: directory, "colbert", max_model_len=512) as started:
-        yield Scorer(started, "colbert", reference.predict)
+Scorer = Served  # the shared fixtures' record (conftest.py)
 
 
 @pytest.fixture(params=["cross", "bi"])

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,6 +16,16 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
 from tests.tiny_encoders import build_hf_encoder, save_tiny_encoder
+
+
+@dataclass(frozen=True)
+class Served:
+    """One served model of the scoring ports and the reference of its scores."""
+
+    client: Any
+    name: str
+    predict: Callable[[list[list[str]]], list[float]]
+
 
 EMBED_DTYPES = ("float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2")
 ENDIANNESS = ("native", "big", "little")
