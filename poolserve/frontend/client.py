@@ -220,21 +220,25 @@ class EngineClient:
         """
         self.precheck(len(prompts))
         card = self.card
-        images = list(pixels) if pixels is not None else [None] * len(prompts)
-        ids = [
-            checked_prompt(p, card.max_model_len, card.vocab_size)
-            if image is None
-            else image_prompt(image, card.images)
-            for p, image in zip(prompts, images, strict=True)
-        ]
+        if pixels is None:  # texts: the per-request path as it always was
+            ids = [checked_prompt(p, card.max_model_len, card.vocab_size) for p in prompts]
+        else:
+            ids = [
+                checked_prompt(p, card.max_model_len, card.vocab_size)
+                if image is None
+                else image_prompt(image, card.images)
+                for p, image in zip(prompts, pixels, strict=True)
+            ]
         types = checked_token_types(token_type_ids, ids, card.num_token_types)
         self.check_params(params)
         if not ids:
             return []
         self._reserve(len(ids), sum(len(prompt) for prompt in ids))
         lengths, typed, frames = protocol.flat_prompts(ids, types)
-        image_flags, pixel_frames = protocol.pixel_frame(images)
-        frames.extend(pixel_frames)
+        image_flags: list[bool] = []
+        if pixels is not None:
+            image_flags, pixel_frames = protocol.pixel_frame(pixels)
+            frames.extend(pixel_frames)
         loop = asyncio.get_running_loop()
         request_ids = [next(self._ids) for _ in ids]
         futures = [loop.create_future() for _ in ids]

@@ -11,7 +11,6 @@ import base64
 import functools
 import io
 import re
-import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -82,12 +81,13 @@ class MediaLimits:
         )
 
 
-async def load_image(ref: str, limits: MediaLimits, *, what: str) -> Image.Image:
+async def load_image(ref: str, limits: MediaLimits, budgets: Budgets, *, what: str) -> Image.Image:
     """The image `ref` names, decoded, fully loaded, as an RGB image.
 
     `ref`: a data URL (data:image/png;base64,...: PNG, JPEG, WebP or GIF), bare base64 (as
     vLLM's, Cohere's and Infinity's clients may send), or an http(s) URL on an allowed host.
-    `what` names the input in error messages and as the error's param (e.g. "input 2").
+    `what` names the input in error messages and as the error's param (e.g. "input 2");
+    `budgets` are the process's (the front end's state holds them): what its loads hold at once.
 
     Returns the first frame (of a GIF or animated WebP) exactly as transformers' `convert_to_rgb`
     (image_transforms, 5.x) gives it for the image PIL opens: transparency (an alpha band or a
@@ -100,7 +100,6 @@ async def load_image(ref: str, limits: MediaLimits, *, what: str) -> Image.Image
     max_pixels) or ImageFetchTimeoutError (408: not fetched within fetch_timeout_s).
     """
     payload = _base64_payload(ref, limits, what)  # a malformed reference waits for nothing
-    budgets = _budgets()
     await budgets.images.take(1)
     try:
         data = payload if payload is not None else await _fetched(ref, limits, what)
@@ -316,22 +315,13 @@ class Budget:
 
 @dataclass(frozen=True)
 class Budgets:
-    """What one process's image loads hold at once."""
+    """What one process's image loads hold at once (the front end's state holds its own; a
+    waiter belongs to the one event loop the state serves)."""
 
     images: Budget
     pixels: Budget
 
-
-# One process's budgets, per event loop because a waiter belongs to one loop: a front end runs
-# one loop (tests and the Python API may run several, one after another, in one process).
-_BUDGETS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Budgets] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _budgets() -> Budgets:
-    loop = asyncio.get_running_loop()
-    found = _BUDGETS.get(loop)
-    if found is None:
-        found = _BUDGETS[loop] = Budgets(Budget(IMAGES_IN_FLIGHT), Budget(DECODE_PIXELS))
-    return found
+    @classmethod
+    def new(cls) -> Budgets:
+        """A process's budgets: IMAGES_IN_FLIGHT loads, DECODE_PIXELS being decoded."""
+        return cls(Budget(IMAGES_IN_FLIGHT), Budget(DECODE_PIXELS))

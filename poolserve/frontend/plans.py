@@ -20,7 +20,7 @@ from poolserve.frontend.chat import render_conversations
 from poolserve.frontend.client import EngineClient
 from poolserve.frontend.images import pixel_values
 from poolserve.frontend.jobs import MediaJob, Requested, ScoreJob, TextJob, merge
-from poolserve.frontend.media import MediaLimits, load_image
+from poolserve.frontend.media import Budgets, MediaLimits, load_image
 from poolserve.frontend.pairs import PairTruncation, PromptMode, check_pairs, tokenize_job
 from poolserve.frontend.prompts import prepend, prompt_length
 from poolserve.frontend.score_prompts import tokenize_templated
@@ -262,7 +262,11 @@ def plan_media(
         )
         tokenized = iter(ids_of_texts)
         pixels = await asyncio.gather(
-            *(_pixels(item.image, item.where, images, limits) for item in job.items if item.image)
+            *(
+                _pixels(item.image, item.where, images, limits, state.media_budgets)
+                for item in job.items
+                if item.image
+            )
         )
         loaded = iter(pixels)
         ids: list[list[int]] = []
@@ -291,9 +295,11 @@ def _check_image_count(job: MediaJob, limit: int) -> None:
         )
 
 
-async def _pixels(ref: str, where: str, images: ImageInputs, limits: MediaLimits) -> np.ndarray:
+async def _pixels(
+    ref: str, where: str, images: ImageInputs, limits: MediaLimits, budgets: Budgets
+) -> np.ndarray:
     """An image reference as the model's pixel values (decoding and processing off the loop)."""
-    image = await load_image(ref, limits, what=where)
+    image = await load_image(ref, limits, budgets, what=where)
     return await asyncio.to_thread(pixel_values, image, images.processing)
 
 

@@ -12,6 +12,7 @@ from poolserve.config.pooler import PoolerDefaults
 from poolserve.config.settings import ServerSettings
 from poolserve.frontend.client import EngineClient
 from poolserve.frontend.jobs import TruncationSide
+from poolserve.frontend.media import Budgets
 from poolserve.frontend.pair_template import PairLayout
 from poolserve.frontend.prompts import Prompts
 from poolserve.frontend.score_template import ScoreTemplate
@@ -195,6 +196,8 @@ class ServiceState:
     served: dict[str, Served] = field(default_factory=dict)  # every served name and alias
     default: Served | None = None  # what a request that names no model gets
     _adapter_cache: dict[LoraModule, Served] = field(default_factory=dict)
+    # what this process's image loads hold at once (frontend/media.py)
+    media_budgets: Budgets = field(default_factory=Budgets.new)
 
     def serve(self, models: tuple[Served, ...], default: Served) -> None:
         """The models to route to, and the one requests without a `model` get."""

@@ -30,8 +30,8 @@ from transformers.image_transforms import convert_to_rgb
 
 from poolserve.config.flags import parse_settings
 from poolserve.config.settings import ServerSettings
-from poolserve.frontend import media, media_fetch
-from poolserve.frontend.media import Budget, MediaLimits, load_image
+from poolserve.frontend import media_fetch
+from poolserve.frontend.media import Budget, Budgets, MediaLimits, load_image
 from poolserve.http.errors import response_for
 from poolserve.types.errors import (
     APIError,
@@ -58,7 +58,7 @@ def limits(**changes: Any) -> MediaLimits:
 
 
 def load(ref: str, lim: MediaLimits = LIMITS) -> Image.Image:
-    return asyncio.run(load_image(ref, lim, what=WHAT))
+    return asyncio.run(load_image(ref, lim, Budgets.new(), what=WHAT))
 
 
 def refused(ref: str, lim: MediaLimits = LIMITS) -> APIError:
@@ -664,9 +664,10 @@ def test_many_images_at_once_all_load_and_give_back_their_budgets() -> None:
     refs = [data_url(encoded(noise("RGB", (64, 64), seed=i), "PNG")) for i in range(40)]
 
     async def scenario() -> None:
-        images = await asyncio.gather(*(load_image(r, LIMITS, what=WHAT) for r in refs))
+        budgets = Budgets.new()
+        loads = (load_image(r, LIMITS, budgets, what=WHAT) for r in refs)
+        images = await asyncio.gather(*loads)
         assert all(i.size == (64, 64) for i in images)
-        budgets = media._budgets()
         assert budgets.images.held == 0 and budgets.pixels.held == 0
 
     asyncio.run(scenario())

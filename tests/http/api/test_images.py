@@ -393,3 +393,19 @@ def test_cpu_steps_get_threads_by_the_towers_work(tmp_path: Path) -> None:
     reference = Reference(tmp_path / "clip", "clip").model.text_model.encoder.layers
     matrices = [p for p in reference.parameters() if p.dim() == 2]
     assert matmul_flops_per_token(loaded.model) == 2 * sum(p.numel() for p in matrices)
+
+
+def test_the_cohere_sdk_embeds_images(served: tuple[Any, Reference]) -> None:
+    """Cohere's own client (ClientV2.embed with images and input_type image), unchanged."""
+    import cohere
+
+    client, reference = served
+    co = cohere.ClientV2(base_url=str(client.base_url), api_key="k", httpx_client=client)
+    answer = co.embed(
+        model=reference.family,
+        input_type="image",
+        embedding_types=["float"],
+        images=[data_url(PICTURES[2])],
+    )
+    assert answer.embeddings.float_ is not None
+    _close(answer.embeddings.float_[0], _unit(reference.images(PICTURES[2:3]))[0])
