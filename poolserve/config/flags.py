@@ -104,6 +104,11 @@ GROUPS: tuple[Group, ...] = (
     ),
     Group("gRPC server", ("grpc_port",), SERVE_ONLY),
     Group(
+        "Batch API",
+        ("batch_dir", "max_batch_file_bytes", "max_batch_storage_bytes", "max_batch_requests"),
+        SERVE_ONLY,
+    ),
+    Group(
         "processes and shutdown",
         ("api_server_count", "engine_core_timeout", "shutdown_timeout", "drain_delay"),
         SERVE_ONLY,

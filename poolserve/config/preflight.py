@@ -1,12 +1,14 @@
 """What can be checked before any process starts, checked there: the models (the flags or the
 models file, each model's pooler config, where its files are: a folder, the Hub, the cache), the
-TLS files and the API keys file. Each problem is one line that names the flag, key or model;
-what needs torch (the architecture, the device, the precision) is the engine core's to check as
-it loads."""
+TLS files, the API keys file and the batch directory. Each problem is one line that names the
+flag, key or model; what needs torch (the architecture, the device, the precision) is the engine
+core's to check as it loads."""
 
 from __future__ import annotations
 
+import os
 import ssl
+from pathlib import Path
 
 from poolserve.config.api_keys import read_keys
 from poolserve.config.model_path import resolve_model_path
@@ -24,7 +26,24 @@ def preflight(settings: ServerSettings) -> ServedModels:
         model.pooler  # noqa: B018 - parsed (and cached) now: a bad --pooler-config names the model
         resolve_model_path(model.settings.model, model.settings.revision)
     _check_tls(settings)
+    _check_batch_dir(settings)
     return served
+
+
+def _check_batch_dir(settings: ServerSettings) -> None:
+    """--batch-dir exists (made if not) and this process may write in it."""
+    if settings.batch_dir is None:
+        return
+    folder = Path(settings.batch_dir)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-check-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ValueError(
+            f"--batch-dir {settings.batch_dir!r}: cannot write there ({exc.strerror or exc})"
+        ) from exc
 
 
 def _check_tls(settings: ServerSettings) -> None:

@@ -313,6 +313,32 @@ class ServerSettings(BaseSettings):
         "(docs/deploy.md, 'Keys for many tenants').",
         json_schema_extra=SERVER,
     )
+    batch_dir: str | None = Field(
+        None,
+        description="Serve OpenAI's Batch API (/v1/files, /v1/batches): uploaded files, batches "
+        "and their outputs are kept in this directory and batches resume from it after a "
+        "restart (unset: those routes answer 404; docs/api.md, 'Batch API').",
+        json_schema_extra=SERVER,
+    )
+    max_batch_file_bytes: int = Field(
+        200 * 1024 * 1024,
+        gt=0,
+        description="Largest file POST /v1/files takes, in bytes (413 above; OpenAI's 200 MB).",
+        json_schema_extra=SERVER,
+    )
+    max_batch_storage_bytes: int = Field(
+        10 * 1024 * 1024 * 1024,
+        gt=0,
+        description="Bytes all files of --batch-dir may hold together, batch outputs included "
+        "(an upload that would pass it is refused; a running batch stops with `failed`).",
+        json_schema_extra=SERVER,
+    )
+    max_batch_requests: int = Field(
+        50_000,
+        gt=0,
+        description="Most request lines in one batch's input file (OpenAI's 50,000).",
+        json_schema_extra=SERVER,
+    )
     async_scheduling: bool = Field(
         True, description="Plan step N+1 while step N runs.", json_schema_extra=MODEL
     )

@@ -19,6 +19,9 @@ from poolserve.frontend.startup import start
 from poolserve.frontend.state import ServiceState
 from poolserve.http import dispatch
 from poolserve.http.api import admin, inference, lora, retrieval
+from poolserve.http.batches import routes as batch_routes
+from poolserve.http.batches.runner import BatchRunner
+from poolserve.http.batches.store import BatchStore
 from poolserve.http.compat import cohere, infinity, ollama, tei_embed, tei_predict, tei_tokens
 from poolserve.http.compat.tei_common import TEIRoute
 from poolserve.http.edge.handlers import install_error_handlers, openapi_schema
@@ -59,17 +62,24 @@ def create_app(
         owns_process=owns_process,
     )
     inflight = InFlight()
+    batches = None
+    if settings.batch_dir is not None:
+        store = BatchStore(settings.batch_dir)
+        batches = batch_routes.Batches(store, BatchRunner(store, state), settings)
     keys = None
     if settings.api_keys_file is not None:
         share = settings.api_server_count  # each front end enforces 1/N of every key's limits
         keys = KeyRing(settings.api_keys_file, settings.api_key, share, state.metrics)
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         try:
             if keys is not None:
                 keys.load()  # checked before any process started; read here as it is now
             await start(state)
+            if batches is not None:  # its lines answered by this app, below the edge's checks
+                await asyncio.to_thread(batches.store.prepare)
+                batches.runner.start(app)
         except BaseException as exc:
             state.start_failure = exc
             if owns_process:  # a server process: one line, as every start-up error is said
@@ -83,6 +93,8 @@ def create_app(
             yield
         finally:
             state.draining = True
+            if batches is not None:  # before the engines: its lines in flight run again later
+                await batches.runner.stop()
             for served in state.models:
                 await served.engine.close()
             if state.core is not None:
@@ -101,6 +113,7 @@ def create_app(
     app.state.poolserve = state
     app.state.inflight = inflight
     app.state.api_keys = keys
+    app.state.batches = batches
     install_error_handlers(app)
     # Vertex AI's routes: where the platform names them (AIP_PREDICT_ROUTE, AIP_HEALTH_ROUTE)
     vertex = APIRouter(route_class=StrictJSONRoute)
@@ -117,6 +130,7 @@ def create_app(
         tei_predict.router,
         tei_tokens.router,
         dispatch.router,
+        batch_routes.router,
         vertex,
     )
     for router in routers:

@@ -9,6 +9,7 @@ pipeline with its in-process caller.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 
@@ -21,6 +22,7 @@ from poolserve.frontend.jobs import Job, ScoreJob
 from poolserve.frontend.pipeline import Submitted, submit_job
 from poolserve.frontend.scoring import Scored, scores_of
 from poolserve.frontend.state import ServiceState
+from poolserve.http.batches import BATCH_LINE, BATCH_PRIORITY
 from poolserve.http.tenants import TENANT_KEY, served_names
 from poolserve.observability.logs import LORA_KEY, MODEL_KEY, PROMPT_TOKENS_KEY
 from poolserve.observability.metrics import NO_LORA
@@ -36,8 +38,11 @@ def service_state(request: Request) -> ServiceState:
 
 
 async def submit(request: Request, job: Job) -> Submitted:
-    """An HTTP request's job through the pipeline (`submit_job`)."""
+    """An HTTP request's job through the pipeline (`submit_job`); a batch line's behind every
+    interactive request (`BATCH_PRIORITY`)."""
     request.state.task = job.task.value  # for the access log, even when the job is refused
+    if BATCH_LINE in request.scope.get("extensions", ()):
+        job = dataclasses.replace(job, priority=max(job.priority, BATCH_PRIORITY))
     return await submit_job(service_state(request), job, HTTPCaller(request))
 
 

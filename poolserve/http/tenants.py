@@ -120,6 +120,7 @@ class TenantKey:
 
     spec: KeySpec
     usage: Usage
+    limited: bool = True  # False for a batch line: counted, never held back by the buckets
 
     @property
     def name(self) -> str:
@@ -167,7 +168,7 @@ class TenantKey:
         """The prompt tokens the engine admitted for one of the key's requests."""
         usage = self.usage
         usage.prompt_tokens.inc(num_tokens)
-        if usage.tokens is not None:
+        if usage.tokens is not None and self.limited:
             usage.tokens.charge(num_tokens, time.monotonic())
 
 
@@ -217,6 +218,13 @@ class KeyRing:
             logger.error("%s; kept the %d key(s) read before", exc, len(self.usage))
             return
         logger.info("--api-keys-file %s: %d key(s) read", self.path, len(self.usage))
+
+    def named(self, name: str) -> TenantKey | None:
+        """The key named `name` (a batch's owner), None once the file no longer has it."""
+        usage = self.usage.get(name)
+        if usage is None:
+            return None
+        return next((t for t in self.table[1] if t.name == name), None)
 
     def find(self, token: bytes) -> TenantKey | None:
         """The key whose digest is the SHA-256 of `token`, compared with every digest."""

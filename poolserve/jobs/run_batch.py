@@ -19,17 +19,16 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from poolserve.config.flags import add_settings_flags, settings_from_args
 from poolserve.config.settings import ServerSettings
-from poolserve.jobs.batch_lines import (
-    JobError,
+from poolserve.http.batches.lines import (
     LineError,
     LineReader,
-    Output,
     answer_line,
     error_line,
     internal_error_line,
     parse_line,
     too_long,
 )
+from poolserve.jobs.batch_output import JobError, Output
 from poolserve.types.errors import command_error
 
 if TYPE_CHECKING:
@@ -301,6 +300,7 @@ async def _answer(
             logger.exception("line %d: the server failed", number)
             return Answer(internal_error_line(request.custom_id), False)
         if reply.status != 429:
-            return Answer(answer_line(request.custom_id, reply), 200 <= reply.status < 300)
+            line = answer_line(request.custom_id, reply.status, reply.headers, reply.body)
+            return Answer(line, 200 <= reply.status < 300)
         await asyncio.sleep(delay)
         delay = min(2 * delay, RETRY_MOST_S)

@@ -309,6 +309,12 @@ class ModelNotFoundError(APIError):
     status, type, code = 404, "not_found_error", "model_not_found"
 
 
+class NotFoundError(APIError):
+    """A file or batch the caller has none of (404; another API key's is answered the same)."""
+
+    status, type, code = 404, "not_found_error", "not_found"
+
+
 class PayloadTooLargeError(APIError):
     """Request body above --payload-limit (413)."""
 

@@ -23,7 +23,7 @@ import torch
 from sentence_transformers import SentenceTransformer, util
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from poolserve.jobs.batch_lines import DROP_PIECE, LineError, LineReader, parse_line
+from poolserve.http.batches.lines import DROP_PIECE, LineError, LineReader, parse_line
 from poolserve.offline import AsyncPoolingEngine
 from tests.tiny_encoders import save_tiny_encoder
 

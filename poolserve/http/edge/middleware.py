@@ -16,11 +16,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from poolserve.config.settings import ServerSettings
 from poolserve.frontend.state import ServiceState
+from poolserve.http.batches import BATCH_LINE, UPLOAD_PATH, upload_limit
 from poolserve.http.edge.handlers import error_answer
 from poolserve.http.errors import CLOSE, EdgeError, error_line, response_for
 from poolserve.http.internals import matched_route
 from poolserve.http.routing import route_path
-from poolserve.http.tenants import TENANT_KEY, KeyRing
+from poolserve.http.tenants import TENANT_KEY, KeyRing, TenantKey
 from poolserve.observability.logs import (
     ACCESS_LOGGER,
     API_KEY_NAME_KEY,
@@ -37,6 +38,7 @@ from poolserve.types.errors import (
     AuthenticationError,
     InvalidRequestError,
     PayloadTooLargeError,
+    PermissionDeniedError,
     ShutdownError,
     clip,
 )
@@ -72,6 +74,8 @@ NDJSON = b"application/x-ndjson"
 SEND_TIMEOUT_S = 0.25
 # Outside a DrainingServer nobody drops stalled connections: the answer gives up by itself.
 ANSWER_TIMEOUT_S = 1.0
+# A batch file's upload may take --body-timeout plus the time its bytes need at this rate.
+UPLOAD_BYTES_PER_S = 1 << 20
 
 
 @dataclass(eq=False)
@@ -158,12 +162,17 @@ class EdgeMiddleware:
         self._authorize = self._check_auth if keys is None else self._check_tenant
         self.payload_limit = state.settings.payload_limit
         self.body_timeout = state.settings.body_timeout
+        # POST /v1/files (--batch-dir) takes a batch file: its own size bound and time
+        self.upload_limit = upload_limit(state.settings)
         self.counted = Counted(state)
         self.open_paths = open_paths(state.settings)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        if BATCH_LINE in scope.get("extensions", ()):  # only this process's batch runner
+            await self._serve_line(scope, receive, send)
             return
         start = time.monotonic()
         task = asyncio.current_task()
@@ -182,7 +191,7 @@ class EdgeMiddleware:
         self.state.active_requests += counted
         self.inflight.exchanges.add(exchange)
         try:
-            receive_edge = self._receiver(exchange, receive)
+            receive_edge = self._receiver(exchange, receive, *self._bounds(scope))
             await self._serve(scope, receive_edge, send_edge, exchange, headers, repeated)
         except asyncio.CancelledError:
             if not exchange.stopped:
@@ -206,7 +215,7 @@ class EdgeMiddleware:
     ) -> None:
         """Refuse at the edge, or run the app; what escapes it is answered here, once."""
         try:
-            self._check(scope, exchange.open_path, headers, repeated)
+            self._check(scope, exchange.open_path, headers, repeated, self._bounds(scope)[0])
         except APIError as exc:
             await response_for(exc, CLOSE)(scope, receive, send)
             return
@@ -220,8 +229,53 @@ class EdgeMiddleware:
             # logged once and its 500 carries the edge's headers
             await error_answer(exc, scope)(scope, receive, send)
 
+    async def _serve_line(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A batch line of this process's runner: no key (its batch's was checked), no limits
+        and no accounting (it is no client's request), its owner's routes and models still."""
+        state = scope.setdefault("state", {})
+        state["request_id"] = _request_id(None)
+        state["request_id_given"] = False
+        state[TRACE_KEY] = NO_TRACE
+        try:
+            self._check_line(scope, state)
+        except APIError as exc:
+            await response_for(exc)(scope, receive, send)
+            return
+        try:
+            await self.app(scope, receive, send)
+        except Exception as exc:  # what the app left unanswered, answered by the app's table
+            await error_answer(exc, scope)(scope, receive, send)
+
+    def _check_line(self, scope: Scope, state: dict[str, Any]) -> None:
+        if self.keys is None:
+            return
+        owner = scope["extensions"][BATCH_LINE]
+        tenant = self.keys.named(owner) if isinstance(owner, str) else None
+        if tenant is None:
+            message = f"the API key named {clip(str(owner))!r} that made the batch is gone"
+            raise AuthenticationError(message)
+        state[TENANT_KEY] = TenantKey(tenant.spec, tenant.usage, limited=False)
+        state[API_KEY_NAME_KEY] = tenant.name
+        path = route_path(scope)
+        tenant.usage.counted.inc()
+        if not tenant.spec.allows_route(path):
+            message = f"this API key may not use {clip(path)}"
+            raise PermissionDeniedError(message, None, "route_not_allowed")
+
+    def _bounds(self, scope: Scope) -> tuple[int, float]:
+        """The request's body limit and the seconds it has to send the body."""
+        upload = self.upload_limit
+        if upload is None or scope["method"] != "POST" or route_path(scope) != UPLOAD_PATH:
+            return self.payload_limit, self.body_timeout
+        return upload, self.body_timeout + upload / UPLOAD_BYTES_PER_S
+
     def _check(
-        self, scope: Scope, open_path: bool, headers: dict[str, str], repeated: str | None
+        self,
+        scope: Scope,
+        open_path: bool,
+        headers: dict[str, str],
+        repeated: str | None,
+        limit: int,
     ) -> None:
         if repeated is not None:
             raise InvalidRequestError(
@@ -229,8 +283,8 @@ class EdgeMiddleware:
             )
         self._authorize(scope, open_path, headers)
         declared = headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.payload_limit:
-            raise self._too_large()
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise self._too_large(limit)
 
     def _check_auth(self, scope: Scope, open_path: bool, headers: dict[str, str]) -> None:
         if self.api_key is None or open_path:
@@ -253,16 +307,19 @@ class EdgeMiddleware:
         noted[API_KEY_NAME_KEY] = tenant.name  # what later features scope a tenant's data by
         tenant.admit(route_path(scope), time.monotonic())
 
-    def _too_large(self) -> PayloadTooLargeError:
+    def _too_large(self, limit: int) -> PayloadTooLargeError:
+        flag = "--payload-limit" if limit == self.payload_limit else "--max-batch-file-bytes"
         return PayloadTooLargeError(
-            f"request body is larger than the limit of {self.payload_limit} bytes (--payload-limit)"
+            f"request body is larger than the limit of {limit} bytes ({flag})"
         )
 
-    def _receiver(self, exchange: Exchange, receive: Receive) -> Receive:
+    def _receiver(
+        self, exchange: Exchange, receive: Receive, limit: int, seconds: float
+    ) -> Receive:
         """Bound the body in size and time; note a client that goes away."""
         seen = 0
         body_done = False
-        deadline = asyncio.get_running_loop().time() + self.body_timeout
+        deadline = asyncio.get_running_loop().time() + seconds
 
         async def receive_edge() -> Message:
             nonlocal seen, body_done
@@ -277,16 +334,15 @@ class EdgeMiddleware:
             except TimeoutError:
                 raise EdgeError(
                     408,
-                    f"the request body did not arrive within {self.body_timeout:g} s "
-                    "(--body-timeout)",
+                    f"the request body did not arrive within {seconds:g} s (--body-timeout)",
                     "body_timeout",
                     CLOSE,
                 ) from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 body_done = not message.get("more_body", False)
-                if seen > self.payload_limit:
-                    too_large = self._too_large()
+                if seen > limit:
+                    too_large = self._too_large(limit)
                     raise EdgeError(413, too_large.message, too_large.code, CLOSE)
             elif message["type"] == "http.disconnect" and not exchange.complete:
                 exchange.client_gone = True
@@ -397,7 +453,6 @@ def _request_id(given: str | None) -> str:
     if given is not None and REQUEST_ID.fullmatch(given):
         return given
     return f"{int.from_bytes(os.urandom(16)) & _UUID4_KEEP | _UUID4_SET:032x}"
-
 
 class Counted:
     """The request metrics' labelled children, looked up once per label set, not per request.

@@ -1,32 +1,27 @@
-"""`poolserve run-batch`'s lines: bounded reading, the request a line holds, the line written back.
+"""Batch request lines, for `poolserve run-batch` and the online Batch API: bounded reading, the
+request a line holds, the line written back.
 
 A line is OpenAI's batch request, `{"custom_id", "method", "url", "body"}`. Its body is sent as
 the exact text the line holds (found by scanning the line's top-level object), so the server sees
-what a client would have sent, duplicate keys included. Output lines are vLLM's
-`BatchRequestOutput`, assembled around the server's answer bytes without parsing them again.
+what a client would have sent, duplicate keys included. Output lines are assembled around the
+server's answer bytes without parsing them again: vLLM's `BatchRequestOutput` for run-batch (an
+error document under `error`), OpenAI's batch output for the Batch API (the answer under
+`response.body` whatever its status; `error` only for a request that got no answer).
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import json
-import os
 import re
-import sys
-import tempfile
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import Any, BinaryIO
 
 import orjson
 
 from poolserve.http.errors import error_document
 from poolserve.types.errors import clip
-
-if TYPE_CHECKING:  # the Python API loads the app and torch: not for `poolserve --help`
-    from poolserve.offline.outputs import Reply
 
 # The routes a line may name: vLLM's run-batch families (embeddings, score, rerank), at every path
 # the server serves them, plus pooling and classify, which vLLM's run-batch does not take.
@@ -66,10 +61,6 @@ class BatchRequest:
     custom_id: str
     url: str
     body: bytes
-
-
-class JobError(Exception):
-    """What stops the whole job (exit 1): unreadable input, unwritable output, no model."""
 
 
 class LineError(Exception):
@@ -258,82 +249,53 @@ def error_line(error: LineError) -> bytes:
     return output_line(error.custom_id, error.status, uuid.uuid4().hex, error=error.document())
 
 
-def answer_line(custom_id: str, reply: Reply) -> bytes:
+def answer_line(custom_id: str, status: int, headers: Mapping[str, str], body: bytes) -> bytes:
     """The output line of a request the server answered: its document in `body` or `error`."""
-    request_id = reply.headers.get("x-request-id") or uuid.uuid4().hex
-    document = reply.body.strip()
-    if not reply.headers.get("content-type", "").startswith("application/json") or not document:
+    request_id = headers.get("x-request-id") or uuid.uuid4().hex
+    document = answer_document(headers, body)
+    if document is None:
         # no route of URLS answers anything else: a guard, so a line is always one JSON document
-        message = f"the server answered {clip(reply.headers.get('content-type', 'nothing'))}"
+        message = f"the server answered {clip(headers.get('content-type', 'nothing'))}"
         error = error_document(message, "internal_error", None, "not_json")
-        return output_line(custom_id, reply.status, request_id, error=orjson.dumps(error))
-    if 200 <= reply.status < 300:
-        return output_line(custom_id, reply.status, request_id, body=document)
-    return output_line(custom_id, reply.status, request_id, error=document)
+        return output_line(custom_id, status, request_id, error=orjson.dumps(error))
+    if 200 <= status < 300:
+        return output_line(custom_id, status, request_id, body=document)
+    return output_line(custom_id, status, request_id, error=document)
 
 
-class Output:
-    """Where answers go: stdout, or a temporary file beside the output, renamed at the end."""
-
-    def __init__(self, name: str, overwrite: bool = False) -> None:
-        """Open the output; one that can't be written, or a file already there (unless
-        `overwrite`), is refused (JobError) before any work."""
-        self.name = name
-        self.path: str | None = None if name == "-" else os.path.abspath(name)
-        self.temporary: str | None = None
-        if self.path is None:
-            self.stream: BinaryIO = sys.stdout.buffer
-            return
-        if not overwrite and os.path.isfile(self.path):  # `poolserve embed`'s words
-            raise JobError(
-                f"{name} already exists: nothing is overwritten (pass --overwrite to replace it)"
-            )
-        try:
-            if os.path.isdir(self.path):
-                raise IsADirectoryError(errno.EISDIR, "Is a directory")
-            folder, base = os.path.split(self.path)
-            handle, self.temporary = tempfile.mkstemp(dir=folder, prefix=f".{base}.", suffix=".tmp")
-            self.stream = os.fdopen(handle, "wb")
-            os.fchmod(handle, 0o666 & ~_umask())  # the mode open() gives, not mkstemp's 0600
-        except OSError as exc:
-            self.discard()
-            raise self._error(exc) from None
-
-    def commit(self) -> None:
-        """Everything written: the output appears whole (the rename is atomic)."""
-        try:
-            self.stream.flush()
-            if self.temporary is not None and self.path is not None:
-                os.fsync(self.stream.fileno())
-                self.stream.close()
-                os.replace(self.temporary, self.path)
-                self.temporary = None
-        except OSError as exc:
-            raise self._error(exc) from None
-
-    def discard(self) -> None:
-        """A failed job: the temporary file is removed (stdout keeps what was written)."""
-        if self.temporary is None:
-            return
-        if hasattr(self, "stream"):
-            self.stream.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.temporary)
-        self.temporary = None
-
-    def write(self, data: bytes) -> None:
-        """Answers appended (in a worker thread: a pipe or a full disk may block)."""
-        try:
-            self.stream.write(data)
-        except OSError as exc:
-            raise self._error(exc) from None
-
-    def _error(self, exc: OSError) -> JobError:
-        return JobError(f"cannot write the output {self.name}: {exc.strerror or exc}")
+def answer_document(headers: Mapping[str, str], body: bytes) -> bytes | None:
+    """The answer's JSON document, or None when the server answered something else."""
+    document = body.strip()
+    if not headers.get("content-type", "").startswith("application/json") or not document:
+        return None
+    return document
 
 
-def _umask() -> int:
-    """The process's umask (read by setting it: done once, before any thread writes files)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return umask
+def openai_line(custom_id: str, status: int, request_id: str, document: bytes) -> bytes:
+    """OpenAI's output line of an answered request: the answer, error or not, as the body."""
+    return b"".join(
+        (
+            b'{"id":"batch_req_',
+            uuid.uuid4().hex.encode(),
+            b'","custom_id":',
+            orjson.dumps(custom_id),
+            b',"response":{"status_code":',
+            str(status).encode(),
+            b',"request_id":',
+            orjson.dumps(request_id),
+            b',"body":',
+            document,
+            b'},"error":null}\n',
+        )
+    )
+
+
+def unanswered_line(custom_id: str | None, code: str, message: str) -> bytes:
+    """OpenAI's output line of a request that got no answer (`batch_expired`, a failure)."""
+    line = {
+        "id": f"batch_req_{uuid.uuid4().hex}",
+        "custom_id": custom_id,
+        "response": None,
+        "error": {"code": code, "message": message},
+    }
+    return orjson.dumps(line) + b"\n"

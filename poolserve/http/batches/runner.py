@@ -1,0 +1,528 @@
+"""The batch runner: the front end that holds `runner.lock` takes the unended batches oldest first
+and carries each through OpenAI's lifecycle, one at a time.
+
+- `validating`: the input file is checked whole (`validate.py`); any fault fails the batch with
+  OpenAI's `errors` list, before any line runs.
+- `in_progress`: lines are answered by this process's app (`asgi_call.py`) at `BATCH_PRIORITY`,
+  a bounded window of them at once, shrunk to one while interactive requests are in flight, and
+  written in input order to the output (2xx) or error lines. Every second the lines written are
+  flushed to disk, then the record's progress says how far they go: after a crash the batch
+  resumes from there, the part files cut back to that length, so every line is written once.
+  A line the engine could not take (429, 503) is sent again; while the server drains, no new
+  line starts.
+- A cancel request (`cancelling`) or the completion window's end stops the lines; the lines not
+  run are dropped (cancelled) or written to the error lines as `batch_expired` (OpenAI's line).
+- `finalizing`: the part files become the batch's output and error files.
+
+The other front ends only create, list and cancel; the lock passes to another when its holder
+exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import os
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import msgspec
+from starlette.types import ASGIApp
+
+from poolserve.frontend.state import ServiceState
+from poolserve.http.batches.asgi_call import call_app
+from poolserve.http.batches.lines import (
+    LineError,
+    answer_document,
+    openai_line,
+    parse_line,
+    unanswered_line,
+)
+from poolserve.http.batches.store import (
+    BatchRecord,
+    BatchStore,
+    FileRecord,
+    LineFault,
+    Progress,
+    Purpose,
+    Status,
+    new_file_id,
+)
+from poolserve.http.batches.validate import check_input
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.5  # how soon a batch created by another front end is seen
+CHECKPOINT_S = 1.0
+WRITE_BYTES = 1 << 20  # answers gathered before one write in a worker thread
+MOST_WINDOW = 64
+READ_LINES = 64
+SWEEP_S = 60.0  # how often expired files are deleted
+RETRY_FIRST_S, RETRY_MOST_S = 0.01, 0.5
+RETRIED = frozenset({429, 503})  # the engine's queue was full, or it was not serving: again
+EXPIRED_MESSAGE = "This request could not be executed before the completion window expired."
+PART_NAMES = {"output": "output", "errors": "error"}
+
+
+class Stopped(Exception):
+    """The runner stops: the server drains or shuts down."""
+
+
+@dataclass(frozen=True)
+class Line:
+    """One request line of the input: its number, where the next line starts, its text."""
+
+    number: int
+    end: int
+    text: bytes
+
+
+class BatchRunner:
+    """Runs the batches of one `BatchStore` in this process while it holds the store's lock."""
+
+    def __init__(self, store: BatchStore, state: ServiceState) -> None:
+        self.store = store
+        self.state = state
+        settings = state.settings
+        self.body_limit = settings.payload_limit
+        self.most_requests = settings.max_batch_requests
+        self.most_bytes = settings.max_batch_storage_bytes
+        self.window = max(1, min(MOST_WINDOW, settings.max_num_seqs))
+        self.wake = asyncio.Event()
+        self._app: ASGIApp | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._lock: int | None = None
+        self._swept = 0.0
+
+    def start(self, app: ASGIApp) -> None:
+        """Run batches with `app` answering their lines, from now until `stop`."""
+        self._app = app
+        self._task = asyncio.create_task(self._run(), name="batch runner")
+
+    async def stop(self) -> None:
+        """Stop at once: lines in flight are dropped (they run again on resume)."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._lock is not None:
+            os.close(self._lock)  # closing the descriptor releases the lock
+            self._lock = None
+
+    def poke(self) -> None:
+        """A batch was created or cancelled here: look now rather than at the next poll."""
+        self.wake.set()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                if self._lock is None:
+                    self._lock = await asyncio.to_thread(_try_lock, self.store.lock_path)
+                if self._lock is not None and not self._stopping():
+                    await self._sweep()
+                    queue = await asyncio.to_thread(self.store.unended)
+                    if queue:
+                        await self._advance(queue[0])
+                        continue
+            except Stopped:
+                pass
+            except Exception:  # a disk fault: said, and tried again at the next poll
+                logger.exception("the batch runner failed; retrying in %.1f s", POLL_S)
+            self.wake.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(POLL_S):
+                    await self.wake.wait()
+
+    def _stopping(self) -> bool:
+        return self.state.draining
+
+    async def _advance(self, batch: BatchRecord) -> None:
+        """Move one batch one status on."""
+        store = self.store
+        asked = await asyncio.to_thread(store.cancel_asked, batch.id)
+        now = int(time.time())
+        if batch.status is Status.FINALIZING:
+            await self._finalize(batch)
+        elif asked is not None:
+            await self._end(batch, Status.CANCELLED, cancelling_at=asked)
+        elif now >= batch.expires_at:
+            await self._expire(batch, batch.progress)
+        elif batch.status is Status.VALIDATING:
+            await self._validate(batch)
+        else:
+            await self._run_lines(batch)
+
+    async def _validate(self, batch: BatchRecord) -> None:
+        path = self.store.data_path(batch.input_file_id)
+        try:
+            checked = await asyncio.to_thread(
+                check_input, path, batch.endpoint, self.body_limit, self.most_requests
+            )
+        except FileNotFoundError:
+            fault = LineFault("input_file_missing", "the input file was deleted", None, None)
+            await self._put(batch.moved(Status.FAILED, int(time.time()), errors=(fault,)))
+            return
+        now = int(time.time())
+        if checked.faults:
+            await self._put(batch.moved(Status.FAILED, now, errors=checked.faults))
+        else:
+            await self._put(batch.moved(Status.IN_PROGRESS, now, total=checked.total))
+
+    async def _run_lines(self, batch: BatchRecord) -> None:
+        """Answer the batch's lines from where its progress says, until done or stopped."""
+        store = self.store
+        try:
+            source = await asyncio.to_thread(_open_input, store.data_path(batch.input_file_id))
+        except FileNotFoundError:
+            fault = LineFault("input_file_missing", "the input file was deleted", None, None)
+            await self._end(batch, Status.FAILED, errors=(fault,))
+            return
+        parts = await asyncio.to_thread(_open_parts, store, batch)
+        run = LineRun(self, batch, source, parts)
+        try:
+            ending = await run.all()
+        finally:
+            await asyncio.to_thread(_close, source, *parts.values())
+        batch = run.batch
+        if ending is Status.EXPIRED:
+            await self._expire(batch, batch.progress)
+        elif ending is Status.CANCELLED:
+            asked = await asyncio.to_thread(store.cancel_asked, batch.id)
+            await self._end(batch, Status.CANCELLED, cancelling_at=asked)
+        elif ending is Status.FAILED:
+            await self._end(batch, Status.FAILED, errors=run.faults)
+        elif ending is Status.COMPLETED:
+            await self._end(batch, Status.COMPLETED)
+
+    async def _expire(self, batch: BatchRecord, progress: Progress) -> None:
+        """Every line not run written as `batch_expired`, then the batch ends `expired`."""
+        store = self.store
+        path = store.data_path(batch.input_file_id)
+        errors = store.part_path(batch.id, "errors")
+        written, lines = await asyncio.to_thread(_write_expired, path, errors, progress)
+        progress = msgspec.structs.replace(
+            progress, error_bytes=progress.error_bytes + written, failed=progress.failed + lines
+        )
+        # a batch that expired before its validation counts its lines now
+        total = batch.total or progress.completed + progress.failed
+        expired = msgspec.structs.replace(batch, progress=progress, total=total)
+        await self._end(expired, Status.EXPIRED)
+
+    async def _end(self, batch: BatchRecord, status: Status, **changes: object) -> None:
+        """Finalize towards `status`: the output files' ids chosen and recorded first, so a
+        finalizing batch that is resumed publishes the same files."""
+        sizes = await asyncio.to_thread(_part_sizes, self.store, batch)
+        ids = {
+            "output_file_id": new_file_id() if sizes["output"] else None,
+            "error_file_id": new_file_id() if sizes["errors"] else None,
+        }
+        now = int(time.time())
+        finalizing = batch.moved(Status.FINALIZING, now, ending=status, **ids, **changes)
+        await self._put(finalizing)
+        await self._finalize(finalizing)
+
+    async def _finalize(self, batch: BatchRecord) -> None:
+        """The part files published as files, then the batch in its ending status."""
+        store = self.store
+        now = int(time.time())
+        expires = None if batch.output_expires_after is None else now + batch.output_expires_after
+        for part, file_id in (("output", batch.output_file_id), ("errors", batch.error_file_id)):
+            path = store.part_path(batch.id, part)
+            if file_id is None:
+                await asyncio.to_thread(_remove, path)
+                continue
+            if not await asyncio.to_thread(path.exists):
+                continue  # published before a restart
+            size = (await asyncio.to_thread(path.stat)).st_size
+            record = FileRecord(
+                id=file_id,
+                bytes=size,
+                created_at=now,
+                filename=f"{batch.id}_{PART_NAMES[part]}.jsonl",
+                purpose=Purpose.BATCH_OUTPUT,
+                expires_at=expires,
+                owner=batch.owner,
+            )
+            await asyncio.to_thread(store.add_file, record, path)
+        await self._put(batch.moved(batch.ending, now))
+        logger.info(
+            "batch %s %s: %d of %d lines completed, %d failed",
+            batch.id,
+            batch.ending.value,
+            batch.progress.completed,
+            batch.total,
+            batch.progress.failed,
+        )
+
+    async def _put(self, batch: BatchRecord) -> None:
+        await asyncio.to_thread(self.store.put_batch, batch)
+
+    async def _sweep(self) -> None:
+        """Delete expired files (not those a batch still reads), once a minute."""
+        now = time.monotonic()
+        if now - self._swept < SWEEP_S:
+            return
+        self._swept = now
+        await asyncio.to_thread(_sweep_expired, self.store, time.time())
+
+
+class LineRun:
+    """One stretch of a batch's lines, from its progress to the end or a stop."""
+
+    def __init__(
+        self,
+        runner: BatchRunner,
+        batch: BatchRecord,
+        source: BinaryIO,
+        parts: dict[str, BinaryIO],
+    ) -> None:
+        self.runner = runner
+        self.batch = batch
+        self.source = source
+        self.parts = parts
+        self.pending: dict[str, list[bytes]] = {"output": [], "errors": []}
+        self.pending_bytes = 0
+        self.progress = batch.progress
+        self.faults: tuple[LineFault, ...] = ()
+        self.window: deque[tuple[Line, asyncio.Task[tuple[str, bytes, int] | None]]] = deque()
+        self.checked = time.monotonic()
+
+    async def all(self) -> Status | None:
+        """Run until every line is written (COMPLETED), the batch is cancelled, expires or
+        fails, or the server stops (None: resumed later)."""
+        runner = self.runner
+        lines: deque[Line] = deque()
+        number, offset = self.progress.next_line, self.progress.input_offset
+        more = True
+        try:
+            while True:
+                if not runner._stopping():
+                    while more and len(self.window) < self._room():
+                        if not lines:
+                            read = await asyncio.to_thread(_read_lines, self.source, number, offset)
+                            if not read:
+                                more = False
+                                break
+                            lines.extend(read)
+                            number, offset = read[-1].number + 1, read[-1].end
+                        line = lines.popleft()
+                        task = asyncio.create_task(self._answer(line))
+                        self.window.append((line, task))
+                if not self.window:
+                    await self._checkpoint()
+                    return None if more else Status.COMPLETED
+                line, task = self.window[0]
+                answered = await task
+                self.window.popleft()
+                if answered is None:  # not answered: the server stops; resumed later
+                    await self._checkpoint()
+                    return None
+                self._written(line, *answered)
+                if self.pending_bytes >= WRITE_BYTES:
+                    await self._write()
+                if time.monotonic() - self.checked >= CHECKPOINT_S:
+                    ending = await self._checkpoint()
+                    if ending is not None:
+                        return ending
+        finally:
+            for _, task in self.window:
+                task.cancel()
+
+    def _room(self) -> int:
+        """Lines at once: the window, or one while interactive requests are in flight."""
+        return 1 if self.runner.state.active_requests else self.runner.window
+
+    async def _answer(self, line: Line) -> tuple[str, bytes, int] | None:
+        """(part, output line, prompt tokens) of one line; None when the server stops first."""
+        runner = self.runner
+        app = runner._app
+        assert app is not None
+        try:
+            request = parse_line(line.text, line.number)
+        except LineError as exc:  # validated, so only a file changed on disk since
+            return "errors", unanswered_line(exc.custom_id, exc.code, exc.message), 0
+        delay = RETRY_FIRST_S
+        while True:
+            try:
+                answer = await call_app(app, request.url, request.body, self.batch.owner)
+            except Exception:  # the app failed and raised: a client would have seen its 500
+                logger.exception("batch %s line %d: the server failed", self.batch.id, line.number)
+                message = "internal server error"
+                return "errors", unanswered_line(request.custom_id, "internal_error", message), 0
+            if answer.status not in RETRIED:
+                break
+            if runner._stopping():
+                return None
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, RETRY_MOST_S)
+        document = answer_document(answer.headers, answer.body)
+        request_id = answer.request_id
+        if document is None:
+            message = "the server answered no JSON document"
+            return "errors", unanswered_line(request.custom_id, "not_json", message), 0
+        part = "output" if 200 <= answer.status < 300 else "errors"
+        text = openai_line(request.custom_id, answer.status, request_id, document)
+        return part, text, answer.prompt_tokens
+
+    def _written(self, line: Line, part: str, text: bytes, tokens: int) -> None:
+        """A line's answer taken, in input order."""
+        self.pending[part].append(text)
+        self.pending_bytes += len(text)
+        progress = self.progress
+        ok = part == "output"
+        self.progress = msgspec.structs.replace(
+            progress,
+            next_line=line.number + 1,
+            input_offset=line.end,
+            output_bytes=progress.output_bytes + (len(text) if ok else 0),
+            error_bytes=progress.error_bytes + (0 if ok else len(text)),
+            completed=progress.completed + ok,
+            failed=progress.failed + (not ok),
+            input_tokens=progress.input_tokens + tokens,
+        )
+
+    async def _write(self) -> None:
+        pending = self.pending
+        self.pending = {"output": [], "errors": []}
+        self.pending_bytes = 0
+        await asyncio.to_thread(_append, self.parts, pending)
+
+    async def _checkpoint(self) -> Status | None:
+        """Lines on disk, then the progress in the record; what ends the run now, if anything."""
+        await self._write()
+        await asyncio.to_thread(_sync, *self.parts.values())
+        runner = self.runner
+        store = runner.store
+        self.batch = msgspec.structs.replace(self.batch, progress=self.progress)
+        await runner._put(self.batch)
+        self.checked = time.monotonic()
+        if await asyncio.to_thread(store.cancel_asked, self.batch.id) is not None:
+            return Status.CANCELLED
+        if time.time() >= self.batch.expires_at:
+            return Status.EXPIRED
+        room = runner.most_bytes - await asyncio.to_thread(store.stored_bytes)
+        if room < 0:
+            message = "the batch storage is full (--max-batch-storage-bytes)"
+            self.faults = (LineFault("storage_limit_exceeded", message, None, None),)
+            return Status.FAILED
+        return None
+
+
+def _try_lock(path: Path) -> int | None:
+    """The lock's descriptor when this process got it, else None (another front end has it)."""
+    descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(descriptor)
+        return None
+    return descriptor
+
+
+def _open_input(path: Path) -> BinaryIO:
+    return open(path, "rb")  # closed by the run
+
+
+def _open_parts(store: BatchStore, batch: BatchRecord) -> dict[str, BinaryIO]:
+    """The part files, cut back to what the record's progress counts (a crash may have written
+    lines after it: they run again)."""
+    progress = batch.progress
+    sizes = {"output": progress.output_bytes, "errors": progress.error_bytes}
+    opened: dict[str, BinaryIO] = {}
+    for part, size in sizes.items():
+        path = store.part_path(batch.id, part)
+        handle = open(path, "ab")  # noqa: SIM115 (closed by the run)
+        handle.truncate(size)
+        opened[part] = handle
+    return opened
+
+
+def _read_lines(source: BinaryIO, number: int, offset: int) -> list[Line]:
+    """The next request lines from `offset` (line `number`), blank lines skipped."""
+    source.seek(offset)
+    lines: list[Line] = []
+    while len(lines) < READ_LINES:
+        text = source.readline()
+        if not text:
+            break
+        offset += len(text)
+        if text.strip():
+            lines.append(Line(number, offset, text.strip()))
+        number += 1
+    return lines
+
+
+def _append(parts: dict[str, BinaryIO], pending: dict[str, list[bytes]]) -> None:
+    for part, texts in pending.items():
+        if texts:
+            parts[part].write(b"".join(texts))
+
+
+def _sync(*handles: BinaryIO) -> None:
+    for handle in handles:
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _close(*handles: BinaryIO) -> None:
+    for handle in handles:
+        handle.close()
+
+
+def _part_sizes(store: BatchStore, batch: BatchRecord) -> dict[str, int]:
+    """The part files' sizes as the record counts them (what a crash added after is cut)."""
+    progress = batch.progress
+    sizes = {"output": progress.output_bytes, "errors": progress.error_bytes}
+    for part, size in sizes.items():
+        path = store.part_path(batch.id, part)
+        if path.exists():
+            with open(path, "ab") as handle:
+                handle.truncate(size)
+    return sizes
+
+
+def _write_expired(path: Path, errors: Path, progress: Progress) -> tuple[int, int]:
+    """`batch_expired` lines for every line from the progress on: (bytes, lines) written."""
+    written = lines = 0
+    try:
+        source = open(path, "rb")  # noqa: SIM115
+    except FileNotFoundError:
+        return 0, 0
+    with source, open(errors, "ab") as out:
+        out.truncate(progress.error_bytes)
+        number, offset = progress.next_line, progress.input_offset
+        while read := _read_lines(source, number, offset):
+            texts = []
+            for line in read:
+                try:
+                    custom_id: str | None = parse_line(line.text, line.number).custom_id
+                except LineError as exc:
+                    custom_id = exc.custom_id
+                texts.append(unanswered_line(custom_id, "batch_expired", EXPIRED_MESSAGE))
+            data = b"".join(texts)
+            out.write(data)
+            written += len(data)
+            lines += len(texts)
+            number, offset = read[-1].number + 1, read[-1].end
+        out.flush()
+        os.fsync(out.fileno())
+    return written, lines
+
+
+def _remove(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _sweep_expired(store: BatchStore, now: float) -> None:
+    """Delete expired files, keeping the inputs of batches that have not ended."""
+    reading = {batch.input_file_id for batch in store.unended()}
+    for record in store.expired_files(now):
+        if record.id not in reading:
+            store.delete_file(record.id)
