@@ -11,6 +11,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from poolserve.models.bge_m3 import m3_unused_ids
+from poolserve.models.families.records import ArchitectureEntry
 from poolserve.models.registry import ARCHITECTURES, Backbone
 from poolserve.models.spec import LoadedModel
 from poolserve.types.errors import ModelLoadError
@@ -43,6 +44,8 @@ def pooling_info_from(
     head: dict[str, Any] = {} if loaded.head is None else {HEAD_FIELDS[spec.head_kind]: loaded.head}
     # a static embedding table is no registry architecture: it pools like an encoder
     entry = ARCHITECTURES.get(spec.architecture)
+    if pooler_task is PoolingTask.TOKEN_CLASSIFY and spec.head_kind is HeadKind.SEQUENCE_CLASSIFIER:
+        _check_per_token(spec.architecture, entry)
     return PoolingModelInfo(
         # by backbone, not attention: a bidirectional decoder's heads still read the last token
         is_decoder=entry is not None and entry.backbone is Backbone.DECODER,
@@ -67,6 +70,16 @@ def pooling_info_from(
         if spec.head_kind is HeadKind.SEQUENCE_CLASSIFIER
         else ScoreActivation.SIGMOID,
     )
+
+
+def _check_per_token(architecture: str, entry: ArchitectureEntry | None) -> None:
+    """A sequence classifier runs on every token only where vLLM defines how (PerToken)."""
+    if entry is None or entry.per_token is None:
+        raise ModelLoadError(
+            f"--pooler-config: token_classify through {architecture} is not served: vLLM runs "
+            "a sequence classifier on every token for decoders and BERT, GTE, ModernBERT and "
+            "RoBERTa-family classifiers only"
+        )
 
 
 def _classifier_pooling(name: str | None) -> PoolingType | None:

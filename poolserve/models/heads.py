@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -16,12 +17,14 @@ from poolserve.models.families.records import (
     Backbone,
     HeadTransform,
     MaskedLMHead,
+    PerToken,
 )
 from poolserve.models.late_interaction import colbert_projection
 from poolserve.models.layers import activation
 from poolserve.models.registry import DECODER_FAMILIES, MASKED_LM_LAYOUTS
 from poolserve.models.weights import take
 from poolserve.types.errors import ModelLoadError
+from poolserve.types.model_info import SEQ_POOLER, SEQ_SCORE
 from poolserve.types.tasks import LABELLED_HEADS, HeadKind
 
 logger = logging.getLogger(__name__)
@@ -107,6 +110,10 @@ def _classifier(
         return torch.nn.Sequential(*transform, classifier, _TokenMean())
     if not transform:
         return classifier
+    if entry.per_token is PerToken.CLASSIFIER:
+        # the transform is the backbone's pooler: named, so token_classify can leave it out
+        pooler = torch.nn.Sequential(*transform)
+        return torch.nn.Sequential(OrderedDict([(SEQ_POOLER, pooler), (SEQ_SCORE, classifier)]))
     return torch.nn.Sequential(*transform, classifier)
 
 

@@ -36,6 +36,7 @@ from poolserve.models.families.records import (
     EncoderLayout,
     EncoderNames,
     MaskedLMHead,
+    PerToken,
     encoder_entry,
 )
 from poolserve.types.tasks import HeadKind
@@ -106,8 +107,13 @@ REMOTE_CONFIGS: dict[str, Callable[[dict[str, Any]], PretrainedConfig]] = {
 
 _DECODER_SUFFIXES: dict[str, ArchitectureEntry] = {
     "ForCausalLM": ArchitectureEntry(Backbone.DECODER, HeadKind.NONE, ("model.",)),
+    # vLLM's as_seq_cls_model runs the score Linear on every token for token_classify
     "ForSequenceClassification": ArchitectureEntry(
-        Backbone.DECODER, HeadKind.SEQUENCE_CLASSIFIER, ("model.",), "score."
+        Backbone.DECODER,
+        HeadKind.SEQUENCE_CLASSIFIER,
+        ("model.",),
+        "score.",
+        per_token=PerToken.HEAD,
     ),
     "ForTokenClassification": ArchitectureEntry(
         Backbone.DECODER, HeadKind.TOKEN_CLASSIFIER, ("model.",), "score."

@@ -29,7 +29,7 @@ from poolserve.pooling.scorers import CrossEncoderHead
 from poolserve.pooling.sparse import sparse_head, sparse_method
 from poolserve.pooling.stats import CloneStats
 from poolserve.types.errors import PoolingConfigError
-from poolserve.types.model_info import PoolingModelInfo, get_supported_tasks
+from poolserve.types.model_info import SEQ_SCORE, PoolingModelInfo, get_supported_tasks
 from poolserve.types.params import NO_CALIBRATION, LogitCalibration, PoolingParams
 from poolserve.types.tasks import CALIBRATED_TASKS, HeadKind, PoolingTask, PoolingType
 from poolserve.types.validation import request_spans, validate_params
@@ -85,6 +85,15 @@ def _score_head(info: PoolingModelInfo, params: PoolingParams) -> Head:
 def _token_classifier_head(info: PoolingModelInfo, params: PoolingParams) -> ClassifierHead:
     use_activation = True if params.use_activation is None else params.use_activation
     return ClassifierHead(_required(info.token_classifier, "token_classifier"), use_activation)
+
+
+def _sequence_token_classifier_head(info: PoolingModelInfo, params: PoolingParams) -> Head:
+    # vLLM's token_classify through a sequence classifier: its head on every token's state,
+    # without the backbone's pooler layer where the checkpoint pools through one
+    module = _required(info.seq_classifier, "seq_classifier")
+    per_token = dict(module.named_children()).get(SEQ_SCORE, module)
+    use_activation = True if params.use_activation is None else params.use_activation
+    return ClassifierHead(per_token, use_activation)
 
 
 def _embed_token_classify_head(info: PoolingModelInfo, params: PoolingParams) -> Head:
@@ -146,6 +155,10 @@ TASK_PLANS: dict[tuple[HeadKind, PoolingTask], TaskPlan] = {
         _sequence_pooling, _sequence_reward_head
     ),
     (HeadKind.SEQUENCE_CLASSIFIER, PoolingTask.SCORE): TaskPlan(_sequence_pooling, _score_head),
+    # only when --pooler-config names token_classify (types/tasks.py, named_heads)
+    (HeadKind.SEQUENCE_CLASSIFIER, PoolingTask.TOKEN_CLASSIFY): TaskPlan(
+        _all, _sequence_token_classifier_head
+    ),
     (HeadKind.TOKEN_CLASSIFIER, PoolingTask.TOKEN_CLASSIFY): TaskPlan(_all, _token_classifier_head),
     (HeadKind.TOKEN_CLASSIFIER, PoolingTask.EMBED_TOKEN_CLASSIFY): TaskPlan(
         _all, _embed_token_classify_head

@@ -53,6 +53,12 @@ HEAD_FIELDS: dict[HeadKind, str] = {
 # [..., 1]` (a weight per token) and colbert_linear.pt `[..., hidden] -> [..., dim]`.
 M3_SPARSE = "sparse"
 M3_COLBERT = "colbert"
+# A sequence classifier that pools through a layer of its backbone (BERT's pooler, ModernBERT's
+# head) holds that layer as its module's child SEQ_POOLER and its classifier as SEQ_SCORE:
+# token_classify through it runs SEQ_SCORE alone on every token, as vLLM does. Any other
+# sequence classifier (a decoder's score, RoBERTa's head) runs whole on every token.
+SEQ_POOLER = "pooler"
+SEQ_SCORE = "score"
 
 
 @dataclass(frozen=True, eq=False)
@@ -139,7 +145,7 @@ class PoolingModelInfo:
     @cached_property  # asked per request
     def runnable_tasks(self) -> frozenset[PoolingTask]:
         """Tasks its heads allow, the server's internal ones included (bge-m3's EMBED_M3)."""
-        return head_tasks(self.head_kind, self.num_labels) & SUPPORTED_TASKS
+        return head_tasks(self.head_kind, self.num_labels, self.pooler_task) & SUPPORTED_TASKS
 
     @property
     def embedding_size(self) -> int:

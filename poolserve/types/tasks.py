@@ -100,6 +100,9 @@ class TaskDecl:
     params: frozenset[str] = frozenset()
     # heads that serve it only when they have one label (a reward or a score is one number)
     one_label_heads: frozenset[HeadKind] = frozenset()
+    # heads that serve it only when --pooler-config names it (vLLM's pooling_task), as vLLM
+    # serves a sequence classifier's head on every token only when started for token_classify
+    named_heads: frozenset[HeadKind] = frozenset()
     # --pooler-config's logit_mean/logit_sigma calibrate its classifier logits (as vLLM's)
     calibrated: bool = False
     # the order in which /v1/pooling picks a request's task when it names none (None: never)
@@ -153,6 +156,7 @@ TASKS: dict[PoolingTask, TaskDecl] = {
         _heads(HeadKind.TOKEN_CLASSIFIER),
         Output.PER_TOKEN,
         _fields("use_activation"),
+        named_heads=_heads(HeadKind.SEQUENCE_CLASSIFIER),
         calibrated=True,
         default_rank=3,
     ),
@@ -210,9 +214,16 @@ CAPABILITIES: dict[PoolingTask, str] = {
 }
 
 
-def head_tasks(kind: HeadKind, num_labels: int | None) -> frozenset[PoolingTask]:
-    """The tasks a model with this head (and this many labels) can serve."""
+def head_tasks(
+    kind: HeadKind, num_labels: int | None, pooler_task: PoolingTask | None = None
+) -> frozenset[PoolingTask]:
+    """The tasks a model with this head (and this many labels) can serve, started with
+    `pooler_task` as --pooler-config's task (None: no task named)."""
     one_label = num_labels == 1
     return frozenset(
-        t for t, d in TASKS.items() if kind in d.heads or (one_label and kind in d.one_label_heads)
+        t
+        for t, d in TASKS.items()
+        if kind in d.heads
+        or (one_label and kind in d.one_label_heads)
+        or (t is pooler_task and kind in d.named_heads)
     )

@@ -61,7 +61,12 @@ def test_declared_fields_are_the_params_fields() -> None:
 @pytest.mark.parametrize("kind", list(HeadKind))
 def test_every_served_pair_has_its_plan_and_every_plan_is_served(kind: HeadKind) -> None:
     """What the declarations say a head serves is what pooling knows how to run."""
-    served = head_tasks(kind, num_labels=1) | head_tasks(kind, num_labels=3)
+    served = {
+        task
+        for named in (None, *PoolingTask)
+        for labels in (1, 3)
+        for task in head_tasks(kind, labels, named)
+    }
     planned = {task for head, task in TASK_PLANS if head is kind}
     assert served == planned
 
@@ -70,6 +75,15 @@ def test_a_one_label_head_serves_more() -> None:
     one = head_tasks(HeadKind.SEQUENCE_CLASSIFIER, num_labels=1)
     three = head_tasks(HeadKind.SEQUENCE_CLASSIFIER, num_labels=3)
     assert three < one and PoolingTask.SCORE in one - three
+
+
+def test_a_named_task_adds_to_the_head_tasks() -> None:
+    """A sequence classifier runs on every token only when --pooler-config names the task."""
+    plain = head_tasks(HeadKind.SEQUENCE_CLASSIFIER, num_labels=3)
+    named = head_tasks(HeadKind.SEQUENCE_CLASSIFIER, 3, PoolingTask.TOKEN_CLASSIFY)
+    assert named - plain == {PoolingTask.TOKEN_CLASSIFY}
+    # naming a task the head cannot run adds nothing
+    assert head_tasks(HeadKind.SEQUENCE_CLASSIFIER, 3, PoolingTask.TOKEN_EMBED) == plain
 
 
 def test_every_head_kind_but_none_has_its_module_field() -> None:

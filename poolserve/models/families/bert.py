@@ -15,6 +15,7 @@ from poolserve.models.families.records import (
     HeadTransform,
     LayerNames,
     MaskedLMHead,
+    PerToken,
     family_classes,
 )
 
@@ -24,6 +25,7 @@ FAMILIES: dict[str, EncoderFamily] = {
         EncoderLayout.BERT,
         "bert.",
         HeadTransform("bert.pooler.dense."),
+        per_token=PerToken.CLASSIFIER,  # vLLM: the pooler is the classify task's pooling
     ),
 }
 

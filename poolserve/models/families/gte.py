@@ -23,6 +23,7 @@ from poolserve.models.families.records import (
     HeadTransform,
     LayerNames,
     MaskedLMHead,
+    PerToken,
     Positions,
     encoder_entry,
     family_classes,
@@ -37,6 +38,7 @@ FAMILIES: dict[str, EncoderFamily] = {
         HeadTransform("gte.pooler.dense."),
         positions=Positions.ROTARY,
         gated_mlp=True,
+        per_token=PerToken.CLASSIFIER,  # vLLM's GteNewForSequenceClassification
     ),
     # The remote code's classes are not transformers classes: ARCHITECTURES below holds them.
     "new": EncoderFamily(
@@ -46,6 +48,7 @@ FAMILIES: dict[str, EncoderFamily] = {
         HeadTransform("new.pooler.dense."),
         positions=Positions.ROTARY,
         gated_mlp=True,
+        per_token=PerToken.CLASSIFIER,  # vLLM's GteNewForSequenceClassification
     ),
 }
 

@@ -11,6 +11,7 @@ from poolserve.models.families.records import (
     HeadTransform,
     LayerNames,
     MaskedLMHead,
+    PerToken,
     Positions,
     family_classes,
 )
@@ -30,6 +31,7 @@ FAMILIES: dict[str, EncoderFamily] = {
         "model.",
         _HEAD,
         token_transform=_HEAD,
+        per_token=PerToken.CLASSIFIER,  # vLLM: the head is ModernBertPooler's, not per token
         positions=Positions.ROTARY,
         pre_norm=True,
         gated_mlp=True,

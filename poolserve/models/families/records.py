@@ -44,6 +44,17 @@ class EncoderLayout(enum.Enum):
     JINA_V3 = "jina_v3"
 
 
+class PerToken(enum.Enum):
+    """How vLLM runs a sequence classifier on every token (its token_classify through a
+    *ForSequenceClassification); an entry without one refuses that at start."""
+
+    # the classifier after the backbone's pooler layer, never the pooler: vLLM's BERT, GTE and
+    # ModernBERT pool through that layer and hand their classifier alone to token_classify
+    CLASSIFIER = "classifier"
+    # the whole head: a decoder's score, RoBERTa's classification head (dense, tanh, out_proj)
+    HEAD = "head"
+
+
 @dataclass(frozen=True)
 class HeadTransform:
     """Dense, activation and optional LayerNorm a classifier applies before its output Linear."""
@@ -69,6 +80,8 @@ class ArchitectureEntry:
     # "late": the classifier on every token, its logits averaged); empty: an encoder reads the
     # field as it is, a decoder pools its last token
     classifier_pooling: tuple[tuple[str, str], ...] = ()
+    # a sequence classifier's head on every token, as vLLM runs it (None: not served)
+    per_token: PerToken | None = None
 
 
 @dataclass(frozen=True)
@@ -108,6 +121,8 @@ class EncoderFamily:
     gated_mlp: bool = False  # act(gate) * up (ModernBERT GeGLU, NomicBERT SwiGLU)
     activation_key: str = "hidden_act"  # the config field that names the MLP activation
     eps_key: str | None = "layer_norm_eps"  # None: DistilBERT's fixed 1e-12
+    # its sequence classifier on every token, where vLLM serves the family (None: refused)
+    per_token: PerToken | None = None
 
 
 @dataclass(frozen=True)
@@ -165,6 +180,7 @@ def encoder_entry(family: EncoderFamily, class_name: str) -> ArchitectureEntry:
             backbone,
             family.seq_classifier,
             family.seq_transform,
+            per_token=family.per_token,
         )
     if class_name.endswith("ForTokenClassification"):
         return ArchitectureEntry(

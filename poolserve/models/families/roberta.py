@@ -10,6 +10,7 @@ from poolserve.models.families.records import (
     EncoderLayout,
     HeadTransform,
     MaskedLMHead,
+    PerToken,
     Positions,
     family_classes,
 )
@@ -23,6 +24,7 @@ _ROBERTA = EncoderFamily(
     ROBERTA_HEAD,
     seq_classifier="classifier.out_proj.",
     positions=Positions.OFFSET,
+    per_token=PerToken.HEAD,  # vLLM hands RobertaClassificationHead whole to token_classify
 )
 FAMILIES: dict[str, EncoderFamily] = {
     "roberta": _ROBERTA,

@@ -20,9 +20,9 @@ import torch
 from transformers import AutoTokenizer
 
 from tests.http.serving import assert_close, hf_logits
+from tests.tiny_models import build_hf_model
 
 MODEL = "llama_cls3"  # LlamaForSequenceClassification, 3 labels
-TOKCLS = "qwen2_tokcls"  # Qwen2ForTokenClassification, 5 labels
 LABELS = ["negative", "neutral", "positive"]
 INPUT_TEXT = "This product was excellent and exceeded my expectations"
 MESSAGES = [
@@ -252,51 +252,47 @@ def test_pooling_not_supported(server: Any, task: str) -> None:
     if task == "plugin":  # no task of any model here: refused by the body's schema
         assert error["param"] == "task", error
     else:
-        # token_classify, vLLM: "Try switching the model's pooling_task via ..."; here a model
-        # serves its own head's tasks and the message names them (docs/api.md, classify)
+        # token_classify, vLLM: "Try switching the model's pooling_task via ..."; here too the
+        # sequence classifier runs on every token only when --pooler-config names the task,
+        # and the message names the tasks it serves (docs/api.md, classify)
         assert error["message"].startswith(f"Unsupported task: {task!r}"), error
 
 
-# token_classify/test_online.py
-
-
-def test_token_classify_on_a_sequence_classifier_stops_the_start(
-    make_client: Callable[..., Any],
-) -> None:
-    """vLLM's token_classify server is its sequence classifier started with pooling_task
-    token_classify (the score head on every token). Not served here: the start is refused
-    (docs/api.md, classify), so the cases below run on a token classifier."""
-    config = '{"pooling_task": "token_classify"}'
-    refused = pytest.raises(Exception, match="Unsupported task 'token_classify'")
-    with refused, make_client(MODEL, pooler_config=config):
-        pass
+# token_classify/test_online.py: vLLM serves the same sequence classifier started with
+# pooling_task token_classify (its score head on every token)
 
 
 @pytest.fixture(scope="module")
 def token_classify(make_client: Callable[..., Any]) -> Iterator[Any]:
     # vLLM: --max-model-len 512 --dtype float32 --pooler-config '{"pooling_task": "token_classify"}'
     config = '{"pooling_task": "token_classify"}'
-    with make_client(TOKCLS, max_model_len=512, pooler_config=config) as started:
+    with make_client(MODEL, max_model_len=512, pooler_config=config) as started:
         yield started
 
 
-def test_pooling_token_classify(token_classify: Any, tiny_model_dir: Callable[[str], Path]) -> None:
+def _token_probs(ids: list[int]) -> torch.Tensor:
+    """The reference: the checkpoint's score head on every token's final state, softmaxed."""
+    model = build_hf_model(MODEL)
+    with torch.inference_mode():
+        hidden = model.model(input_ids=torch.tensor([ids])).last_hidden_state[0]
+        return torch.softmax(model.score(hidden), dim=-1)  # [num_tokens, num_labels]
+
+
+def test_pooling_token_classify(token_classify: Any, input_tokens: list[int]) -> None:
     """vLLM's test_pooling_token_classify: one row per token (vLLM's 8 are its tokenizer's count
     of the text: here transformers' tokenizer of the checkpoint), one probability per label."""
-    body = {"model": TOKCLS, "input": INPUT_TEXT, "encoding_format": "float"}
+    body = {"model": MODEL, "input": INPUT_TEXT, "encoding_format": "float"}
     data = token_classify.post("/pooling", json={**body, "task": "token_classify"}).json()["data"]
-    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir(TOKCLS)))
-    ids = list(tokenizer(INPUT_TEXT)["input_ids"])
     assert len(data) == 1
-    assert len(data[0]["data"]) == len(ids)
-    assert len(data[0]["data"][0]) == 5
-    assert_close(data[0]["data"], torch.softmax(hf_logits(TOKCLS, ids), dim=-1))
+    assert len(data[0]["data"]) == len(input_tokens)
+    assert len(data[0]["data"][0]) == len(LABELS)
+    assert_close(data[0]["data"], _token_probs(input_tokens))
 
 
-@pytest.mark.parametrize("task", ["classify", "embed", "token_embed", "plugin"])
+@pytest.mark.parametrize("task", ["embed", "token_embed", "plugin"])
 def test_token_classify_pooling_not_supported(token_classify: Any, task: str) -> None:
-    """vLLM's token_classify test_pooling_not_supported."""
-    body = {"model": TOKCLS, "input": INPUT_TEXT, "encoding_format": "float", "task": task}
+    """vLLM's token_classify test_pooling_not_supported (its classify case: below)."""
+    body = {"model": MODEL, "input": INPUT_TEXT, "encoding_format": "float", "task": task}
     response = token_classify.post("/pooling", json=body)
     assert response.status_code == 400
     error = response.json()["error"]
@@ -305,6 +301,16 @@ def test_token_classify_pooling_not_supported(token_classify: Any, task: str) ->
     if task == "plugin":
         assert error["param"] == "task", error
     else:
-        # classify, vLLM: "Try switching the model's pooling_task via ..."; here a model serves
-        # its own head's tasks and the message names them (docs/api.md, classify)
         assert error["message"].startswith(f"Unsupported task: {task!r}"), error
+
+
+def test_token_classify_server_still_classifies(
+    token_classify: Any, input_tokens: list[int]
+) -> None:
+    """vLLM's classify case of the same test answers "Try switching the model's pooling_task";
+    here a model serves its own head's tasks and --pooler-config's task is its default
+    (docs/api.md, classify), so classify answers as on the classify server."""
+    body = {"model": MODEL, "input": INPUT_TEXT, "encoding_format": "float", "task": "classify"}
+    response = token_classify.post("/pooling", json=body)
+    assert response.status_code == 200, response.text
+    assert_close(response.json()["data"][0]["data"], _probs(MODEL, input_tokens))

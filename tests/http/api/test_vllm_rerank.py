@@ -161,7 +161,9 @@ def test_pooling_classify(cross: Reranker, cross_dir: Path) -> None:
 
 def test_pooling_token_classify(cross: Reranker) -> None:
     """vLLM's cross-encoder test_pooling_token_classify: vLLM applies the score head to every
-    token. Difference kept: a model serves its own head's tasks here, so a sequence classifier
+    token. Difference kept: here, as on vLLM 0.33's classify server ("Try switching the model's
+    pooling_task"), a sequence classifier runs on every token only when started with
+    --pooler-config's pooling_task token_classify (test_vllm_classify.py); started without, it
     refuses token_classify, naming what it serves (docs/api.md, classify)."""
     body = {"model": cross.name, "input": INPUT_TEXT, "encoding_format": "float"}
     response = cross.client.post("/pooling", json={**body, "task": "token_classify"})
