@@ -39,7 +39,7 @@ router = APIRouter(route_class=StrictJSONRoute)
 ENDPOINTS = ("/v1/embeddings", "/v1/score", "/v1/rerank", "/v1/classify", "/v1/pooling")
 WINDOW = re.compile(r"([1-9][0-9]{0,6})([smhd])")  # OpenAI's "24h", and shorter or longer ones
 UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-WINDOW_S = (60, 30 * 86400)
+WINDOW_S = (1, 30 * 86400)
 MOST_OPEN_BATCHES = 1000  # batches not ended, every key's together
 OFF = "the Batch API is not served: start the server with --batch-dir DIR"
 T = TypeVar("T")
@@ -231,7 +231,7 @@ def _window_seconds(window: str) -> int:
     seconds = 0 if match is None else int(match[1]) * UNIT_S[match[2]]
     if not low <= seconds <= high:
         raise InvalidRequestError(
-            f"completion_window {clip(window)!r} is not a duration from 1m to 30d such as '24h'",
+            f"completion_window {clip(window)!r} is not a duration from 1s to 30d such as '24h'",
             "completion_window",
             "invalid_value",
         )

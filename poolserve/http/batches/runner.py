@@ -318,14 +318,18 @@ class LineRun:
                     await self._checkpoint()
                     return None if more else Status.COMPLETED
                 line, task = self.window[0]
-                answered = await task
-                self.window.popleft()
-                if answered is None:  # not answered: the server stops; resumed later
-                    await self._checkpoint()
-                    return None
-                self._written(line, *answered)
-                if self.pending_bytes >= WRITE_BYTES:
-                    await self._write()
+                if not task.done():  # a line waiting for room (429) must not hold a cancel back
+                    left = CHECKPOINT_S - (time.monotonic() - self.checked)
+                    await asyncio.wait((task,), timeout=max(left, 0.0))
+                if task.done():
+                    answered = task.result()
+                    self.window.popleft()
+                    if answered is None:  # not answered: the server stops; resumed later
+                        await self._checkpoint()
+                        return None
+                    self._written(line, *answered)
+                    if self.pending_bytes >= WRITE_BYTES:
+                        await self._write()
                 if time.monotonic() - self.checked >= CHECKPOINT_S:
                     ending = await self._checkpoint()
                     if ending is not None:
