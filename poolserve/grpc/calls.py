@@ -3,10 +3,10 @@ its API key and model from the metadata, its accounting in the request metrics a
 log, and the one table that turns the project's errors into gRPC status codes.
 
 Every request message is accounted as one request, as an HTTP request is: a stream's messages
-each count once, under the stream's method path as the endpoint. With --api-keys-file each
-message is also one request of its key (its route the method path, its requests-per-second
-bucket taking one), so a stream whose key's bucket runs dry ends at the message that found it
-empty.
+each count once, under the stream's method path as the endpoint and `grpc` as the protocol.
+With --api-keys-file each message is also one request of its key (its route the method path,
+its requests-per-second bucket taking one), so a stream whose key's bucket runs dry ends at the
+message that found it empty.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from poolserve.observability.logs import (
     access_record,
     log_access,
 )
-from poolserve.observability.metrics import NO_LORA, UNROUTED
+from poolserve.observability.metrics import GRPC, NO_LORA, UNROUTED
 from poolserve.observability.tracing import LORA_SPAN_ATTRIBUTE, RequestTrace, SpanRecord
 from poolserve.types.errors import APIError, AuthenticationError, ClientDisconnectedError
 from poolserve.types.tasks import PoolingTask
@@ -190,8 +190,8 @@ class GrpcCall:
         model = self.noted.get(MODEL_KEY, UNROUTED)
         lora = self.noted.get(LORA_KEY, NO_LORA)
         metrics = self.state.metrics
-        metrics.requests.labels(model, lora, self.method, self.task, str(status)).inc()
-        metrics.request_duration.labels(model, lora, self.method).observe(end - self.started)
+        seconds = end - self.started
+        metrics.transports[GRPC].add(model, lora, self.method, self.task, status, seconds)
         if output_bytes:
             metrics.add_output_bytes(model, lora, output_bytes)
         self.trace.finish(self.method, status, end)

@@ -16,6 +16,7 @@ from poolserve.grpc.handling import Calls, Context, model_of, prompt_of
 from poolserve.http.api.admin import tei_info
 from poolserve.http.compat.tei_common import empty
 from poolserve.http.compat.tei_tokens import token_lists
+from poolserve.http.visible import described
 from poolserve.types.errors import InvalidRequestError
 
 TOKENIZE = "/tei.v1.Tokenize/"
@@ -105,13 +106,15 @@ class TokenizeService(pb_grpc.TokenizeServicer):
 
 
 class InfoService(pb_grpc.InfoServicer):
-    """TEI's Info: the served model's facts, as /info reports them."""
+    """TEI's Info: the served model's facts, as /info reports them (the `model` metadata's
+    model, else the default)."""
 
     def __init__(self, calls: Calls) -> None:
         self.calls = calls
 
     async def _info(self, call: GrpcCall) -> pb.InfoResponse:
-        model = model_of(self.calls.state, call)
+        # NOT_FOUND for a model the call's key may not use, as /info's 404
+        model = described(self.calls.state, call.tenant, call.model_name)
         call.routed(model.model_name, model.lora_name)
         info: dict[str, Any] = tei_info(model)
         kind = next(iter(info["model_type"]))

@@ -154,10 +154,15 @@ class TenantKey:
                 wait,
             )
 
+    def may_use(self, names: tuple[str, ...]) -> bool:
+        """Whether the key's `models` name the model served under `names` (an adapter: its
+        own name only), by any of them."""
+        models = self.spec.models
+        return models is None or not models.isdisjoint(names)
+
     def check_model(self, names: tuple[str, ...]) -> None:
         """403 unless the key may use the model served under `names` (an adapter: its own)."""
-        models = self.spec.models
-        if models is None or not models.isdisjoint(names):
+        if self.may_use(names):
             return
         self.usage.rejected["model"].inc()
         raise PermissionDeniedError(

@@ -7,7 +7,8 @@ sums them; the engine's gauges come from the core itself, asked at scrape time. 
 carries `model_name` (the model's served name, as vLLM labels its series): a server of several
 models exports one series per model. A request through a LoRA adapter counts under its base
 model, as vLLM counts it; the metrics of each request also carry `lora_name` (its adapter, ""
-for none).
+for none). A request's count and latency also carry `protocol`, the transport it came by
+(`http` or `grpc`: two values, so the label at most doubles those two series).
 """
 
 from __future__ import annotations
@@ -53,6 +54,12 @@ LORA_LABEL = "lora_name"
 NO_LORA = ""
 # The API key series (--api-keys-file) name the key by its name under this label.
 KEY_LABEL = "key"
+# A request's count and latency name the transport it came by under this label, one of
+# PROTOCOLS: the HTTP edge's and the gRPC server's calls share one pipeline and one series.
+PROTOCOL_LABEL = "protocol"
+HTTP = "http"
+GRPC = "grpc"
+PROTOCOLS = (HTTP, GRPC)
 
 
 def fix_process_identity() -> None:
@@ -77,14 +84,14 @@ class ServiceMetrics:
         lora = LORA_LABEL
         self.requests = Counter(
             "poolserve_requests",
-            "HTTP requests by model, LoRA adapter, endpoint, task and status.",
-            [m, lora, "endpoint", "task", "status"],
+            "Requests by model, LoRA adapter, protocol, endpoint, task and (HTTP) status.",
+            [m, lora, PROTOCOL_LABEL, "endpoint", "task", "status"],
             registry=r,
         )
         self.request_duration = Histogram(
             "poolserve_request_duration_seconds",
-            "HTTP request latency.",
-            [m, lora, "endpoint"],
+            "Request latency.",
+            [m, lora, PROTOCOL_LABEL, "endpoint"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
@@ -152,6 +159,8 @@ class ServiceMetrics:
         )
         self._models: dict[str, ModelMetrics] = {}
         self._engine: _EngineCollector | None = None
+        # each transport's finished requests, counted through children made once
+        self.transports = {protocol: Transport(self, protocol) for protocol in PROTOCOLS}
 
     def model(self, name: str) -> ModelMetrics:
         """The named model's children, made once (its every reason counted from zero)."""
@@ -192,6 +201,37 @@ class ServiceMetrics:
         if self._engine is not None:
             registry.register(self._engine)
         return generate_latest(registry)
+
+
+class Transport:
+    """One protocol's request count and latency: children looked up once per label set.
+
+    `.labels(...)` validates and hashes its values under a lock on every call (~4 us for the
+    two metrics); a request of a label set seen before pays two dictionary lookups.
+    """
+
+    def __init__(self, metrics: ServiceMetrics, protocol: str) -> None:
+        self.protocol = protocol
+        self._requests = metrics.requests
+        self._duration = metrics.request_duration
+        self._children: dict[tuple[str, str, str, str, int], tuple[Counter, Histogram]] = {}
+
+    def add(
+        self, model: str, lora: str, endpoint: str, task: str, status: int, seconds: float
+    ) -> None:
+        """Count one finished request and observe its duration."""
+        key = (model, lora, endpoint, task, status)
+        children = self._children.get(key)
+        if children is None:
+            # bounded: models (and their loaded adapters) x endpoints x tasks x statuses is
+            # small (a model is a served one, an adapter a loaded one; HTTP's unmatched paths
+            # share one endpoint, gRPC answers an unknown method before any handler runs)
+            children = self._children[key] = (
+                self._requests.labels(model, lora, self.protocol, endpoint, task, str(status)),
+                self._duration.labels(model, lora, self.protocol, endpoint),
+            )
+        children[0].inc()
+        children[1].observe(seconds)
 
 
 class RequestMetrics:

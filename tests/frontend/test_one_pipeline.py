@@ -210,6 +210,7 @@ def test_every_inference_route_is_accounted_alike(
             ("endpoint", case.path),
             ("lora_name", ""),
             ("model_name", "minilm"),
+            ("protocol", "http"),
             ("status", "200"),
             ("task", case.task),
         )

@@ -19,7 +19,7 @@ import grpc
 import httpx
 import pytest
 
-from tests.grpc.serving import KEYS_FILE, SECRETS, GrpcServer
+from tests.grpc.serving import API_KEY, KEYS_FILE, SECRETS, GrpcServer
 
 pytestmark = pytest.mark.slow
 RETRY_AFTER = "retry-after"
@@ -125,6 +125,32 @@ def test_a_model_the_key_may_not_use_is_permission_denied(
         pb.RerankRequest(query="q", texts=["a", "b"]), metadata=reranker
     )
     assert len(ranked.ranks) == 2
+
+
+def test_info_names_only_a_model_the_key_may_use(
+    stubs: Any, channel: grpc.Channel, http: httpx.Client
+) -> None:
+    pb, pb_grpc = stubs
+    info = pb_grpc.InfoStub(channel).Info
+    default = http.get("/info").json()["model_id"]  # the `default` key may use every model
+    everything = (("authorization", f"Bearer {API_KEY}"),)
+    assert info(pb.InfoRequest(), metadata=everything).model_id == default
+    # `reranking` may use the reranker only: the default model is not served to it, and a
+    # model it may not use answers as an unknown name does; each as HTTP's /info answers it
+    reranker = info(pb.InfoRequest(), metadata=_auth("reranking", ("model", "reranker")))
+    assert reranker.model_type == pb.MODEL_TYPE_RERANKER
+    headers = {"Authorization": f"Bearer {SECRETS['reranking']}"}
+    details = {}
+    for name in (None, "splade", "no-such-model"):
+        metadata = _auth("reranking") if name is None else _auth("reranking", ("model", name))
+        error = _refused(lambda metadata=metadata: info(pb.InfoRequest(), metadata=metadata))
+        assert error.code() == grpc.StatusCode.NOT_FOUND, name
+        refused = http.get("/info", params={} if name is None else {"model": name}, headers=headers)
+        assert refused.status_code == 404, name
+        assert error.details() == refused.json()["error"]["message"], name
+        details[name] = error.details().replace(name or "", "NAME")
+    assert details["splade"] == details["no-such-model"]
+    assert "reranker" not in details[None] + details["no-such-model"]  # no served name listed
 
 
 def test_a_spent_request_bucket_is_resource_exhausted_with_retry_after(

@@ -265,9 +265,51 @@ def _wait(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
         time.sleep(0.1)
 
 
-def test_grpc_calls_count_in_the_request_metrics(http: httpx.Client) -> None:
-    ok = _samples(http, "poolserve_requests_total", endpoint="/tei.v1.Embed/Embed", status="200")
-    assert ok > 0
+def test_grpc_and_http_calls_count_under_their_own_protocol(
+    stubs: Any, channel: grpc.Channel, http: httpx.Client
+) -> None:
+    pb, pb_grpc = stubs
+    endpoints = [(p, e) for p in ("grpc", "http") for e in ("/tei.v1.Embed/Embed", "/embed")]
+
+    def scrape() -> dict[tuple[str, ...], float]:
+        counted = {
+            (protocol, endpoint, status): _samples(
+                http,
+                "poolserve_requests_total",
+                protocol=protocol,
+                endpoint=endpoint,
+                status=status,
+            )
+            for protocol, endpoint in endpoints
+            for status in ("200", "400")
+        }
+        timed = {
+            (protocol, endpoint): _samples(
+                http,
+                "poolserve_request_duration_seconds_count",
+                protocol=protocol,
+                endpoint=endpoint,
+            )
+            for protocol, endpoint in endpoints
+        }
+        return {**counted, **timed}
+
+    before = scrape()
+    embed = pb_grpc.EmbedStub(channel)
+    assert len(embed.Embed(pb.EmbedRequest(inputs="a sentence"), metadata=AUTH).embeddings)
+    with pytest.raises(grpc.RpcError):  # an error counts under its protocol too (400)
+        embed.Embed(pb.EmbedRequest(inputs=""), metadata=AUTH)
+    assert http.post("/embed", json={"inputs": "a sentence"}).status_code == 200
+    after = scrape()
+    grew = {key: after[key] - before[key] for key in after if after[key] != before[key]}
+    # each transport's calls under its own label only, and their latencies beside them
+    assert grew == {
+        ("grpc", "/tei.v1.Embed/Embed", "200"): 1,
+        ("grpc", "/tei.v1.Embed/Embed", "400"): 1,
+        ("grpc", "/tei.v1.Embed/Embed"): 2,
+        ("http", "/embed", "200"): 1,
+        ("http", "/embed"): 1,
+    }
 
 
 def test_cancelling_a_stream_frees_its_requests(

@@ -213,6 +213,7 @@ def test_one_metrics_endpoint_counts_every_process(
             ("endpoint", "/tokenize"),
             ("lora_name", ""),
             ("model_name", "minilm"),
+            ("protocol", "http"),
             ("status", "200"),
             ("task", "none"),
         ),

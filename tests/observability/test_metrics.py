@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client import values
+from prometheus_client import generate_latest, values
 from prometheus_client.parser import text_string_to_metric_families
 
-from poolserve.observability.metrics import ServiceMetrics, fix_process_identity
+from poolserve.observability.metrics import GRPC, HTTP, ServiceMetrics, fix_process_identity
 from poolserve.types.process import MULTIPROCESS_DIR
 
 
@@ -34,9 +34,15 @@ PER_REQUEST = (
 )
 
 
+# The families that also name the transport a request came by (the app's: HTTP).
+BY_PROTOCOL = ("poolserve_requests_total", "poolserve_request_duration_seconds")
+
+
 def _value(samples: dict[Any, float], name: str, **labels: str) -> float:
     """A sample of the model's (every series carries its served name, as vLLM's do)."""
     own = {"model_name": "llama", **({"lora_name": ""} if name.startswith(PER_REQUEST) else {})}
+    if name.startswith(BY_PROTOCOL):
+        own["protocol"] = "http"
     labels = {**own, **labels}
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
@@ -122,3 +128,42 @@ def test_a_fixed_process_identity_names_the_files_and_sums(
     assert [s.value for s in tokens if s.name.endswith("_total")] == [21.0]
     queue = families["poolserve_queue_duration_seconds"].samples
     assert [s.value for s in queue if s.name.endswith("_count")] == [3.0]
+
+
+def test_each_transport_counts_under_its_protocol_with_children_made_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    metrics = ServiceMetrics()
+    looked_up: list[tuple[str, ...]] = []
+    for family in (metrics.requests, metrics.request_duration):
+        real = family.labels
+
+        def spy(*values: str, real: Callable[..., Any] = real) -> Any:
+            looked_up.append(values)
+            return real(*values)
+
+        monkeypatch.setattr(family, "labels", spy)
+    for _ in range(3):
+        metrics.transports[HTTP].add("m", "", "/embed", "embed", 200, 0.01)
+    metrics.transports[GRPC].add("m", "", "/tei.v1.Embed/Embed", "embed", 200, 0.02)
+    # a label set's two children are made on its first request, never again
+    assert looked_up == [
+        ("m", "", "http", "/embed", "embed", "200"),
+        ("m", "", "http", "/embed"),
+        ("m", "", "grpc", "/tei.v1.Embed/Embed", "embed", "200"),
+        ("m", "", "grpc", "/tei.v1.Embed/Embed"),
+    ]
+    text = generate_latest(metrics.registry).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    requests = {
+        (s.labels["protocol"], s.labels["endpoint"]): s.value
+        for s in families["poolserve_requests"].samples
+        if s.name.endswith("_total")
+    }
+    assert requests == {("http", "/embed"): 3.0, ("grpc", "/tei.v1.Embed/Embed"): 1.0}
+    durations = {
+        s.labels["protocol"]: s.value
+        for s in families["poolserve_request_duration_seconds"].samples
+        if s.name.endswith("_count")
+    }
+    assert durations == {"http": 3.0, "grpc": 1.0}

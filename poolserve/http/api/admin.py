@@ -22,6 +22,8 @@ from poolserve.http.api.schemas import DetokenizeRequest, TokenizeRequest
 from poolserve.http.calls import HTTPCaller, service_state
 from poolserve.http.errors import error_response
 from poolserve.http.routing import StrictJSONRoute
+from poolserve.http.tenants import TenantKey
+from poolserve.http.visible import described, seen_adapters, seen_models, tenant_of, unseen
 from poolserve.types.errors import InvalidRequestError
 from poolserve.types.model import DEFAULT_MODEL_ID
 from poolserve.types.tasks import SPARSE_MAIN_HEADS, PoolingTask, PoolingType
@@ -89,11 +91,32 @@ def _routed(request: Request, state: ServiceState, name: str | None) -> ModelHan
 
 @router.get("/v1/models")
 async def models(request: Request) -> Response:
-    """Every served model, OpenAI-style: one card per served name, as vLLM lists them."""
+    """Every served model the request's key may use, OpenAI-style: one card per served name,
+    as vLLM lists them, then its LoRA adapters."""
     state = service_state(request)
     check_serving(state, None)
+    return _json({"object": "list", "data": _model_cards(state, tenant_of(request))})
+
+
+@router.get(
+    "/v1/models/{model_id:path}",
+    responses={404: {"description": "No model the key may use is served as `model_id`."}},
+)
+async def model(request: Request, model_id: str) -> Response:
+    """OpenAI's model retrieval: the card `/v1/models` lists under `model_id`."""
+    state = service_state(request)
+    check_serving(state, None)
+    tenant = tenant_of(request)
+    card = next((c for c in _model_cards(state, tenant) if c["id"] == model_id), None)
+    if card is None:  # unknown, or a model the key may not use: one answer for both
+        raise unseen(model_id, tenant)
+    return _json(card)
+
+
+def _model_cards(state: ServiceState, tenant: TenantKey | None) -> list[dict[str, Any]]:
+    """The cards of the models and LoRA adapters the key may use (every one without a key)."""
     created = int(time.time())
-    cards = [
+    cards: list[dict[str, Any]] = [
         {
             "id": name,
             "object": "model",
@@ -102,7 +125,7 @@ async def models(request: Request) -> Response:
             "root": _source(served.handle),
             "max_model_len": served.handle.max_model_len,
         }
-        for served in state.models
+        for served in seen_models(tenant, state)
         for name in served.handle.served_names
     ]
     # LoRA adapters as vLLM lists them: the folder as root, the base model as parent
@@ -116,10 +139,10 @@ async def models(request: Request) -> Response:
             "parent": served.handle.parent,
             "max_model_len": served.handle.max_model_len,
         }
-        for served in state.adapters
+        for served in seen_adapters(tenant, state)
         if (lora := served.handle.lora) is not None
     ]
-    return _json({"object": "list", "data": cards})
+    return cards
 
 
 @router.get("/version")
@@ -128,12 +151,16 @@ async def server_version() -> Response:
     return _json({"version": version("poolserve")})
 
 
-@router.get("/info", responses={404: {"description": "No model is served as `model`."}})
+@router.get(
+    "/info",
+    responses={404: {"description": "No model the key may use is served as `model`."}},
+)
 async def info(request: Request, model: str | None = None) -> Response:
     """The model's name, tasks, dtype, device, limits and version: the one `?model=` names, else
-    the default model (TEI's /info: the model its routes serve)."""
+    the default model (TEI's /info: the model its routes serve); a 404 for a model the
+    request's key may not use, the default included (poolserve/http/visible.py)."""
     state = service_state(request)
-    _, handle = check_serving(state, model)
+    handle = described(state, tenant_of(request), model)
     s = handle.settings
     return _json(
         {

@@ -24,6 +24,7 @@ from poolserve.frontend.texts import check_batch_size
 from poolserve.http.bodies import MODE_WEIGHTS_FOREIGN, RequestBody
 from poolserve.http.calls import answer, score, service_state, submit
 from poolserve.http.routing import StrictJSONRoute
+from poolserve.http.visible import seen_models, tenant_of
 from poolserve.types.errors import InvalidRequestError
 from poolserve.types.outputs import PoolingOutput
 from poolserve.types.stats import EngineSnapshot
@@ -161,11 +162,13 @@ async def _embed(
 
 @router.get("/models")
 async def models(request: Request) -> Response:
-    """Every served model as Infinity's `OpenAIModelInfo`: its `ModelInfo` fields only."""
+    """Every served model the request's key may use as Infinity's `OpenAIModelInfo`: its
+    `ModelInfo` fields only."""
     state = service_state(request)
     check_serving(state, None)
-    snapshots = await asyncio.gather(*(served.engine.snapshot() for served in state.models))
-    pairs = zip(state.models, snapshots, strict=True)
+    listed = seen_models(tenant_of(request), state)
+    snapshots = await asyncio.gather(*(served.engine.snapshot() for served in listed))
+    pairs = zip(listed, snapshots, strict=True)
     cards = [_card(served.handle, snapshot) for served, snapshot in pairs]
     body = dumps({"data": cards, "object": "list"})
     return Response(body, media_type="application/json")

@@ -35,6 +35,7 @@ from poolserve.http.bodies import RequestBody
 from poolserve.http.calls import answer, service_state, submit
 from poolserve.http.errors import OLLAMA_FAMILY
 from poolserve.http.routing import StrictJSONRoute
+from poolserve.http.visible import may_see, seen_models, tenant_of
 from poolserve.types.errors import InvalidRequestError, ModelNotFoundError
 from poolserve.types.tasks import PoolingTask
 
@@ -142,11 +143,12 @@ async def embeddings(body: EmbeddingsRequest, request: Request) -> Response:
 
 @router.get("/api/tags")
 async def tags(request: Request) -> Response:
-    """Every served name of every model, as Ollama lists its local models."""
+    """Every served name of every model the request's key may use, as Ollama lists its local
+    models."""
     state = service_state(request)
     listed = [
         {"name": name, "model": name, **_facts(served.handle)}
-        for served in state.models
+        for served in seen_models(tenant_of(request), state)
         for name in served.handle.served_names
     ]
     return Response(dumps({"models": listed}), media_type="application/json")
@@ -154,11 +156,14 @@ async def tags(request: Request) -> Response:
 
 @router.post("/api/show")
 async def show(body: ShowRequest, request: Request) -> Response:
-    """The model's details, enough for a client to see it embeds."""
+    """The model's details, enough for a client to see it embeds (Ollama's 404 for a model the
+    request's key may not use, as for one not served)."""
     asked = body.model or body.name
     if not asked:
         raise InvalidRequestError("model is required", "model")
     _, model = _model(service_state(request), asked)
+    if not may_see(tenant_of(request), model):
+        raise _not_found(asked)
     card = model.card
     architecture = card.architecture
     info = {
@@ -207,4 +212,9 @@ def _model(state: ServiceState, asked: str) -> tuple[str, ModelHandle]:
         if state.find(name) is not None:
             return name, check_serving(state, name)[1]
     check_serving(state, None)  # not ready or draining: that answer first
-    raise ModelNotFoundError(f"model '{asked}' not found", "model")
+    raise _not_found(asked)
+
+
+def _not_found(asked: str) -> ModelNotFoundError:
+    """Ollama's 404 for a model it does not have."""
+    return ModelNotFoundError(f"model '{asked}' not found", "model")

@@ -31,7 +31,7 @@ from poolserve.observability.logs import (
     access_record,
     log_access,
 )
-from poolserve.observability.metrics import NO_LORA, UNROUTED
+from poolserve.observability.metrics import HTTP, NO_LORA, UNROUTED
 from poolserve.observability.tracing import NO_TRACE, TRACE_KEY, RequestTrace
 from poolserve.types.errors import (
     APIError,
@@ -164,7 +164,6 @@ class EdgeMiddleware:
         self.body_timeout = state.settings.body_timeout
         # POST /v1/files (--batch-dir) takes a batch file: its own size bound and time
         self.upload_limit = upload_limit(state.settings)
-        self.counted = Counted(state)
         self.open_paths = open_paths(state.settings)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -419,7 +418,8 @@ class EdgeMiddleware:
                 scope["method"],
                 clip(scope["path"]),
             )
-        self.counted.add(
+        # looked up per request: tests replace the state's metrics
+        self.state.metrics.transports[HTTP].add(
             model if isinstance(model, str) else UNROUTED,
             lora if isinstance(lora, str) else NO_LORA,
             endpoint,
@@ -453,34 +453,3 @@ def _request_id(given: str | None) -> str:
     if given is not None and REQUEST_ID.fullmatch(given):
         return given
     return f"{int.from_bytes(os.urandom(16)) & _UUID4_KEEP | _UUID4_SET:032x}"
-
-class Counted:
-    """The request metrics' labelled children, looked up once per label set, not per request.
-
-    `.labels(...)` validates and hashes its values under a lock on every call (~4 us for the
-    two metrics); the children never change while the metrics object lives.
-    """
-
-    def __init__(self, state: ServiceState) -> None:
-        self.state = state
-        self.metrics = state.metrics
-        self.children: dict[tuple[str, str, str, str, int], tuple[Any, Any]] = {}
-
-    def add(
-        self, model: str, lora: str, endpoint: str, task: str, status: int, seconds: float
-    ) -> None:
-        """Count one request and observe its duration."""
-        metrics = self.state.metrics
-        if metrics is not self.metrics:  # replaced (tests do): start over
-            self.metrics, self.children = metrics, {}
-        key = (model, lora, endpoint, task, status)
-        children = self.children.get(key)
-        if children is None:
-            requests = metrics.requests.labels(model, lora, endpoint, task, str(status))
-            duration = metrics.request_duration.labels(model, lora, endpoint)
-            # bounded: models (and their loaded adapters) x routes x tasks x statuses is small
-            # (a model is a served one, an adapter a loaded one), unmatched paths share one
-            # endpoint
-            children = self.children[key] = (requests, duration)
-        children[0].inc()
-        children[1].observe(seconds)

@@ -225,7 +225,7 @@ def test_an_adapters_requests_are_observed_under_its_base(
         key = (name, tuple(sorted({"model_name": BASE, **labels}.items())))
         return after.get(key, 0.0) - before.get(key, 0.0)
 
-    route = {"endpoint": "/v1/embeddings", "task": "embed", "status": "200"}
+    route = {"protocol": "http", "endpoint": "/v1/embeddings", "task": "embed", "status": "200"}
     for lora in ("extra", "legal", "medical", ""):  # "": the base model's own requests
         assert grew("poolserve_requests_total", lora_name=lora, **route) == 1, lora
         assert grew("poolserve_prompt_tokens_total", lora_name=lora) > 0, lora
