@@ -20,6 +20,7 @@ from poolserve.frontend.chat import render_conversations
 from poolserve.frontend.client import EngineClient
 from poolserve.frontend.images import pixel_values
 from poolserve.frontend.jobs import MediaJob, Requested, ScoreJob, TextJob, merge
+from poolserve.frontend.joined import join_inputs, with_ends
 from poolserve.frontend.media import Budgets, MediaLimits, load_image
 from poolserve.frontend.pairs import PairTruncation, PromptMode, check_pairs, tokenize_job
 from poolserve.frontend.prompts import prepend, prompt_length
@@ -93,6 +94,9 @@ def plan_texts(job: TextJob, engine: EngineClient, model: ModelHandle, state: Se
     if chats is not None:
         check_batch_size(len(chats), limit, "messages")
     raw = None if chats is not None else split_input(job.inputs, limit)
+    if job.late_chunking is not None and job.late_chunking.joined:
+        raw, joined = join_inputs(raw)  # Jina's late_chunking: true, one document of them all
+        job = replace(job, late_chunking=joined)
     if job.late_chunking is not None:
         check_late(job, raw, model, engine.max_model_len, limit)
     prompt = None
@@ -139,6 +143,10 @@ async def _late_batch(
     limit = model.settings.max_client_batch_size
     on_reject = state.metrics.model(model.model_name).on_reject
     ids, spans, chars = await late_prompts(plan, model, engine.max_model_len, limit, on_reject)
+    if plan.late.joined:
+        # Jina's reference pools the document's special tokens and instruction too
+        pairs = zip(spans, ids, strict=True)
+        spans = tuple(with_ends(ranges, len(prompt)) for ranges, prompt in pairs)
     return Batch(replace(params, token_spans=spans), ids, char_spans=chars)
 
 

@@ -46,9 +46,14 @@ class LateChunking:
 
     spans: tuple[tuple[Span, ...], ...] | None = None
     chunk_size: int | None = None
+    # Jina's `late_chunking: true` (joined.py): before the inputs are joined, neither spans nor
+    # chunk_size; after, `spans` holds each input's span of the one document
+    joined: bool = False
 
     def __post_init__(self) -> None:
-        if (self.spans is None) == (self.chunk_size is None):
+        forms = (self.spans is not None) + (self.chunk_size is not None)
+        before_joining = self.joined and self.spans is None
+        if forms != (0 if before_joining else 1):
             raise ValueError("late chunking takes exactly one of spans and chunk_size")
 
 
@@ -91,7 +96,13 @@ async def late_prompts(
     """Each text's prompt, its spans as token ranges, and as characters (a chunk_size window's
     characters come from the tokenizer's offsets)."""
     documents = await tokenize_documents(
-        plan.texts, plan.prompt_chars, model, max_len, plan.add_special_tokens, on_reject
+        plan.texts,
+        plan.prompt_chars,
+        model,
+        max_len,
+        plan.add_special_tokens,
+        on_reject,
+        joined=plan.late.joined,
     )
     token_spans, char_spans = resolve(plan.late, documents, limit)
     return [d.token_ids for d in documents], token_spans, char_spans
@@ -162,13 +173,16 @@ async def tokenize_documents(
     max_len: int,
     add_special_tokens: bool,
     on_reject: Callable[[str], None],
+    *,
+    joined: bool = False,
 ) -> list[Document]:
-    """Each text whole, with offsets, within the character bounds and the tokenizing budget."""
+    """Each text whole, with offsets, within the character bounds and the tokenizing budget
+    (`joined`: the one document of Jina's `late_chunking: true`)."""
     specials = specials_for(model, add_special_tokens)
     whole = Truncation(None, model.truncation_side, max_len)
     num_chars = text_cost(texts, model, whole, specials)
     work = _documents
-    args = (model.tokenizer, texts, prompt_chars, specials, max_len)
+    args = (model.tokenizer, texts, prompt_chars, specials, max_len, joined)
     return await run_budgeted(model, num_chars, on_reject, work, *args, inline=True)
 
 
@@ -178,6 +192,7 @@ def _documents(
     prompt_chars: int,
     specials: SpecialTokens,
     max_len: int,
+    joined: bool = False,
 ) -> list[Document]:
     """The prompts as the ordinary path builds them (specials around the text's tokens)."""
     check_encodable(texts, "input")
@@ -186,6 +201,8 @@ def _documents(
         num_tokens = len(ids) + len(specials)
         if num_tokens > max_len:
             name = "input" if len(texts) == 1 else f"input {index}"
+            if joined:
+                name = "the document of the joined inputs (late_chunking: true)"
             raise InputTooLongError(
                 f"{name} has {num_tokens} tokens, more than max_model_len ({max_len});"
                 " late_chunking never truncates: split the document",

@@ -376,7 +376,8 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
     (EMBEDDINGS, _body({}), "late_chunking"),
     (EMBEDDINGS, _body({**SPAN, **CHUNKS}), "late_chunking"),
     (EMBEDDINGS, _body({**CHUNKS, "x": 1}), "late_chunking"),
-    (EMBEDDINGS, _body(True), "late_chunking"),
+    # Jina's boolean is /v1/embeddings' (tests/http/api/test_jina_late_chunking.py), not vLLM's
+    (POOLING, _body(True), "late_chunking"),
     (EMBEDDINGS, _body({"chunk_size": 0}), "late_chunking"),
     (EMBEDDINGS, _body({"chunk_size": 2.5}), "late_chunking"),
     (EMBEDDINGS, _body({"chunk_size": "2"}), "late_chunking"),

@@ -184,8 +184,10 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     model, named_type = nim_model_suffix(body.model, lambda name: state.find(name) is not None)
     input_type = agreed(("input_type", body.input_type), ("model", named_type))
     if isinstance(job, MediaJob):
-        for name, value in (("task", body.task), ("input_type", input_type)):
-            if value is not None:  # a prompt or an adapter for texts: never silently dropped
+        late = body.late_chunking or None  # Jina's false asks for nothing
+        text_only = (("task", body.task), ("input_type", input_type), ("late_chunking", late))
+        for name, value in text_only:
+            if value is not None:  # a prompt, an adapter or spans of texts: never dropped
                 raise InvalidRequestError(f"{name} does not apply to image inputs", name)
         job = dataclasses.replace(
             job, model=model, truncate=job.truncate if truncate is None else truncate
@@ -201,6 +203,8 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     run = await submit(request, job)
     outputs = await gather(run)
     rows = span_rows(run.char_spans, outputs)  # late chunking: an item per span
+    if rows is not None and body.late_chunking is True:  # Jina's: an item per input, as sent
+        rows = rows.without_origin()
     fields: dict[str, object] = {
         "id": _response_id("embd", request, body),
         "object": "list",

@@ -9,6 +9,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
     StrictFloat,
     StrictInt,
     StrictStr,
@@ -166,7 +167,7 @@ class InputBody(RequestBody):
             Truncate(self.truncate_prompt_tokens, self.truncation_side),
             self.add_special_tokens,
             self.priority,
-            None if late is None else late.job(),
+            _late_job(late),
         )
 
 
@@ -245,6 +246,14 @@ class LateChunkingBody(BaseModel):
         if self.spans is None:
             return LateChunking(chunk_size=self.chunk_size)
         return LateChunking(spans=tuple(tuple(ranges) for ranges in self.spans))
+
+
+def _late_job(late: LateChunkingBody | bool | None) -> LateChunking | None:
+    """The job's late chunking: Jina's `true` joins the inputs into one document
+    (frontend/joined.py), its `false` asks for none; the object names spans or windows."""
+    if isinstance(late, bool):
+        return LateChunking(joined=True) if late else None
+    return None if late is None else late.job()
 
 
 class LateChunkingFields(BaseModel):
@@ -332,6 +341,13 @@ class EmbeddingRequest(InputBody, PromptFields, LateChunkingFields, ClientEmbedd
 
     foreign_fields = COHERE_TEI_FOREIGN
 
+    # wider than LateChunkingFields': Jina's boolean, its inputs joined into one document
+    late_chunking: LateChunkingBody | StrictBool | None = Field(  # type: ignore[assignment]
+        default=None,
+        description="Jina: true embeds the inputs joined by a space in one pass, each input the "
+        "mean of its own tokens' states (one item per input); or this server's object: spans "
+        "or chunk_size per input (one item per span).",
+    )
     encoding_format: EncodingFormat = "float"
     embed_dtype: EmbedDType = "float32"
     endianness: Endianness = "native"

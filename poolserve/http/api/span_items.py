@@ -35,6 +35,11 @@ class SpanRows:
     arrays: list[np.ndarray]  # each [dim], a view of its input's output
     where: list[dict[str, object]]  # {"input_index": i, "span": [start, end]}
 
+    def without_origin(self) -> SpanRows:
+        """The rows as plain items: Jina's `late_chunking: true` answers one per input, its spans
+        being the inputs themselves (frontend/joined.py)."""
+        return SpanRows(self.arrays, [{} for _ in self.arrays])
+
     def items(
         self,
         head: Callable[[int], dict[str, object]],
