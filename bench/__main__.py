@@ -14,7 +14,8 @@ request runs), `static` (a model2vec model through the offline engine against mo
 own encode), `lora` (LoRA adapters mixed in one step against the base model alone), `images`
 (a CLIP checkpoint's images through the engine against transformers) and `api-keys` (what API
 keys cost a request at the edge). So is `grpc`
-(TEI's gRPC EmbedStream against HTTP /embed on one server, same batch sizes), and so is
+(TEI's gRPC EmbedStream against HTTP /embed on one server, same batch sizes), `batch`
+(interactive latency with and without a running Batch API batch), and so is
 `images-served` (poolserve against Infinity on one CLIP checkpoint: images, and images mixed
 with texts; it starts both servers and needs Infinity's environment).
 """
@@ -82,6 +83,7 @@ SEPARATE: dict[str, Callable[[Sequence[str]], None]] = {
     "images": lambda argv: _with_list("offline.images", argv),
     "images-served": lambda argv: _with_list("served.images", argv),
     "grpc": lambda argv: _with_list("served.grpc", argv),
+    "batch": lambda argv: _with_list("served.batch", argv),
 }
 
 

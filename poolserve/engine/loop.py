@@ -377,7 +377,7 @@ class Engine:
         inflight: deque[tuple[PreparedStep, asyncio.Future[StepResult]]] = deque()
         depth = 2 if self.config.async_scheduling else 1
         while True:
-            prepared = self._plan_and_prepare()
+            prepared = self._plan_and_prepare(ahead=bool(inflight))
             if prepared is not None:
                 inflight.append(
                     (prepared, loop.run_in_executor(self._worker, self._execute, prepared))
@@ -396,13 +396,15 @@ class Engine:
         with self.turns_seat.turn():
             return self.runner.execute(step)
 
-    def _plan_and_prepare(self) -> PreparedStep | None:
-        """Plan the next step and fill its host buffers; None when there is nothing to run."""
+    def _plan_and_prepare(self, ahead: bool = False) -> PreparedStep | None:
+        """Plan the next step and fill its host buffers; None when there is nothing to run, or
+        when it is background work and a step runs (`ahead`): background steps are never
+        planned behind another step, so interactive work that arrives meanwhile goes next."""
         if not self.queues.has_work:
             return None
         waiting, running = self.queues.planner_inputs()
         plan = plan_step(waiting, running, self.config, self.blocks.num_free)
-        if plan.is_empty:
+        if plan.is_empty or (ahead and plan.background):
             return None
         return self.runner.prepare(next(self._steps), self.queues.apply(plan))
 

@@ -4,6 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+# A prompt at this priority or above is background work (the Batch API's lines): it never shares
+# a step with a prompt below it, and a step of background work alone takes at most
+# 1/BACKGROUND_SHARE of the token budget (one whole prompt at least), so an interactive prompt
+# that arrives waits for at most one such small step. Interactive requests use 0 by default.
+BACKGROUND_PRIORITY = 1 << 30
+BACKGROUND_SHARE = 16
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:

@@ -75,9 +75,12 @@ CHECKS = [
 
 
 @pytest.fixture(scope="module")
-def client(make_client: Callable[..., Any]) -> Iterator[Any]:
+def client(
+    make_client: Callable[..., Any], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Any]:
     limits = {"max_model_len": 64, "max_client_batch_size": 8, "payload_limit": 64 * 1024}
-    with make_client("llama", **limits) as c:
+    batches = str(tmp_path_factory.mktemp("batches"))  # the Batch API's routes served
+    with make_client("llama", batch_dir=batches, **limits) as c:
         yield c
 
 

@@ -13,17 +13,22 @@ Rules, in order:
 - a waiting prompt's cache hits count as blocks it holds and as tokens already computed; those
   that sit among the free blocks now use free blocks when it starts;
 - a waiting prompt that cannot run stops admission for those behind it (no overtaking),
-  so a long prompt is never starved by a stream of short ones.
+  so a long prompt is never starved by a stream of short ones;
+- background prompts (priority >= BACKGROUND_PRIORITY: batch lines) run only in steps without
+  any other prompt waiting or running, and such a step takes at most 1/BACKGROUND_SHARE of the
+  token budget (or one whole prompt above that, alone): an interactive prompt never shares a
+  step with them and waits for at most one small step of theirs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 from operator import attrgetter
 
 from poolserve.types.errors import PromptTooLongError
-from poolserve.types.limits import SchedulerConfig
+from poolserve.types.limits import BACKGROUND_PRIORITY, BACKGROUND_SHARE, SchedulerConfig
 
 QUEUE_ORDER = attrgetter("priority", "arrival_index")  # lower first; the planner admits in it
 
@@ -97,6 +102,7 @@ class BatchPlan:
 
     chunks: tuple[ScheduledChunk, ...]
     num_tokens: int
+    background: bool = False  # only background prompts (the loop plans no such step ahead)
 
     @property
     def is_empty(self) -> bool:
@@ -211,8 +217,18 @@ def plan_step(
 ) -> BatchPlan:
     """Choose the chunks of the next step; raises PromptTooLongError for an unschedulable prompt."""
     cap = config.max_chunk_tokens if config.enable_chunked_prefill else None
+    budget = config.max_num_batched_tokens
+    background = False
+    if any(seq.priority < BACKGROUND_PRIORITY for seq in chain(running, waiting)):
+        # interactive work waits or runs: background prompts sit this step out (a started one
+        # keeps its reservation and continues later)
+        running = [seq for seq in running if seq.priority < BACKGROUND_PRIORITY]
+        waiting = [seq for seq in waiting if seq.priority < BACKGROUND_PRIORITY]
+    elif running or waiting:
+        background = True
+        budget = _background_budget(running, waiting, budget, cap)
     fill = _StepFill(
-        config.max_num_batched_tokens,
+        budget,
         config.max_num_seqs,
         num_free_blocks,
         cap,
@@ -226,7 +242,19 @@ def plan_step(
         fill.take(seq)
     if waiting and not fill.is_full:
         _admit_waiting(fill, waiting, max_prompt_tokens(config))
-    return BatchPlan(tuple(fill.chunks), config.max_num_batched_tokens - fill.num_tokens)
+    return BatchPlan(tuple(fill.chunks), budget - fill.num_tokens, background)
+
+
+def _background_budget(
+    running: Sequence[PlannerSeq], waiting: Sequence[PlannerSeq], budget: int, cap: int | None
+) -> int:
+    """A step of background work alone: its share of the budget, or what the first prompt in
+    order needs when it runs whole and needs more (it then runs alone)."""
+    share = max(1, budget // BACKGROUND_SHARE)
+    if cap is not None:  # chunked: a prompt runs in chunks of the share
+        return share
+    first = min(chain(running, waiting), key=QUEUE_ORDER)
+    return max(share, min(budget, first.num_prompt_tokens - first.num_computed_tokens))
 
 
 def _admit_waiting(fill: _StepFill, waiting: Sequence[PlannerSeq], limit: int) -> None:

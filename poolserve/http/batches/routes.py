@@ -8,7 +8,7 @@ import asyncio
 import re
 import time
 from dataclasses import dataclass
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import APIRouter, Query, Request
 from pydantic import Field, StrictStr
@@ -42,6 +42,28 @@ UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 WINDOW_S = (1, 30 * 86400)
 MOST_OPEN_BATCHES = 1000  # batches not ended, every key's together
 OFF = "the Batch API is not served: start the server with --batch-dir DIR"
+# What the schema says of each route's errors beyond the edge's (handlers.py adds the bodies).
+MISSING: dict[str, Any] = {"description": "No such file or batch for this key, or no --batch-dir."}
+ANSWERS: dict[int | str, dict[str, Any]] = {400: {}, 404: MISSING}
+UPLOAD_FORM = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["file", "purpose"],
+                    "properties": {
+                        "file": {"type": "string", "format": "binary"},
+                        "purpose": {"type": "string", "enum": ["batch"]},
+                        "expires_after[anchor]": {"type": "string", "enum": ["created_at"]},
+                        "expires_after[seconds]": {"type": "integer"},
+                    },
+                }
+            }
+        },
+    }
+}
 T = TypeVar("T")
 
 
@@ -92,7 +114,7 @@ def _page(items: list[T], ids: list[str], after: str | None, limit: int) -> tupl
 # files
 
 
-@router.post(UPLOAD_PATH)
+@router.post(UPLOAD_PATH, responses=ANSWERS, openapi_extra=UPLOAD_FORM)
 async def create_file(request: Request) -> Response:
     """OpenAI's upload: a multipart form streamed into --batch-dir."""
     batches = _batches(request)
@@ -107,7 +129,7 @@ async def create_file(request: Request) -> Response:
     return _json(record.public())
 
 
-@router.get("/v1/files")
+@router.get("/v1/files", responses=ANSWERS)
 async def list_files(
     request: Request,
     purpose: str | None = None,
@@ -134,14 +156,14 @@ async def _file(request: Request, file_id: str) -> tuple[BatchStore, FileRecord]
     return store, record
 
 
-@router.get("/v1/files/{file_id}")
+@router.get("/v1/files/{file_id}", responses=ANSWERS)
 async def retrieve_file(request: Request, file_id: str) -> Response:
     """One file's record."""
     _, record = await _file(request, file_id)
     return _json(record.public())
 
 
-@router.delete("/v1/files/{file_id}")
+@router.delete("/v1/files/{file_id}", responses=ANSWERS)
 async def delete_file(request: Request, file_id: str) -> Response:
     """Delete a file, unless a batch that has not ended reads it."""
     store, record = await _file(request, file_id)
@@ -154,7 +176,10 @@ async def delete_file(request: Request, file_id: str) -> Response:
     return _json({"id": record.id, "object": "file", "deleted": True})
 
 
-@router.get("/v1/files/{file_id}/content")
+@router.get(
+    "/v1/files/{file_id}/content",
+    responses={**ANSWERS, 200: {"content": {"application/octet-stream": {}}}},
+)
 async def file_content(request: Request, file_id: str) -> Response:
     """A file's bytes, streamed from disk."""
     store, record = await _file(request, file_id)
@@ -188,7 +213,7 @@ class BatchCreate(RequestBody):
     output_expires_after: ExpiresAfter | None = None
 
 
-@router.post("/v1/batches")
+@router.post("/v1/batches", responses=ANSWERS)
 async def create_batch(body: BatchCreate, request: Request) -> Response:
     """A batch of the caller's uploaded file, `validating` until the runner takes it."""
     batches = _batches(request)
@@ -238,7 +263,7 @@ def _window_seconds(window: str) -> int:
     return seconds
 
 
-@router.get("/v1/batches")
+@router.get("/v1/batches", responses=ANSWERS)
 async def list_batches(
     request: Request,
     after: str | None = None,
@@ -265,14 +290,14 @@ async def _batch(request: Request, batch_id: str) -> tuple[Batches, BatchRecord]
     return batches, record
 
 
-@router.get("/v1/batches/{batch_id}")
+@router.get("/v1/batches/{batch_id}", responses=ANSWERS)
 async def retrieve_batch(request: Request, batch_id: str) -> Response:
     """One batch, as it stands."""
     batches, record = await _batch(request, batch_id)
     return _json(await asyncio.to_thread(_public, batches.store, record))
 
 
-@router.post("/v1/batches/{batch_id}/cancel")
+@router.post("/v1/batches/{batch_id}/cancel", responses=ANSWERS)
 async def cancel_batch(request: Request, batch_id: str) -> Response:
     """Ask a batch to stop: `cancelling` until the runner has stopped it (`cancelled`)."""
     batches, record = await _batch(request, batch_id)

@@ -4,7 +4,8 @@ and carries each through OpenAI's lifecycle, one at a time.
 - `validating`: the input file is checked whole (`validate.py`); any fault fails the batch with
   OpenAI's `errors` list, before any line runs.
 - `in_progress`: lines are answered by this process's app (`asgi_call.py`) at `BATCH_PRIORITY`,
-  a bounded window of them at once, shrunk to one while interactive requests are in flight, and
+  about one step's budget of their prompt tokens in flight (the planner runs them as background
+  work, in small steps of their own when no interactive prompt waits), and
   written in input order to the output (2xx) or error lines. Every second the lines written are
   flushed to disk, then the record's progress says how far they go: after a crash the batch
   resumes from there, the part files cut back to that length, so every line is written once.
@@ -61,6 +62,12 @@ POLL_S = 0.5  # how soon a batch created by another front end is seen
 CHECKPOINT_S = 1.0
 WRITE_BYTES = 1 << 20  # answers gathered before one write in a worker thread
 MOST_WINDOW = 64
+LOOK_S = 0.02  # how often a waiting run looks again (a line answered, interactive traffic gone)
+# The prompt tokens the batch's lines in flight may hold, in steps' budgets: the engine runs them
+# in small background steps (the planner's BACKGROUND_SHARE), so this bounds the engine queue
+# they hold, not an interactive request's wait.
+STEP_SHARE = 1.0
+GUESS_TOKENS_PER_BYTE = 0.25  # a line's tokens guessed from its bytes until answers tell
 READ_LINES = 64
 SWEEP_S = 60.0  # how often expired files are deleted
 RETRY_FIRST_S, RETRY_MOST_S = 0.01, 0.5
@@ -69,8 +76,8 @@ EXPIRED_MESSAGE = "This request could not be executed before the completion wind
 PART_NAMES = {"output": "output", "errors": "error"}
 
 
-class Stopped(Exception):
-    """The runner stops: the server drains or shuts down."""
+# (the part it goes to, its output line, its prompt tokens)
+Answered = tuple[str, bytes, int]
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,7 @@ class BatchRunner:
         self.most_requests = settings.max_batch_requests
         self.most_bytes = settings.max_batch_storage_bytes
         self.window = max(1, min(MOST_WINDOW, settings.max_num_seqs))
+        self.step_share = max(1, int(settings.max_num_batched_tokens * STEP_SHARE))
         self.wake = asyncio.Event()
         self._app: ASGIApp | None = None
         self._task: asyncio.Task[None] | None = None
@@ -130,8 +138,6 @@ class BatchRunner:
                     if queue:
                         await self._advance(queue[0])
                         continue
-            except Stopped:
-                pass
             except Exception:  # a disk fault: said, and tried again at the next poll
                 logger.exception("the batch runner failed; retrying in %.1f s", POLL_S)
             self.wake.clear()
@@ -290,7 +296,10 @@ class LineRun:
         self.pending_bytes = 0
         self.progress = batch.progress
         self.faults: tuple[LineFault, ...] = ()
-        self.window: deque[tuple[Line, asyncio.Task[tuple[str, bytes, int] | None]]] = deque()
+        self.window: deque[tuple[Line, asyncio.Task[Answered | None], int]] = deque()
+        self.tokens_in_flight = 0  # the lines in flight's guessed prompt tokens
+        self.seen_tokens = self.seen_bytes = 0  # of the lines answered: the guessing rate
+        self.stopped = False
         self.checked = time.monotonic()
 
     async def all(self) -> Status | None:
@@ -302,47 +311,78 @@ class LineRun:
         more = True
         try:
             while True:
-                if not runner._stopping():
-                    while more and len(self.window) < self._room():
-                        if not lines:
-                            read = await asyncio.to_thread(_read_lines, self.source, number, offset)
-                            if not read:
-                                more = False
-                                break
-                            lines.extend(read)
-                            number, offset = read[-1].number + 1, read[-1].end
-                        line = lines.popleft()
-                        task = asyncio.create_task(self._answer(line))
-                        self.window.append((line, task))
-                if not self.window:
+                stopping = runner._stopping()
+                while more and not stopping:
+                    if not lines:
+                        read = await asyncio.to_thread(_read_lines, self.source, number, offset)
+                        if not read:
+                            more = False
+                            break
+                        lines.extend(read)
+                        number, offset = read[-1].number + 1, read[-1].end
+                    if not self._may_start(lines[0]):
+                        break
+                    self._start(lines.popleft())
+                if self.window:
+                    await self._take_head()
+                elif not more or stopping:
                     await self._checkpoint()
                     return None if more else Status.COMPLETED
-                line, task = self.window[0]
-                if not task.done():  # a line waiting for room (429) must not hold a cancel back
-                    left = CHECKPOINT_S - (time.monotonic() - self.checked)
-                    await asyncio.wait((task,), timeout=max(left, 0.0))
-                if task.done():
-                    answered = task.result()
-                    self.window.popleft()
-                    if answered is None:  # not answered: the server stops; resumed later
-                        await self._checkpoint()
-                        return None
-                    self._written(line, *answered)
-                    if self.pending_bytes >= WRITE_BYTES:
-                        await self._write()
+                else:  # interactive requests in flight: wait for them to end
+                    await asyncio.sleep(LOOK_S)
+                if self.stopped:
+                    await self._checkpoint()
+                    return None
                 if time.monotonic() - self.checked >= CHECKPOINT_S:
                     ending = await self._checkpoint()
                     if ending is not None:
                         return ending
         finally:
-            for _, task in self.window:
+            for _, task, _ in self.window:
                 task.cancel()
 
-    def _room(self) -> int:
-        """Lines at once: the window, or one while interactive requests are in flight."""
-        return 1 if self.runner.state.active_requests else self.runner.window
+    def _may_start(self, line: Line) -> bool:
+        """Whether the next line may start: never while interactive requests are in flight;
+        else while the lines in flight hold less than the batch's share of a step's tokens (one
+        line at least), their tokens guessed from their bytes at the rate seen so far."""
+        if not self.window:
+            return True
+        if len(self.window) >= self.runner.window:
+            return False
+        guess = self._guess(line)
+        return self.tokens_in_flight + guess <= self.runner.step_share
 
-    async def _answer(self, line: Line) -> tuple[str, bytes, int] | None:
+    def _guess(self, line: Line) -> int:
+        rate = self.seen_tokens / self.seen_bytes if self.seen_bytes else GUESS_TOKENS_PER_BYTE
+        return max(1, int(len(line.text) * rate))
+
+    def _start(self, line: Line) -> None:
+        guess = self._guess(line)
+        self.tokens_in_flight += guess
+        self.window.append((line, asyncio.create_task(self._answer(line)), guess))
+
+    async def _take_head(self) -> None:
+        """The first line's answer written when it is there; else a short wait (a line waiting
+        for room must not hold back a cancel, the deadline, or lines that may start now)."""
+        line, task, guess = self.window[0]
+        if not task.done():
+            await asyncio.wait((task,), timeout=LOOK_S)
+            if not task.done():
+                return
+        self.window.popleft()
+        self.tokens_in_flight -= guess
+        answered = task.result()
+        if answered is None:  # not answered: the server stops; resumed later
+            self.stopped = True
+            return
+        part, text, tokens = answered
+        self.seen_tokens += tokens
+        self.seen_bytes += len(line.text)
+        self._written(line, part, text, tokens)
+        if self.pending_bytes >= WRITE_BYTES:
+            await self._write()
+
+    async def _answer(self, line: Line) -> Answered | None:
         """(part, output line, prompt tokens) of one line; None when the server stops first."""
         runner = self.runner
         app = runner._app

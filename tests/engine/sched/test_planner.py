@@ -15,7 +15,7 @@ from poolserve.engine.sched.planner import (
     plan_step,
 )
 from poolserve.types.errors import PromptTooLongError
-from poolserve.types.limits import SchedulerConfig
+from poolserve.types.limits import BACKGROUND_PRIORITY, BACKGROUND_SHARE, SchedulerConfig
 from tests.engine.sched.planner_harness import Arrival, Harness, run_steps
 
 C = ScheduledChunk  # expected chunks read as C(request_id, start, num_tokens, is_last, new_blocks)
@@ -336,3 +336,51 @@ def test_simulation_random_workloads(seed: int) -> None:
         spans = harness.finished[arrival.request_id].spans
         assert [s for s, _ in spans] == [0] + [e for _, e in spans[:-1]]
         assert spans[-1][1] == arrival.num_prompt_tokens
+
+
+def _bg(rid: int, prompt: int, computed: int = 0, held: int = 0, arrival: int = 0) -> PlannerSeq:
+    """A background prompt (a batch line's)."""
+    return PlannerSeq(rid, prompt, computed, held, BACKGROUND_PRIORITY, arrival)
+
+
+SHARED = 10 * BACKGROUND_SHARE  # a budget whose background share is 10 tokens
+BACKGROUND_CASES = {
+    "interactive_work_keeps_background_out_of_the_step": (
+        _cfg(max_num_batched_tokens=SHARED, enable_chunked_prefill=False),
+        [_bg(0, 4, arrival=0), _seq(1, 4, arrival=1), _bg(2, 4, arrival=2)],
+        [],
+        [C(1, 0, 4, True, 0)],
+    ),
+    "a_started_background_prefill_waits_for_interactive_work": (
+        _cfg(max_num_batched_tokens=SHARED),
+        [_seq(1, 20, arrival=1)],
+        [_bg(0, 200, computed=10, held=13, arrival=0)],
+        [C(1, 0, 20, True, 0)],
+    ),
+    "background_alone_takes_its_share_of_the_budget": (
+        _cfg(max_num_batched_tokens=SHARED, enable_chunked_prefill=False),
+        [_bg(0, 4, arrival=0), _bg(1, 4, arrival=1), _bg(2, 4, arrival=2)],
+        [],
+        [C(0, 0, 4, True, 0), C(1, 0, 4, True, 0)],
+    ),
+    "a_background_prompt_above_the_share_runs_whole_and_alone": (
+        _cfg(max_num_batched_tokens=SHARED, enable_chunked_prefill=False),
+        [_bg(0, 30, arrival=0), _bg(1, 2, arrival=1)],
+        [],
+        [C(0, 0, 30, True, 0)],
+    ),
+    "a_chunked_background_prompt_runs_in_chunks_of_the_share": (
+        _cfg(max_num_batched_tokens=SHARED),
+        [_bg(0, 95, arrival=0)],
+        [],
+        [C(0, 0, 10, False, 6)],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BACKGROUND_CASES))
+def test_background_prompts_take_only_what_interactive_work_leaves(name: str) -> None:
+    config, waiting, running, expected = BACKGROUND_CASES[name]
+    plan = plan_step(waiting, running, config, config.num_kv_blocks)
+    assert plan.chunks == tuple(expected)
+    assert plan.background == all(seq.priority == BACKGROUND_PRIORITY for seq in waiting + running)
