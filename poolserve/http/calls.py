@@ -24,9 +24,11 @@ from poolserve.frontend.scoring import Scored, scores_of
 from poolserve.frontend.state import ServiceState
 from poolserve.http.batches import BATCH_LINE, BATCH_PRIORITY
 from poolserve.http.tenants import TENANT_KEY, served_names
+from poolserve.http.visible import restricts, tenant_of, unseen
 from poolserve.observability.logs import LORA_KEY, MODEL_KEY, PROMPT_TOKENS_KEY
 from poolserve.observability.metrics import NO_LORA
 from poolserve.observability.tracing import LORA_SPAN_ATTRIBUTE, NO_TRACE, SpanRecord, trace_of
+from poolserve.types.errors import ModelNotFoundError
 from poolserve.types.outputs import PoolingOutput
 from poolserve.types.tasks import PoolingTask
 
@@ -43,7 +45,13 @@ async def submit(request: Request, job: Job) -> Submitted:
     request.state.task = job.task.value  # for the access log, even when the job is refused
     if BATCH_LINE in request.scope.get("extensions", ()):
         job = dataclasses.replace(job, priority=max(job.priority, BATCH_PRIORITY))
-    return await submit_job(service_state(request), job, HTTPCaller(request))
+    try:
+        return await submit_job(service_state(request), job, HTTPCaller(request))
+    except ModelNotFoundError:
+        tenant = tenant_of(request)
+        if restricts(tenant):  # its 404 lists every served name: none for a restricted key
+            raise unseen(job.model, tenant) from None
+        raise
 
 
 async def score(request: Request, job: ScoreJob) -> Scored:

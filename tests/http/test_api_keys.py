@@ -133,10 +133,11 @@ def test_a_model_the_key_may_not_use_is_403_before_any_work(client: Any) -> None
     _error(response, 403, "model_not_allowed")
     tei = client.post("/embed", json={"inputs": "a"}, headers=_auth("elsewhere"))
     assert tei.status_code == 403 and "may not use the model" in tei.json()["error"]
-    # an unknown name is still the 404 listing the served names
+    # an unknown name is a 404 that lists no served name to a key restricted to some models
     body = {"input": "a", "model": "reranker"}
     response = client.post("/v1/embeddings", json=body, headers=_auth("elsewhere"))
-    _error(response, 404, "model_not_found")
+    error = _error(response, 404, "model_not_found")
+    assert error["message"] == "model 'reranker' does not exist or this API key may not use it"
     metrics = client.get("/metrics").text
     series = 'poolserve_api_key_rejected_requests_total{key="elsewhere",reason="model"}'
     assert _sample(metrics, series) == 3.0
