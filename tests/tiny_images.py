@@ -1,5 +1,6 @@
-"""Tiny random dual encoders (CLIP, SigLIP) with their tokenizers and image processors, saved as
-transformers saves them, and their reference embeddings from transformers itself."""
+"""Tiny random dual encoders (CLIP, SigLIP, SigLIP 2 naflex) with their tokenizers and image
+processors, saved as transformers saves them, and their reference embeddings from transformers
+itself."""
 
 from __future__ import annotations
 
@@ -13,13 +14,18 @@ import transformers
 from PIL import Image
 from tokenizers import Tokenizer, pre_tokenizers, processors
 from tokenizers.models import WordLevel
+from transformers.image_transforms import convert_to_rgb
 
-FAMILIES = ("clip", "siglip")
+FAMILIES = ("clip", "siglip", "siglip2")
 WORDS = tuple(f"w{i}" for i in range(90))
 MAX_TEXT_TOKENS = 16
 IMAGE_SIZE, PATCH_SIZE = 32, 8
 # Each family's special tokens, first ids of the vocabulary.
 SPECIALS = {"clip": ("<|startoftext|>", "<|endoftext|>"), "siglip": ("<pad>", "</s>", "<unk>")}
+# SigLIP 2: Gemma's special tokens, its texts padded to 64 (Siglip2Processor's max_length); its
+# images cut into 4x4 patches, at most 24 of them, around a learned 4x4 grid of positions
+SIGLIP2_TEXT_TOKENS, SIGLIP2_PATCH, SIGLIP2_MAX_PATCHES, SIGLIP2_GRID = 64, 4, 24, 4
+SIGLIP2_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789"
 
 
 def _tokenizer(directory: Path, family: str) -> int:
@@ -46,9 +52,70 @@ def _tokenizer(directory: Path, family: str) -> int:
     return len(vocab)
 
 
+def _siglip2_tokenizer(directory: Path) -> int:
+    """Siglip2Tokenizer (Gemma's BPE, lowercased) over single characters, saved as Google's
+    checkpoints' are: EOS appended, padded on the right, input ids only (no attention mask)."""
+    specials = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "\u2581")
+    vocab = {t: i for i, t in enumerate((*specials, *SIGLIP2_CHARS))}
+    transformers.Siglip2Tokenizer(
+        vocab=vocab,
+        merges=[],
+        model_max_length=SIGLIP2_TEXT_TOKENS,
+        add_bos_token=False,
+        add_eos_token=True,
+        padding_side="right",
+        model_input_names=["input_ids"],
+    ).save_pretrained(directory)
+    return len(vocab)
+
+
+def _save_siglip2(directory: Path, seed: int) -> Path:
+    """A tiny random Siglip2Model with its tokenizer and naflex image processor."""
+    vocab_size = _siglip2_tokenizer(directory)
+    text = {
+        "vocab_size": vocab_size,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "max_position_embeddings": SIGLIP2_TEXT_TOKENS,
+        "pad_token_id": 0,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+        "projection_size": 40,
+    }
+    vision = {
+        "hidden_size": 40,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "patch_size": SIGLIP2_PATCH,
+        "num_patches": SIGLIP2_GRID**2,
+    }
+    torch.manual_seed(seed)
+    model = transformers.Siglip2Model(
+        transformers.Siglip2Config(text_config=text, vision_config=vision)
+    )
+    _randomize(model)
+    model.save_pretrained(directory)
+    transformers.Siglip2ImageProcessorPil(
+        patch_size=SIGLIP2_PATCH, max_num_patches=SIGLIP2_MAX_PATCHES
+    ).save_pretrained(directory)
+    return directory
+
+
+def _randomize(model: torch.nn.Module) -> None:
+    """Random everywhere: the init leaves norms at one and biases at zero."""
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(torch.randn_like(parameter) * 0.2)
+
+
 def save_dual_encoder(family: str, directory: Path, seed: int = 0) -> Path:
     """A tiny random checkpoint of `family` with tokenizer and preprocessor_config.json."""
     directory.mkdir(parents=True, exist_ok=True)
+    if family == "siglip2":
+        return _save_siglip2(directory, seed)
     vocab_size = _tokenizer(directory, family)
     text = {
         "vocab_size": vocab_size,
@@ -86,9 +153,7 @@ def save_dual_encoder(family: str, directory: Path, seed: int = 0) -> Path:
         processor = transformers.SiglipImageProcessorPil(
             size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
         )
-    with torch.no_grad():  # random everywhere: the init leaves norms at one and biases at zero
-        for parameter in model.parameters():
-            parameter.copy_(torch.randn_like(parameter) * 0.2)
+    _randomize(model)
     model.save_pretrained(directory)
     processor.save_pretrained(directory)  # type: ignore[attr-defined]
     return directory
@@ -126,21 +191,34 @@ class Reference:
         processor = {
             "clip": transformers.CLIPImageProcessorPil,
             "siglip": transformers.SiglipImageProcessorPil,
+            "siglip2": transformers.Siglip2ImageProcessorPil,
         }[family]
         self.processor = processor.from_pretrained(directory)
 
     def texts(self, texts: list[str]) -> np.ndarray:
-        """[n, dim] (SigLIP's texts padded to max_length, as its processor is called)."""
-        padding = {"padding": "max_length"} if self.family == "siglip" else {}
+        """[n, dim] (SigLIP's texts padded to max_length, as its processor is called; SigLIP
+        2's as Siglip2Processor calls its tokenizer: to max_length 64, truncated)."""
+        padding: dict[str, object] = {}
+        if self.family == "siglip":
+            padding = {"padding": "max_length"}
+        elif self.family == "siglip2":
+            padding = {"padding": "max_length", "max_length": SIGLIP2_TEXT_TOKENS}
         rows = []
         for text in texts:
+            # the ids alone: SigLIP's and SigLIP 2's tokenizers give no attention mask
             ids = self.tokenizer([text], return_tensors="pt", **padding)["input_ids"]
             with torch.no_grad():
                 rows.append(self.model.get_text_features(input_ids=ids).pooler_output[0])
         return torch.stack(rows).numpy()
 
+    def pixels(self, pictures: list[Image.Image]) -> dict[str, torch.Tensor]:
+        """The processor's output, each picture made RGB first as the server loads it
+        (transformers' convert_to_rgb, which SigLIP 2's processor does not call)."""
+        rgb = [Image.fromarray(convert_to_rgb(p, return_numpy=True)) for p in pictures]
+        return dict(self.processor(images=rgb, return_tensors="pt"))
+
     def images(self, pictures: list[Image.Image]) -> np.ndarray:
         """[n, dim]."""
-        pixels = self.processor(images=pictures, return_tensors="pt")["pixel_values"]
+        inputs = self.pixels(pictures)
         with torch.no_grad():
-            return self.model.get_image_features(pixel_values=pixels).pooler_output.numpy()
+            return self.model.get_image_features(**inputs).pooler_output.numpy()

@@ -16,6 +16,7 @@ from poolserve.models.attention import build_attention_metadata
 from poolserve.models.kv_cache import PagedKVCache
 from poolserve.models.spec import LoadedModel
 from poolserve.pooling.pooler import ChunkInput, PooledChunk, RequestPooler, pool_chunks
+from poolserve.types.images import ImageInputs
 
 # An image's embedding, pooled as a whole one-row prompt.
 ONE_ROW = ChunkInput(1, (0,), True)
@@ -24,8 +25,11 @@ ONE_ROW = ChunkInput(1, (0,), True)
 class ImageModel(Protocol):
     """A packed model with an image tower (models/dual_encoder.py)."""
 
-    def embed_images(self, pixels: torch.Tensor) -> torch.Tensor:
-        """[num_images, channels, height, width] -> [num_images, dim]."""
+    def embed_images(
+        self, pixels: torch.Tensor, grids: tuple[tuple[int, int], ...] = ()
+    ) -> torch.Tensor:
+        """[num_images, channels, height, width] -> [num_images, dim]; naflex images:
+        [num_images, patches, patch_width] and each image's (rows, cols) of patches."""
         ...
 
 
@@ -42,8 +46,9 @@ class ChunkWork:
     num_kv_tokens: int  # leading tokens whose keys and values the chunk stores in its blocks
     token_type_ids: np.ndarray | None = None  # [num_tokens] int64, a view; None: all type 0
     adapter: int | None = None  # the LoRA adapter (index) its tokens run through; None: none
-    # an image's pixel values [channels, height, width] float32; its token_ids are placeholders
-    # counting the image tower's tokens (the step's budget), never run through the text tower
+    # an image's pixel values [channels, height, width] float32 (naflex: [rows, cols, patch]);
+    # its token_ids are placeholders counting the image tower's tokens (the step's budget),
+    # never run through the text tower
     pixels: np.ndarray | None = None
 
 
@@ -59,6 +64,7 @@ class PreparedStep:
     num_texts: int | None = None  # the leading chunks that run through the token stream (None: all)
     num_text_tokens: int | None = None  # their tokens, packed in the slot (None: num_tokens)
     pixels: torch.Tensor | None = None  # [num_images, channels, height, width] of the images
+    grids: tuple[tuple[int, int], ...] = ()  # naflex: each image's (rows, cols) of patches
 
     @property
     def texts(self) -> tuple[ChunkWork, ...]:
@@ -171,7 +177,9 @@ class Runner:
                 self.host_types[slot, :num_tokens].copy_(torch.from_numpy(types))
         if not images:
             return PreparedStep(step_index, tuple(chunks), num_tokens, slot, has_types)
-        pixels = torch.from_numpy(np.stack([cast("np.ndarray", c.pixels) for c in images]))
+        taken = cast("ImageInputs", self.loaded.images)
+        batched, grids = taken.batch([cast("np.ndarray", c.pixels) for c in images])
+        pixels = torch.from_numpy(batched)
         return PreparedStep(
             step_index,
             (*chunks, *images),
@@ -181,6 +189,7 @@ class Runner:
             num_texts=len(chunks),
             num_text_tokens=num_tokens,
             pixels=pixels.pin_memory() if self.is_cuda else pixels,
+            grids=grids,
         )
 
     def execute(self, step: PreparedStep) -> StepResult:
@@ -234,7 +243,8 @@ class Runner:
         if not images or step.pixels is None:
             return []
         model = cast("ImageModel", self.loaded.model)
-        rows = model.embed_images(step.pixels.to(self.device, non_blocking=True))  # [n, dim]
+        pixels = step.pixels.to(self.device, non_blocking=True)
+        rows = model.embed_images(pixels, step.grids)  # [n, dim]
         return pool_chunks(rows, [ONE_ROW] * len(images), [c.pooler for c in images])
 
     def _forward(self, step: PreparedStep) -> torch.Tensor:

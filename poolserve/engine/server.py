@@ -126,15 +126,13 @@ class EngineCore:
     def _submit(self, who: MessageStream, message: Submit, frames: Sequence[memoryview]) -> None:
         try:
             prompts, types = protocol.split_prompts(message, frames)
-            images = self.engine.loaded.images
-            shape = None if images is None else images.pixel_shape
             futures = self.engine.submit_many(
                 cast("list[Sequence[int]]", prompts),
                 message.params,
                 message.priority,
                 cast("list[Sequence[int] | None] | None", types),
                 checked=True,  # the front end checked them against the model card
-                pixels=protocol.split_pixels(message, frames, shape),
+                pixels=protocol.split_pixels(message, frames, self.engine.loaded.images),
             )
         except Exception as exc:  # refused as a whole: each prompt fails with the engine's error
             for request_id in message.ids:

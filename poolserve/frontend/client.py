@@ -236,8 +236,9 @@ class EngineClient:
         self._reserve(len(ids), sum(len(prompt) for prompt in ids))
         lengths, typed, frames = protocol.flat_prompts(ids, types)
         image_flags: list[bool] = []
+        grids: list[tuple[int, int]] = []
         if pixels is not None:
-            image_flags, pixel_frames = protocol.pixel_frame(pixels)
+            image_flags, grids, pixel_frames = protocol.pixel_frame(pixels, card.images)
             frames.extend(pixel_frames)
         loop = asyncio.get_running_loop()
         request_ids = [next(self._ids) for _ in ids]
@@ -245,7 +246,9 @@ class EngineClient:
         for request_id, future in zip(request_ids, futures, strict=True):
             self._pending[request_id] = future
             self._id_of[future] = request_id
-        self._send(Submit(request_ids, lengths, params, priority, typed, image_flags), frames)
+        self._send(
+            Submit(request_ids, lengths, params, priority, typed, image_flags, grids), frames
+        )
         return futures
 
     def cancel_future(self, future: asyncio.Future[PoolingOutput]) -> None:

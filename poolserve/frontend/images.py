@@ -1,24 +1,35 @@
 """A decoded image as the model's pixel values, equal to its transformers image processor's.
 
-The steps and their number types are those of transformers' PIL image processors (CLIP's and
-SigLIP's): RGB with transparency composited onto white, PIL's resize of the uint8 image, a
-center crop, the rescale computed in float64 then stored as float32, and the normalization in
-float32. Numpy and Pillow only: a front end never loads torch. Runs in a worker thread.
+The steps and their number types are those of transformers' PIL image processors (CLIP's,
+SigLIP's and SigLIP 2's): RGB with transparency composited onto white, PIL's resize of the uint8
+image, a center crop, the rescale computed in float64 then stored as float32, and the
+normalization in float32; SigLIP 2's naflex size search and patches as Siglip2ImageProcessorPil
+makes them. Numpy and Pillow only: a front end never loads torch. Runs in a worker thread.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from PIL import Image
 
-from poolserve.types.images import ImageProcessing
+from poolserve.types.images import ImageProcessing, Naflex
+
+# Siglip2ImageProcessor's binary search for the largest scale that fits max_num_patches.
+NAFLEX_EPS = 1e-5
+NAFLEX_SCALE_MAX = 100.0
 
 
 def pixel_values(image: Image.Image, steps: ImageProcessing) -> np.ndarray:
-    """[3, height, width] float32 pixel values of one decoded image."""
+    """[3, height, width] float32 pixel values of one decoded image; a naflex processor's:
+    [rows, cols, patch_size * patch_size * 3], its patches in transformers' order."""
     if steps.convert_rgb:
         image = _rgb(image)
-    if steps.resize_to is not None or steps.shortest_edge is not None:
+    if steps.naflex is not None:
+        height, width = naflex_size(image.height, image.width, steps.naflex)
+        image = image.resize((width, height), resample=Image.Resampling(steps.resample))
+    elif steps.resize_to is not None or steps.shortest_edge is not None:
         height, width = _resized(image.height, image.width, steps)
         image = image.resize((width, height), resample=Image.Resampling(steps.resample))
     array = np.asarray(image)  # [height, width, 3] uint8
@@ -34,7 +45,37 @@ def pixel_values(image: Image.Image, steps: ImageProcessing) -> np.ndarray:
         mean = np.asarray(steps.mean, dtype=np.float32)[:, None, None]
         std = np.asarray(steps.std, dtype=np.float32)[:, None, None]
         pixels = (pixels - mean) / std
+    if steps.naflex is not None:
+        pixels = _patches(pixels.astype(np.float32, copy=False), steps.naflex.patch_size)
     return np.ascontiguousarray(pixels, dtype=np.float32)
+
+
+def naflex_size(height: int, width: int, naflex: Naflex) -> tuple[int, int]:
+    """(height, width) of an image resized for SigLIP 2: whole patches on both sides, the
+    aspect kept, at most max_num_patches (get_image_size_for_max_num_patches, step for step)."""
+    patch = naflex.patch_size
+
+    def scaled(scale: float, size: int) -> int:
+        return int(max(patch, math.ceil(size * scale / patch) * patch))
+
+    low, high = NAFLEX_EPS / 10, NAFLEX_SCALE_MAX
+    while high - low >= NAFLEX_EPS:
+        scale = (low + high) / 2
+        patches = (scaled(scale, height) / patch) * (scaled(scale, width) / patch)
+        if patches <= naflex.max_num_patches:
+            low = scale
+        else:
+            high = scale
+    return scaled(low, height), scaled(low, width)
+
+
+def _patches(pixels: np.ndarray, patch: int) -> np.ndarray:
+    """[C, H, W] as [rows, cols, patch * patch * C], each patch's values row by row, channels
+    last (Siglip2's convert_image_to_patches, its rows and columns kept apart)."""
+    channels, height, width = pixels.shape
+    rows, cols = height // patch, width // patch
+    grid = pixels.reshape(channels, rows, patch, cols, patch).transpose(1, 3, 2, 4, 0)
+    return grid.reshape(rows, cols, patch * patch * channels)
 
 
 def _rgb(image: Image.Image) -> Image.Image:

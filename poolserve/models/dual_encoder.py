@@ -1,10 +1,13 @@
-"""Dual encoders (CLIP, SigLIP): a text tower and an image tower that embed into one space.
+"""Dual encoders (CLIP, SigLIP, SigLIP 2): a text tower and an image tower that embed into one
+space.
 
 The text tower runs as any backbone over the packed token stream (its hidden states after the
 final LayerNorm; the pooled token's projection is the embed head's, as a sentence-transformers
 Dense). The image tower runs in the same step over that step's images, batched (every image of a
-checkpoint has the same size), and gives each image's embedding directly: its pooled state and
-projection, as `get_image_features` returns it. Each family's facts are one `DualFamily` row.
+CLIP or SigLIP checkpoint has the same size; SigLIP 2's naflex images each their own grid of
+patches, padded and masked: naflex.py), and gives each image's embedding directly: its pooled
+state and projection, as `get_image_features` returns it. Each family's facts are one
+`DualFamily` row.
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ from transformers import PretrainedConfig
 from poolserve.models.attention import AttentionBackend, AttentionMetadata
 from poolserve.models.kv_cache import PagedKVCache
 from poolserve.models.layers import activation
+from poolserve.models.naflex import NaflexEmbeddings
 from poolserve.models.packed import PackedModel
 from poolserve.types.errors import ModelLoadError
-from poolserve.types.images import ImageInputs, read_processing
+from poolserve.types.images import ImageInputs, ImageProcessing, read_naflex, read_processing
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,8 @@ class DualFamily:
     # texts padded to max_position_embeddings with the pad token, as the family was trained
     # and its processor is documented to be called (SigLIP: padding="max_length")
     pad_texts: bool
+    # images of any aspect as grids of flattened patches, positions resized to each (SigLIP 2)
+    naflex: bool = False
 
 
 FAMILIES: dict[str, DualFamily] = {
@@ -72,8 +78,23 @@ FAMILIES: dict[str, DualFamily] = {
         square_sizes=True,
         pad_texts=True,
     ),
+    # SigLIP's towers; the image tower's patches a Linear over naflex grids
+    "siglip2": DualFamily(
+        classes=("Siglip2Model",),
+        causal_text=False,
+        text_head="text_model.head.",
+        text_head_bias=True,
+        image_head=None,
+        class_token=False,
+        pre_norm=False,
+        patch_bias=True,
+        square_sizes=True,
+        pad_texts=True,
+        naflex=True,
+    ),
 }
 ARCHITECTURES = {name: family for family in FAMILIES.values() for name in family.classes}
+DUAL_NAMES = "CLIP, SigLIP, SigLIP 2"  # the families, as messages name them
 
 
 @dataclass(frozen=True)
@@ -159,6 +180,7 @@ class VisionTower(torch.nn.Module):
             state[f"{p}embeddings.patch_embedding.weight"],
             patch_bias if family.patch_bias else None,
         )
+        self.naflex = NaflexEmbeddings(state, f"{p}embeddings.") if family.naflex else None
         self.positions = state[f"{p}embeddings.position_embedding.weight"]
         self.class_embedding = (
             state[f"{p}embeddings.class_embedding"] if family.class_token else None
@@ -174,8 +196,12 @@ class VisionTower(torch.nn.Module):
         self.num_tokens = int(self.positions.shape[0])
 
     @torch.inference_mode()
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:  # [B, 3, H, W] -> [B, out]
+    def forward(
+        self, pixels: torch.Tensor, grids: tuple[tuple[int, int], ...] = ()
+    ) -> torch.Tensor:  # [B, 3, H, W] (naflex: [B, N, patch_width]) -> [B, out]
         """Each image's embedding, as the family's get_image_features."""
+        if self.naflex is not None:
+            return self._naflex(pixels, grids)
         g = self.geometry
         weight, bias = self.patches
         grid = F.conv2d(pixels.to(weight.dtype), weight, bias, stride=self.patch_size)
@@ -195,10 +221,29 @@ class VisionTower(torch.nn.Module):
         pooled = F.layer_norm(x[:, 0], (g.hidden,), *self.post_norm, g.eps)
         return pooled if self.projection is None else F.linear(pooled, self.projection)
 
+    def _naflex(self, pixels: torch.Tensor, grids: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        """SigLIP 2: padded patch grids, every attention masked to each image's own patches."""
+        assert self.naflex is not None and self.map_head is not None
+        g = self.geometry
+        x, mask = self.naflex(pixels, grids)  # [B, N, hidden], [B, N]
+        keys = mask[:, None, None, :]  # [B, 1, 1, N]: every head and query sees real patches
 
-def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Bidirectional attention of equal-length sequences [B, N, heads, head_dim]."""
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return _dense_attention(q, k, v, keys)
+
+        for layer in self.layers:
+            x = layer(x, attend)
+        return self.map_head(F.layer_norm(x, (g.hidden,), *self.post_norm, g.eps), keys)
+
+
+def _dense_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Bidirectional attention of equal-length sequences [B, N, heads, head_dim]; `keys`: a
+    boolean mask of the keys each attends to, broadcast to [B, heads, queries, N]."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=keys
+    )
     return out.transpose(1, 2)
 
 
@@ -218,14 +263,17 @@ class MapHead(torch.nn.Module):
         self.fc1 = _affine(state, f"{prefix}mlp.fc1.")
         self.fc2 = _affine(state, f"{prefix}mlp.fc2.")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, N, hidden] -> [B, hidden]
-        """The probe's attention output, plus the MLP of its normalized self."""
+    def forward(
+        self, x: torch.Tensor, keys: torch.Tensor | None = None
+    ) -> torch.Tensor:  # [B, N, hidden] -> [B, hidden]
+        """The probe's attention output (over the `keys` mask's tokens), plus the MLP of its
+        normalized self."""
         g, batch = self.geometry, x.shape[0]
         shape = (batch, -1, g.num_heads, g.head_dim)
         q = F.linear(self.probe.expand(batch, -1, -1), *self.q).reshape(shape)
         k = F.linear(x, *self.k).reshape(shape)
         v = F.linear(x, *self.v).reshape(shape)
-        h = F.linear(_dense_attention(q, k, v).reshape(batch, 1, g.hidden), *self.o)
+        h = F.linear(_dense_attention(q, k, v, keys).reshape(batch, 1, g.hidden), *self.o)
         normed = F.layer_norm(h, (g.hidden,), *self.norm, g.eps)
         return (h + F.linear(self.act(F.linear(normed, *self.fc1)), *self.fc2))[:, 0]
 
@@ -292,9 +340,11 @@ class DualEncoderModel(PackedModel):
         x = F.layer_norm(x, (g.hidden,), *self.final_norm, g.eps)
         return self.deliver(x, out)
 
-    def embed_images(self, pixels: torch.Tensor) -> torch.Tensor:  # [B, 3, H, W] -> [B, out]
+    def embed_images(
+        self, pixels: torch.Tensor, grids: tuple[tuple[int, int], ...] = ()
+    ) -> torch.Tensor:  # [B, 3, H, W] (naflex: [B, N, patch_width]) -> [B, out]
         """Each image's embedding (the image tower's pooled state through its projection)."""
-        return self.vision(pixels)
+        return self.vision(pixels, grids)
 
 
 def image_inputs(path: Path, family: DualFamily, config: PretrainedConfig) -> ImageInputs:
@@ -303,7 +353,10 @@ def image_inputs(path: Path, family: DualFamily, config: PretrainedConfig) -> Im
     if not processor.is_file():
         raise ModelLoadError(f"{family.classes[0]}: preprocessor_config.json is missing")
     try:
-        steps = read_processing(json.loads(processor.read_text()), square=family.square_sizes)
+        raw = json.loads(processor.read_text())
+        if family.naflex:
+            return _naflex_inputs(read_naflex(raw), config)
+        steps = read_processing(raw, square=family.square_sizes)
     except ValueError as exc:
         raise ModelLoadError(f"preprocessor_config.json: {exc}") from exc
     vision = config.vision_config
@@ -315,6 +368,21 @@ def image_inputs(path: Path, family: DualFamily, config: PretrainedConfig) -> Im
     patches = (size // vision.patch_size) ** 2
     width = config.projection_dim if family.image_head else vision.hidden_size
     return ImageInputs(steps, patches + int(family.class_token), int(width), vision.num_channels)
+
+
+def _naflex_inputs(steps: ImageProcessing, config: PretrainedConfig) -> ImageInputs:
+    """SigLIP 2: an image costs its tower's padded sequence, max_num_patches tokens."""
+    vision = config.vision_config
+    naflex = steps.naflex
+    assert naflex is not None
+    if naflex.patch_size != vision.patch_size:
+        raise ModelLoadError(
+            f"the image processor cuts {naflex.patch_size}-pixel patches; the tower takes "
+            f"{vision.patch_size}"
+        )
+    if not getattr(vision, "vision_use_head", True):
+        raise ModelLoadError("a SigLIP 2 image tower without its pooling head is not supported")
+    return ImageInputs(steps, naflex.max_num_patches, int(vision.hidden_size), vision.num_channels)
 
 
 def text_head(

@@ -25,6 +25,7 @@ from poolserve.models.dual_encoder import (
     ARCHITECTURES as DUAL_ARCHITECTURES,
 )
 from poolserve.models.dual_encoder import (
+    DUAL_NAMES,
     DualEncoderModel,
     DualFamily,
     image_inputs,
@@ -119,11 +120,11 @@ def load_model(
     if dual is not None:
         if lora is not None or quantization is not None:
             what = "LoRA adapters" if lora is not None else f"--quantization {quantization}"
-            raise ModelLoadError(f"{what}: not supported for a dual encoder (CLIP, SigLIP)")
+            raise ModelLoadError(f"{what}: not supported for a dual encoder ({DUAL_NAMES})")
         if device.type == "cpu" and dtype != torch.float32:
             # its towers' matmuls are not timed at start (cpu_kernels.py): never silently slower
             name = str(dtype).removeprefix("torch.")
-            reason = "a dual encoder (CLIP, SigLIP) runs float32 on the CPU; use --dtype float32"
+            reason = f"a dual encoder ({DUAL_NAMES}) runs float32 on the CPU; use --dtype float32"
             raise UnsupportedDtypeError(name, "cpu", reason)
         return _load_dual(path, raw, overrides, dual, (device, dtype))
     architecture = _check_architecture({**raw, **overrides})
@@ -186,7 +187,8 @@ def _load_dual(
     family: DualFamily,
     placement: tuple[torch.device, torch.dtype],
 ) -> LoadedModel:
-    """A CLIP or SigLIP checkpoint: both towers, the text head, the image processor's steps."""
+    """A CLIP, SigLIP or SigLIP 2 checkpoint: both towers, the text head, the image
+    processor's steps."""
     device, dtype = placement
     config = _load_config(path, raw)
     for key, value in overrides.items():
@@ -220,12 +222,19 @@ def _load_dual(
     # the pooled text state is the last token's (CLIP's first end-of-text, which its tokenizer
     # puts last; SigLIP's padded last position), then the text head, as get_text_features
     st = SentenceTransformersConfig(pooling_mode="lasttoken", dense=head, normalize=False)
+    tokenizer = _load_tokenizer(path)
+    if family.pad_texts and getattr(tokenizer, "padding_side", "right") != "right":
+        # texts are padded after their tokens, where the pooled last position reads a pad
+        raise ModelLoadError(
+            f"{architecture}: a tokenizer that pads on the {tokenizer.padding_side} is not "
+            "supported (texts are padded on the right, as the family's checkpoints do)"
+        )
     return LoadedModel(
         path=path,
         spec=spec,
         model=model,
         head=None,
-        tokenizer=_load_tokenizer(path),
+        tokenizer=tokenizer,
         sentence_transformers=st,
         images=images,
         pad_texts_to=int(text.max_position_embeddings) if family.pad_texts else None,

@@ -16,6 +16,7 @@ import msgspec
 import numpy as np
 
 from poolserve.types.errors import StepFailedError
+from poolserve.types.images import ImageInputs
 from poolserve.types.params import PoolingParams
 
 # Errors are rebuilt on the front end as the class the core raised, so the service's error
@@ -63,6 +64,9 @@ class Submit(msgspec.Struct, tag="submit", array_like=True):
     # per prompt: whether it is an image (its ids placeholders, its pixels in the last frame);
     # empty: no image
     images: list[bool] = []
+    # per image, in order: its (rows, cols) of patches, for a model whose images differ in size
+    # (SigLIP 2's naflex); empty for a model whose images all have one shape
+    grids: list[tuple[int, int]] = []
 
 
 class Cancel(msgspec.Struct, tag="cancel", array_like=True):
@@ -228,32 +232,64 @@ def split_prompts(
     return prompts, [next(parts) if t else None for t in message.typed]
 
 
-def pixel_frame(pixels: Sequence[np.ndarray | None]) -> tuple[list[bool], list[memoryview]]:
-    """A Submit's image flags and its pixel frame (none when no prompt is an image)."""
+def pixel_frame(
+    pixels: Sequence[np.ndarray | None], images: ImageInputs | None
+) -> tuple[list[bool], list[tuple[int, int]], list[memoryview]]:
+    """A Submit's image flags, naflex grids and its pixel frame (none when no prompt is an
+    image)."""
     flags = [p is not None for p in pixels]
     if not any(flags):
-        return [], []
-    joined = np.concatenate([p.reshape(-1) for p in pixels if p is not None])
-    return flags, [joined.astype(np.float32, copy=False).data]
+        return [], [], []
+    present = [p for p in pixels if p is not None]
+    grids: list[tuple[int, int]] = []
+    if images is not None and images.naflex is not None:
+        grids = [(int(p.shape[0]), int(p.shape[1])) for p in present]
+    joined = np.concatenate([p.reshape(-1) for p in present])
+    return flags, grids, [joined.astype(np.float32, copy=False).data]
 
 
 def split_pixels(
-    message: Submit, frames: Sequence[bytes | memoryview], shape: tuple[int, ...] | None
+    message: Submit, frames: Sequence[bytes | memoryview], images: ImageInputs | None
 ) -> list[np.ndarray | None] | None:
-    """Each prompt's pixel values (views of the last frame), None for a text; None: no image."""
+    """Each prompt's pixel values (views of the last frame), None for a text; None: no image.
+    A naflex image's grid is checked against the model before its pixels are cut."""
     if not any(message.images):
+        if message.grids:
+            raise ValueError("image grids without images")
         return None
-    if shape is None:
+    if images is None:
         raise ValueError("images sent to a model that takes none")
     if len(message.images) != len(message.lengths):
         raise ValueError("image flags do not match the prompts")
     flat = np.frombuffer(frames[-1], dtype=np.float32)
     count = sum(message.images)
-    size = int(np.prod(shape))
-    if len(flat) != count * size:
-        raise ValueError("pixel frame does not match the images")
-    parts = iter(flat.reshape(count, *shape))
+    if images.naflex is None:
+        if message.grids:
+            raise ValueError("image grids sent to a model whose images have one size")
+        shape = images.pixel_shape
+        size = int(np.prod(shape))
+        if len(flat) != count * size:
+            raise ValueError("pixel frame does not match the images")
+        parts = iter(flat.reshape(count, *shape))
+    else:
+        parts = iter(_naflex_views(flat, message.grids, count, images))
     return [next(parts) if is_image else None for is_image in message.images]
+
+
+def _naflex_views(
+    flat: np.ndarray, grids: Sequence[tuple[int, int]], count: int, images: ImageInputs
+) -> list[np.ndarray]:
+    """Each naflex image's [rows, cols, patch_width] view of the pixel frame."""
+    if len(grids) != count:
+        raise ValueError("image grids do not match the images")
+    for rows, cols in grids:
+        images.check_grid(rows, cols)
+    width = images.patch_width
+    lengths = [rows * cols * width for rows, cols in grids]
+    if len(flat) != sum(lengths):
+        raise ValueError("pixel frame does not match the image grids")
+    views = _views(flat, lengths)
+    return [v.reshape(rows, cols, width) for v, (rows, cols) in zip(views, grids, strict=True)]
 
 
 def _views(flat: np.ndarray, lengths: Sequence[int]) -> list[np.ndarray]:

@@ -25,6 +25,7 @@ from poolserve.types.errors import (
     PromptTooLongError,
     StepFailedError,
 )
+from poolserve.types.images import ImageInputs, ImageProcessing, Naflex
 from poolserve.types.params import PoolingParams
 from poolserve.types.protocol import (
     Adapt,
@@ -63,6 +64,15 @@ TO_CORE = {
     "hello": Hello(),
     "submit": Submit([7], [3], PoolingParams(PoolingTask.EMBED), 0, [False]),
     "submit, every field": Submit([1, 2**40, -1], [5, 3, 1], EVERY_FIELD, -9, [True, False, True]),
+    "submit, naflex images": Submit(
+        [3, 4, 5],
+        [6, 2, 6],
+        PoolingParams(PoolingTask.EMBED),
+        0,
+        [False] * 3,
+        [True, False, True],
+        [(2, 3), (1, 1)],
+    ),
     "cancel": Cancel([4, 5, 6]),
     "cancel nothing": Cancel([]),
     "query": Query(2**62),
@@ -496,3 +506,93 @@ def test_results_and_their_output_frames_decode_whole_from_one_chunk_with_others
         got = np.frombuffer(frame, dtype=np.dtype(head.dtype)).reshape(head.shape)
         assert got.dtype == want.dtype
         assert got.tobytes() == want.tobytes()
+
+
+# ---- images ------------------------------------------------------------------------------------
+# A naflex model (SigLIP 2): 2x2-pixel patches of 3 channels (12 values), at most 6 per image.
+NAFLEX = ImageInputs(
+    ImageProcessing(None, None, 2, None, None, None, None, True, Naflex(2, 6)), 6, 8
+)
+FIXED = ImageInputs(ImageProcessing(None, (4, 4), 2, None, None, None, None, True), 5, 8)
+
+
+def _images(
+    pixels: list[np.ndarray | None], inputs: ImageInputs
+) -> tuple[Submit, list[bytes | memoryview]]:
+    prompts = [inputs.prompt() if p is not None else np.array([1, 2]) for p in pixels]
+    lengths, typed, frames = protocol.flat_prompts(prompts, [None] * len(prompts))
+    flags, grids, pixel_frames = protocol.pixel_frame(pixels, inputs)
+    message = Submit(list(range(len(prompts))), lengths, PoolingParams(PoolingTask.EMBED), 0, typed)
+    message.images, message.grids = flags, grids
+    decoded = protocol.decode_to_core(protocol.encode(message))
+    assert isinstance(decoded, Submit)
+    return decoded, [*frames, *pixel_frames]
+
+
+def test_naflex_images_of_different_grids_travel_with_their_grids() -> None:
+    rng = np.random.default_rng(0)
+    pixels = [
+        rng.standard_normal((2, 3, 12), dtype=np.float32),
+        None,
+        rng.standard_normal((1, 1, 12), dtype=np.float32),
+        rng.standard_normal((6, 1, 12), dtype=np.float32),
+    ]
+    message, frames = _images(pixels, NAFLEX)
+    assert message.grids == [(2, 3), (1, 1), (6, 1)]
+    got = protocol.split_pixels(message, frames, NAFLEX)
+    assert got is not None and got[1] is None
+    for sent, came in zip(pixels, got, strict=True):
+        if sent is not None:
+            assert came is not None and np.array_equal(sent, came)
+    batched, grids = NAFLEX.batch([p for p in got if p is not None])
+    assert batched.shape == (3, 6, 12) and grids == ((2, 3), (1, 1), (6, 1))
+    assert not batched[1, 1:].any()  # padding is zeros
+
+
+@pytest.mark.parametrize(
+    ("grids", "said"),
+    [
+        ([(2, 3)], "grids do not match the images"),
+        ([(2, 3), (1, 1), (1, 1)], "grids do not match the images"),
+        ([(7, 1), (1, 1)], "7x1 patches"),
+        ([(0, 6), (1, 1)], "0x6 patches"),
+        ([(2, -3), (1, 1)], "2x-3 patches"),
+        ([(2, 2), (1, 1)], "frame does not match the image grids"),
+        ([(2**40, 2**40), (1, 1)], "patches"),
+    ],
+)
+def test_naflex_grids_are_checked_before_the_frame_is_cut(
+    grids: list[tuple[int, int]], said: str
+) -> None:
+    pixels: list[np.ndarray | None] = [
+        np.zeros((2, 3, 12), np.float32),
+        np.ones((1, 1, 12), np.float32),
+    ]
+    message, frames = _images(pixels, NAFLEX)
+    message.grids = grids
+    with pytest.raises(ValueError, match=said):
+        protocol.split_pixels(message, frames, NAFLEX)
+
+
+def test_grids_to_a_model_of_one_image_size_or_without_images_are_refused() -> None:
+    message, frames = _images([np.zeros((3, 4, 4), np.float32)], FIXED)
+    assert message.grids == []
+    assert protocol.split_pixels(message, frames, FIXED)[0].shape == (3, 4, 4)  # type: ignore[index]
+    message.grids = [(1, 1)]
+    with pytest.raises(ValueError, match="one size"):
+        protocol.split_pixels(message, frames, FIXED)
+    text, text_frames = _images([None], FIXED)
+    text.grids = [(1, 1)]
+    with pytest.raises(ValueError, match="grids without images"):
+        protocol.split_pixels(text, text_frames, FIXED)
+
+
+def test_pixels_the_model_does_not_take_are_refused() -> None:
+    with pytest.raises(ValueError, match="patches of 9 values"):
+        NAFLEX.check_pixels(np.zeros((1, 1, 9), np.float32))
+    with pytest.raises(ValueError, match="3x3 patches"):
+        NAFLEX.check_pixels(np.zeros((3, 3, 12), np.float32))
+    with pytest.raises(ValueError, match="float32"):
+        NAFLEX.check_pixels(np.zeros((1, 1, 12), np.float64))
+    with pytest.raises(ValueError, match="the model takes"):
+        FIXED.check_pixels(np.zeros((3, 4, 5), np.float32))

@@ -153,7 +153,7 @@ async def _media_scores(
     defaults: Defaults,
 ) -> tuple[list[float], Submitted, list[PoolingOutput]]:
     """Each document against its query (one query: all of them), by the cosine of their
-    embeddings: texts and images of a model that takes both (CLIP, SigLIP) in one job."""
+    embeddings: texts and images of a model that takes both (CLIP, SigLIP, SigLIP 2) in one job."""
     options = _options(body, request, defaults)
     items = (*(MediaItem(text=q, where=f"query[{i}]") for i, q in enumerate(queries)), *documents)
     job = MediaJob(

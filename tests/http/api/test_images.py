@@ -1,8 +1,9 @@
-"""Images through the real app on tiny CLIP and SigLIP checkpoints: every route shape that takes
-an image (vLLM's messages with image_url parts, Cohere's images and inputs, Infinity's modality
-image) equals transformers' get_image_features, texts equal get_text_features, and requests of
-both kinds sent at once (batched into the same steps) equal them too; what a model cannot do
-with an image is a 400 before any work."""
+"""Images through the real app on tiny CLIP, SigLIP and SigLIP 2 (naflex) checkpoints: every
+route shape that takes an image (vLLM's messages with image_url parts, Cohere's images and
+inputs, Infinity's modality image) equals transformers' get_image_features, texts equal
+get_text_features, and requests of both kinds sent at once (batched into the same steps) equal
+them too; SigLIP 2's images of every aspect, each its own grid of patches, in one request and
+across concurrent ones; what a model cannot do with an image is a 400 before any work."""
 
 from __future__ import annotations
 
@@ -409,3 +410,67 @@ def test_the_cohere_sdk_embeds_images(served: tuple[Any, Reference]) -> None:
     )
     assert answer.embeddings.float_ is not None
     _close(answer.embeddings.float_[0], _unit(reference.images(PICTURES[2:3]))[0])
+
+
+# ---- SigLIP 2 (naflex): each image its own grid of patches ---------------------------------------
+# (height, width) in pixels: strips, a dot, squares; the tiny checkpoint's grids from 1x24 to 24x1
+NAFLEX_SIZES = [(5, 300), (300, 7), (1, 1), (64, 64), (17, 200), (33, 31), (200, 17), (9, 90)]
+
+
+@pytest.fixture(scope="module")
+def naflex(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Reference]]:
+    from starlette.testclient import TestClient
+
+    from poolserve.config.settings import ServerSettings
+    from poolserve.http.app import create_app
+
+    directory = save_dual_encoder("siglip2", tmp_path_factory.mktemp("naflex"))
+    settings = ServerSettings(model=str(directory), served_model_name="siglip2", max_num_seqs=32)
+    with TestClient(create_app(settings)) as client:
+        yield client, Reference(Path(directory), "siglip2")
+
+
+def _naflex_pictures() -> list[Image.Image]:
+    rng = np.random.default_rng(11)
+    return [
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in NAFLEX_SIZES
+    ]
+
+
+def test_naflex_images_of_every_aspect_and_texts_in_one_request(
+    naflex: tuple[Any, Reference],
+) -> None:
+    client, reference = naflex
+    pictures = _naflex_pictures()
+    texts = ["A Photo Of W40", "w5 w7"]  # Siglip2Tokenizer lowercases the first
+    inputs = [
+        {"content": [{"type": "image_url", "image_url": {"url": data_url(p)}}]} for p in pictures
+    ] + [{"content": [{"type": "text", "text": t}]} for t in texts]
+    response = client.post("/v2/embed", json={"inputs": inputs, "embedding_types": ["float"]})
+    assert response.status_code == 200, response.text
+    floats = response.json()["embeddings"]["float"]
+    _close(floats[: len(pictures)], _unit(reference.images(pictures)))
+    _close(floats[len(pictures) :], _unit(reference.texts(texts)))
+    conversations = [_image_message(data_url(p)) for p in pictures]
+    response = client.post("/v1/embeddings", json={"messages": conversations, "normalize": False})
+    assert response.status_code == 200, response.text
+    _close([item["embedding"] for item in response.json()["data"]], reference.images(pictures))
+
+
+def test_naflex_images_across_concurrent_requests(naflex: tuple[Any, Reference]) -> None:
+    client, reference = naflex
+    pictures = _naflex_pictures()
+    want = reference.images(pictures)
+    urls = [data_url(p) for p in pictures]
+
+    def call(index: int) -> Any:
+        body = {"input": [urls[index]], "modality": "image"}
+        response = client.post("/embeddings", json=body)
+        assert response.status_code == 200, response.text
+        return response.json()["data"][0]["embedding"]
+
+    work = list(range(len(pictures))) * 3
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(call, work))
+    for index, row in zip(work, got, strict=True):
+        _close(row, _unit(want[index : index + 1])[0])
