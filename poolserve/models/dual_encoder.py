@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,9 +25,16 @@ from transformers import PretrainedConfig
 
 from poolserve.models.attention import AttentionBackend, AttentionMetadata
 from poolserve.models.kv_cache import PagedKVCache
-from poolserve.models.layers import activation
 from poolserve.models.naflex import NaflexEmbeddings
 from poolserve.models.packed import PackedModel
+from poolserve.models.towers import (
+    Affine,
+    MapHead,
+    TowerLayer,
+    affine,
+    dense_attention,
+    tower_geometry,
+)
 from poolserve.types.errors import ModelLoadError
 from poolserve.types.images import ImageInputs, ImageProcessing, read_naflex, read_processing
 
@@ -97,70 +103,6 @@ ARCHITECTURES = {name: family for family in FAMILIES.values() for name in family
 DUAL_NAMES = "CLIP, SigLIP, SigLIP 2"  # the families, as messages name them
 
 
-@dataclass(frozen=True)
-class Geometry:
-    """One tower's sizes."""
-
-    hidden: int
-    num_heads: int
-    eps: float
-    act: str
-
-    @property
-    def head_dim(self) -> int:
-        """Width of one attention head."""
-        return self.hidden // self.num_heads
-
-
-def _geometry(config: Any) -> Geometry:
-    return Geometry(
-        config.hidden_size, config.num_attention_heads, config.layer_norm_eps, config.hidden_act
-    )
-
-
-# (weight, bias) of one LayerNorm or Linear; plain tensors, placed before the towers are built
-Affine = tuple[torch.Tensor, torch.Tensor | None]
-
-
-def _affine(state: dict[str, torch.Tensor], prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return state[f"{prefix}weight"], state[f"{prefix}bias"]
-
-
-class TowerLayer(torch.nn.Module):
-    """A pre-LN transformer layer: x + attn(ln1(x)), then x + fc2(act(fc1(ln2(x))))."""
-
-    def __init__(self, state: dict[str, torch.Tensor], prefix: str, geometry: Geometry) -> None:
-        super().__init__()
-        self.geometry = geometry
-        self.act = activation(geometry.act)
-        self.ln1 = _affine(state, f"{prefix}layer_norm1.")
-        self.ln2 = _affine(state, f"{prefix}layer_norm2.")
-        parts = [_affine(state, f"{prefix}self_attn.{p}_proj.") for p in "qkv"]
-        self.qkv = (torch.cat([w for w, _ in parts]), torch.cat([b for _, b in parts]))
-        self.o = _affine(state, f"{prefix}self_attn.out_proj.")
-        self.fc1 = _affine(state, f"{prefix}mlp.fc1.")
-        self.fc2 = _affine(state, f"{prefix}mlp.fc2.")
-        # the projections seen as the layer's buffers too (the same tensors): what the engine
-        # counts to size a CPU step's threads (engine/cpu_threads.py)
-        for name in ("qkv", "o", "fc1", "fc2"):
-            self.register_buffer(f"{name}_matrix", getattr(self, name)[0], persistent=False)
-
-    def forward(self, x: torch.Tensor, attend: Attend) -> torch.Tensor:  # [..., hidden]
-        """One layer; `attend(q, k, v)` is the tower's attention over [..., heads, head_dim]."""
-        g = self.geometry
-        h = F.layer_norm(x, (g.hidden,), *self.ln1, g.eps)
-        q, k, v = F.linear(h, *self.qkv).chunk(3, dim=-1)
-        shape = (*x.shape[:-1], g.num_heads, g.head_dim)
-        attended = attend(q.reshape(shape), k.reshape(shape), v.reshape(shape))
-        x = x + F.linear(attended.reshape(x.shape), *self.o)
-        h = F.layer_norm(x, (g.hidden,), *self.ln2, g.eps)
-        return x + F.linear(self.act(F.linear(h, *self.fc1)), *self.fc2)
-
-
-# A tower's attention over [..., num_tokens, heads, head_dim] queries, keys and values.
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
 class VisionTower(torch.nn.Module):
     """Patches, positions, layers, the pooled state and its projection: an image's embedding."""
 
@@ -172,7 +114,7 @@ class VisionTower(torch.nn.Module):
         projection: torch.Tensor | None,
     ) -> None:
         super().__init__()
-        self.family, self.geometry = family, _geometry(config)
+        self.family, self.geometry = family, tower_geometry(config)
         self.patch_size = int(config.patch_size)
         p = "vision_model."
         patch_bias = state.get(f"{p}embeddings.patch_embedding.bias")
@@ -185,12 +127,12 @@ class VisionTower(torch.nn.Module):
         self.class_embedding = (
             state[f"{p}embeddings.class_embedding"] if family.class_token else None
         )
-        self.pre_norm = _affine(state, f"{p}pre_layrnorm.") if family.pre_norm else None
+        self.pre_norm = affine(state, f"{p}pre_layrnorm.") if family.pre_norm else None
         self.layers = torch.nn.ModuleList(
             TowerLayer(state, f"{p}encoder.layers.{i}.", self.geometry)
             for i in range(config.num_hidden_layers)
         )
-        self.post_norm = _affine(state, f"{p}post_layernorm.")
+        self.post_norm = affine(state, f"{p}post_layernorm.")
         self.projection = projection
         self.map_head = None if family.class_token else MapHead(state, f"{p}head.", self.geometry)
         self.num_tokens = int(self.positions.shape[0])
@@ -215,7 +157,7 @@ class VisionTower(torch.nn.Module):
         if self.pre_norm is not None:
             x = F.layer_norm(x, (g.hidden,), *self.pre_norm, g.eps)
         for layer in self.layers:
-            x = layer(x, _dense_attention)
+            x = layer(x, dense_attention)
         if self.map_head is not None:
             return self.map_head(F.layer_norm(x, (g.hidden,), *self.post_norm, g.eps))
         pooled = F.layer_norm(x[:, 0], (g.hidden,), *self.post_norm, g.eps)
@@ -229,53 +171,11 @@ class VisionTower(torch.nn.Module):
         keys = mask[:, None, None, :]  # [B, 1, 1, N]: every head and query sees real patches
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return _dense_attention(q, k, v, keys)
+            return dense_attention(q, k, v, keys)
 
         for layer in self.layers:
             x = layer(x, attend)
         return self.map_head(F.layer_norm(x, (g.hidden,), *self.post_norm, g.eps), keys)
-
-
-def _dense_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Bidirectional attention of equal-length sequences [B, N, heads, head_dim]; `keys`: a
-    boolean mask of the keys each attends to, broadcast to [B, heads, queries, N]."""
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=keys
-    )
-    return out.transpose(1, 2)
-
-
-class MapHead(torch.nn.Module):
-    """SigLIP's attention pooling: a learned probe attends over the tokens, then an MLP."""
-
-    def __init__(self, state: dict[str, torch.Tensor], prefix: str, geometry: Geometry) -> None:
-        super().__init__()
-        self.geometry = geometry
-        self.act = activation(geometry.act)
-        self.probe = state[f"{prefix}probe"]  # [1, 1, hidden]
-        weight = state[f"{prefix}attention.in_proj_weight"].chunk(3)
-        bias = state[f"{prefix}attention.in_proj_bias"].chunk(3)
-        self.q, self.k, self.v = ((w, b) for w, b in zip(weight, bias, strict=True))
-        self.o = _affine(state, f"{prefix}attention.out_proj.")
-        self.norm = _affine(state, f"{prefix}layernorm.")
-        self.fc1 = _affine(state, f"{prefix}mlp.fc1.")
-        self.fc2 = _affine(state, f"{prefix}mlp.fc2.")
-
-    def forward(
-        self, x: torch.Tensor, keys: torch.Tensor | None = None
-    ) -> torch.Tensor:  # [B, N, hidden] -> [B, hidden]
-        """The probe's attention output (over the `keys` mask's tokens), plus the MLP of its
-        normalized self."""
-        g, batch = self.geometry, x.shape[0]
-        shape = (batch, -1, g.num_heads, g.head_dim)
-        q = F.linear(self.probe.expand(batch, -1, -1), *self.q).reshape(shape)
-        k = F.linear(x, *self.k).reshape(shape)
-        v = F.linear(x, *self.v).reshape(shape)
-        h = F.linear(_dense_attention(q, k, v, keys).reshape(batch, 1, g.hidden), *self.o)
-        normed = F.layer_norm(h, (g.hidden,), *self.norm, g.eps)
-        return (h + F.linear(self.act(F.linear(normed, *self.fc1)), *self.fc2))[:, 0]
 
 
 class DualEncoderModel(PackedModel):
@@ -292,7 +192,7 @@ class DualEncoderModel(PackedModel):
         super().__init__()
         text = config.text_config
         self.family, self.backend, self.images = family, backend, images
-        self.geometry = _geometry(text)
+        self.geometry = tower_geometry(text)
         self.vocab_size = text.vocab_size
         p = "text_model."
         self.words = state[f"{p}embeddings.token_embedding.weight"]
@@ -301,7 +201,7 @@ class DualEncoderModel(PackedModel):
             TowerLayer(state, f"{p}encoder.layers.{i}.", self.geometry)
             for i in range(text.num_hidden_layers)
         )
-        self.final_norm = _affine(state, f"{p}final_layer_norm.")
+        self.final_norm = affine(state, f"{p}final_layer_norm.")
         projection = state.get(f"{family.image_head}weight") if family.image_head else None
         self.vision = VisionTower(family, config.vision_config, state, projection)
 
