@@ -280,6 +280,8 @@ def _naflex_inputs(steps: ImageProcessing, config: PretrainedConfig) -> ImageInp
             f"the image processor cuts {naflex.patch_size}-pixel patches; the tower takes "
             f"{vision.patch_size}"
         )
+    if vision.num_channels != 3:  # images are loaded as RGB
+        raise ModelLoadError(f"an image tower of {vision.num_channels} channels is not supported")
     if not getattr(vision, "vision_use_head", True):
         raise ModelLoadError("a SigLIP 2 image tower without its pooling head is not supported")
     return ImageInputs(steps, naflex.max_num_patches, int(vision.hidden_size), vision.num_channels)

@@ -172,12 +172,18 @@ def test_what_is_not_supported_is_refused_at_load(
         load_model(str(copy), device=CPU)
 
 
-def test_a_tower_without_its_pooling_head_is_refused(directory: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("changes", "said"),
+    [({"vision_use_head": False}, "without its pooling head"), ({"num_channels": 1}, "1 channels")],
+)
+def test_an_image_tower_it_cannot_run_is_refused(
+    directory: Path, tmp_path: Path, changes: dict[str, object], said: str
+) -> None:
     copy = _copy(directory, tmp_path)
     config = json.loads((copy / "config.json").read_text())
-    config["vision_config"]["vision_use_head"] = False
+    config["vision_config"].update(changes)
     (copy / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match="without its pooling head"):
+    with pytest.raises(ModelLoadError, match=said):
         load_model(str(copy), device=CPU)
 
 
