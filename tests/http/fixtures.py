@@ -1,10 +1,12 @@
-"""Fixtures of the tests that serve a model: app clients and the live MiniLM server.
+"""Fixtures of the tests that serve a model: app clients, the live MiniLM server and the live
+servers of the vLLM ports.
 
 Registered once for the whole suite by tests/conftest.py (`pytest_plugins`), so tests/http,
 tests/frontend, tests/config and tests/observability share one instance of each session fixture:
-one live server per run, whichever folders run. tests/conftest.py loads this module in every
-run, scripts/gpu_check.sh's too, where the HTTP service is not installed: it imports nothing of
-the service until a fixture is used (the helpers are in tests/http/serving.py).
+one live server per run and configuration, whichever folders run. tests/conftest.py loads this
+module in every run, scripts/gpu_check.sh's too, where the HTTP service is not installed: it
+imports nothing of the service until a fixture is used (the helpers are in
+tests/http/serving.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import pytest
 
 if TYPE_CHECKING:
     import httpx
+
+    from tests.http.serving import LiveServers
 
 
 @pytest.fixture(scope="session")
@@ -39,3 +43,17 @@ def live_minilm() -> Iterator[httpx.Client]:
 
     with live_server("--served-model-name", *LIVE_NAMES) as client:
         yield client
+
+
+@pytest.fixture(scope="session")
+def live_servers() -> Iterator[LiveServers]:
+    """Real `poolserve serve` processes, one per distinct served configuration, shared by the
+    whole run (the vLLM ports run against them, as vLLM's own tests run against
+    `RemoteOpenAIServer`); SIGTERM to each at the end of the session."""
+    from tests.http.serving import LiveServers
+
+    servers = LiveServers()
+    try:
+        yield servers
+    finally:
+        servers.close()

@@ -8,12 +8,14 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import numpy as np
+import pytest
 import torch
 from starlette.testclient import TestClient
 
@@ -102,11 +104,89 @@ def live_server(*args: str) -> Iterator[httpx.Client]:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
             yield client
     finally:
+        _stop(process)
+
+
+def _stop(*processes: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to each, then wait for each (killed after 30 s)."""
+    for process in processes:
         process.send_signal(signal.SIGTERM)
+    for process in processes:
         try:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             process.kill()
+
+
+def serve_flags(model: Path | None, name: str, **settings: object) -> tuple[str, ...]:
+    """The `poolserve serve` flags of the app `started_client` builds: `--model DIR` (None: the
+    bundled MiniLM), `--served-model-name NAME` and each setting as its flag."""
+    flags = [] if model is None else ["--model", str(model)]
+    flags += ["--served-model-name", name]
+    for key, value in settings.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        else:
+            flags += [flag, str(value)]
+    return tuple(flags)
+
+
+class LiveServers:
+    """Real `poolserve serve` processes, one per distinct list of flags, shared by every test
+    that asks for the same flags; SIGTERM to each at `close`.
+
+    `serve` answers at once with a client whose first request waits until its server is ready,
+    so that the servers a module needs can start side by side (`start_together`): a start is
+    seconds of imports, most of a port's time.
+    """
+
+    def __init__(self) -> None:
+        self._starts = ThreadPoolExecutor(max_workers=4, thread_name_prefix="live-server")
+        self._clients: dict[tuple[str, ...], httpx.Client] = {}
+        self._processes: list[Future[subprocess.Popen[bytes]]] = []
+
+    def serve(self, model: Path | None, name: str, **settings: object) -> httpx.Client:
+        """A client of the server of `serve_flags(model, name, **settings)`, started if new."""
+        from tests.http.test_server_process import free_port, start_server
+
+        flags = serve_flags(model, name, **settings)
+        if flags not in self._clients:
+            port = free_port()
+            started = self._starts.submit(start_server, port, *flags)
+            self._processes.append(started)
+
+            def wait_ready(_: httpx.Request) -> None:
+                started.result()  # a failed start fails each request, with the server's log
+
+            self._clients[flags] = httpx.Client(
+                base_url=f"http://127.0.0.1:{port}",
+                timeout=60,
+                event_hooks={"request": [wait_ready]},
+            )
+        return self._clients[flags]
+
+    def close(self) -> None:
+        for client in self._clients.values():
+            client.close()
+        _stop(*(started.result() for started in self._processes if started.exception() is None))
+        self._starts.shutdown()
+
+
+def start_together(request: pytest.FixtureRequest, servers: Sequence[str]) -> None:
+    """Ask at once for the fixtures of `servers` (names of fixtures that call
+    `LiveServers.serve`) that the module's selected tests use, so that their servers start side
+    by side. A test's fixtures count, and a parameter's value that names one (the tests that
+    pick their server with `request.getfixturevalue`)."""
+    used: set[str] = set()
+    for item in request.session.items:
+        if getattr(item, "module", None) is request.module:
+            callspec = getattr(item, "callspec", None)
+            params = callspec.params.values() if callspec else ()
+            used |= set(getattr(item, "fixturenames", ())) | {str(value) for value in params}
+    for name in servers:
+        if name in used:
+            request.getfixturevalue(name)
 
 
 @contextmanager

@@ -3,15 +3,17 @@ default of /v1/pooling and the scorer of /score; a task the model does not serve
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import torch
 from transformers import AutoModel, AutoTokenizer
 
 from poolserve.config.pooler import parse_pooler_config
+from tests.http.serving import LiveServers
 from tests.tiny_models import MINILM_DIR
 
 QUERY = "what is the capital of france"
@@ -19,11 +21,10 @@ DOCUMENTS = ["paris is the capital of france", "the cat sat on the mat"]
 
 
 @pytest.fixture(scope="module")
-def token_embed(make_client: Callable[..., Any]) -> Iterator[Any]:
+def token_embed(live_servers: LiveServers) -> httpx.Client:
     # vLLM 0.33's spelling (tests/entrypoints/pooling/token_embed/test_online.py); its earlier
-    # releases' `task` is read too
-    with make_client(None, pooler_config='{"pooling_task": "token_embed"}') as started:
-        yield started
+    # releases' `task` is read too. A real `poolserve serve`, as vLLM's test runs against one.
+    return live_servers.serve(None, "minilm", pooler_config='{"pooling_task": "token_embed"}')
 
 
 # Ported from vLLM 0.33's tests/entrypoints/pooling/token_embed/test_online.py (its model,

@@ -10,16 +10,17 @@ server's answer (docs/api.md lists each difference).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import torch
 from transformers import AutoTokenizer
 
-from tests.http.serving import assert_close, hf_logits
+from tests.http.serving import LiveServers, assert_close, hf_logits, start_together
 from tests.tiny_models import build_hf_model
 
 MODEL = "llama_cls3"  # LlamaForSequenceClassification, 3 labels
@@ -39,10 +40,19 @@ TEMPLATE = (
 
 
 @pytest.fixture(scope="module")
-def server(make_client: Callable[..., Any]) -> Iterator[Any]:
+def server(live_servers: LiveServers, model_dir: Path) -> httpx.Client:
     # vLLM: --max-model-len 512 --dtype float32
-    with make_client(MODEL, max_model_len=512, trust_request_chat_template=True) as started:
-        yield started
+    return live_servers.serve(model_dir, MODEL, max_model_len=512, trust_request_chat_template=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir: Callable[[str], Path]) -> Path:
+    return tiny_model_dir(MODEL)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _servers(request: pytest.FixtureRequest) -> None:
+    start_together(request, ("server", "token_classify"))
 
 
 @pytest.fixture(scope="module")
@@ -263,11 +273,10 @@ def test_pooling_not_supported(server: Any, task: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def token_classify(make_client: Callable[..., Any]) -> Iterator[Any]:
+def token_classify(live_servers: LiveServers, model_dir: Path) -> httpx.Client:
     # vLLM: --max-model-len 512 --dtype float32 --pooler-config '{"pooling_task": "token_classify"}'
     config = '{"pooling_task": "token_classify"}'
-    with make_client(MODEL, max_model_len=512, pooler_config=config) as started:
-        yield started
+    return live_servers.serve(model_dir, MODEL, max_model_len=512, pooler_config=config)
 
 
 def _token_probs(ids: list[int]) -> torch.Tensor:

@@ -17,26 +17,25 @@ from __future__ import annotations
 
 import base64
 import struct
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 from sentence_transformers import SentenceTransformer
 
 from tests.http.api.vllm_checks import cosine
-from tests.http.serving import assert_close
+from tests.http.serving import LiveServers, assert_close
 
 MODEL = "minilm"
 LONG_TEXT = " ".join(["word"] * 2000)
 
 
 @pytest.fixture(scope="module")
-def server(make_client: Callable[..., Any]) -> Iterator[Any]:
+def server(live_servers: LiveServers) -> httpx.Client:
     # vLLM: --runner pooling --dtype bfloat16 --max-model-len 512
-    with make_client(None, max_model_len=512) as started:
-        yield started
+    return live_servers.serve(None, MODEL, max_model_len=512)
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -40,7 +41,7 @@ from tests.http.api.vllm_checks import (
     decode,
     with_chat_template,
 )
-from tests.http.serving import assert_close, started_client
+from tests.http.serving import LiveServers, assert_close, start_together
 
 MODEL = "minilm"
 DIM = 384
@@ -63,17 +64,28 @@ def model_dir(minilm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 
 @pytest.fixture(scope="module")
-def server(model_dir: Path) -> Iterator[Any]:
+def server(live_servers: LiveServers, model_dir: Path) -> httpx.Client:
     # vLLM: --runner pooling --dtype bfloat16 --max-model-len 512
     #   --chat-template DUMMY_CHAT_TEMPLATE
-    with started_client(lambda _: model_dir, MODEL, max_model_len=512) as started:
-        yield started
+    return live_servers.serve(model_dir, MODEL, max_model_len=512)
 
 
 @pytest.fixture(scope="module")
-def client(server: Any) -> openai.OpenAI:
-    """The official client over the in-process app (vLLM's tests use it too)."""
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", http_client=server)
+def client(server: httpx.Client) -> openai.OpenAI:
+    """The official client of the same server (vLLM's tests use it too)."""
+    return _openai(server)
+
+
+def _openai(server: httpx.Client) -> openai.OpenAI:
+    # through the server's client, whose first request waits until the server is ready
+    return openai.OpenAI(
+        base_url=f"{server.base_url}/v1", api_key="none", http_client=server, max_retries=0
+    )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _servers(request: pytest.FixtureRequest) -> None:
+    start_together(request, ("server", "short_server", "matryoshka", "chunked"))
 
 
 @pytest.fixture(scope="module")
@@ -412,9 +424,8 @@ HISTORY = (
 
 
 @pytest.fixture(scope="module")
-def short_server(model_dir: Path) -> Iterator[Any]:
-    with started_client(lambda _: model_dir, MODEL, max_model_len=128) as started:
-        yield started
+def short_server(live_servers: LiveServers, model_dir: Path) -> httpx.Client:
+    return live_servers.serve(model_dir, MODEL, max_model_len=128)
 
 
 def test_truncation_sizes(short_server: Any, tokenizer: Any) -> None:
@@ -475,11 +486,10 @@ def test_dimensions_on_a_model_without_matryoshka(
 
 
 @pytest.fixture(scope="module")
-def matryoshka(model_dir: Path) -> Iterator[openai.OpenAI]:
+def matryoshka(live_servers: LiveServers, model_dir: Path) -> openai.OpenAI:
     # vLLM: snowflake-arctic-embed-m-v1.5 --hf_overrides '{"matryoshka_dimensions":[256]}'
     overrides = json.dumps({"matryoshka_dimensions": [256]})
-    with started_client(lambda _: model_dir, MODEL, hf_overrides=overrides) as started:
-        yield openai.OpenAI(base_url=f"{started.base_url}/v1", api_key="none", http_client=started)
+    return _openai(live_servers.serve(model_dir, MODEL, hf_overrides=overrides))
 
 
 def test_dimensions_on_a_matryoshka_model(
@@ -533,12 +543,9 @@ CHUNKED = json.dumps(
 
 
 @pytest.fixture(scope="module")
-def chunked(minilm_dir: Path) -> Iterator[openai.OpenAI]:
+def chunked(live_servers: LiveServers, minilm_dir: Path) -> openai.OpenAI:
     # vLLM: --max-model-len 512 --pooler-config CHUNKED
-    with started_client(
-        lambda _: minilm_dir, MODEL, max_model_len=512, pooler_config=CHUNKED
-    ) as started:
-        yield openai.OpenAI(base_url=f"{started.base_url}/v1", api_key="none", http_client=started)
+    return _openai(live_servers.serve(minilm_dir, MODEL, max_model_len=512, pooler_config=CHUNKED))
 
 
 def _chunked_reference(backbone: Any, tokenizer: Any, text: str) -> torch.Tensor:

@@ -17,16 +17,17 @@ import base64
 import json
 import shutil
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+import httpx
 import numpy as np
 import pytest
 import torch
 from transformers import AutoTokenizer
 
-from tests.http.serving import assert_close, hf_hidden, started_client
+from tests.http.serving import LiveServers, assert_close, hf_hidden
 from tests.tiny_models import reference_remote_head
 
 MODEL = "reward"
@@ -61,10 +62,9 @@ def model_dir(
 
 
 @pytest.fixture(scope="module")
-def client(model_dir: Path) -> Iterator[Any]:
+def client(live_servers: LiveServers, model_dir: Path) -> httpx.Client:
     # vLLM: --runner pooling --max-model-len 512 --chat-template DUMMY_CHAT_TEMPLATE
-    with started_client(lambda _: model_dir, MODEL, max_model_len=512) as started:
-        yield started
+    return live_servers.serve(model_dir, MODEL, max_model_len=512)
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,6 @@ each difference).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +38,7 @@ from transformers import AutoTokenizer
 
 from tests.http.api.test_score_templates import _qwen_like, qwen3_card
 from tests.http.api.vllm_checks import Served
-from tests.http.serving import started_client
+from tests.http.serving import LiveServers, start_together
 from tests.tiny_decoders import save_tiny_decoder
 from tests.tiny_models import MINILM_DIR, build_hf_model
 from tests.tiny_rerankers import QWEN3_YES_NO, build_cross_encoder
@@ -58,6 +57,11 @@ GEMMA_YES = {
 
 
 Reranker = Served  # the shared fixtures' record (conftest.py)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _servers(request: pytest.FixtureRequest) -> None:
+    start_together(request, ("cross", "bi", "colbert", "qwen3", "gemma"))
 
 
 @pytest.fixture(params=["cross", "bi", "colbert"])
@@ -241,28 +245,24 @@ def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def qwen3(qwen3_dir: Path) -> Iterator[Reranker]:
+def qwen3(live_servers: LiveServers, qwen3_dir: Path) -> Reranker:
     # vLLM: Qwen/Qwen3-Reranker-0.6B --max-model-len 256 (512 in test_qwen3_reranker_online.py)
     #   --hf-overrides QWEN3_YES_NO --chat-template qwen3_reranker.jinja
     overrides = json.dumps(QWEN3_YES_NO)
-    with started_client(
-        lambda _: qwen3_dir, "qwen3", max_model_len=256, hf_overrides=overrides
-    ) as started:
-        yield Reranker(started, "qwen3", lambda _: [])
+    server = live_servers.serve(qwen3_dir, "qwen3", max_model_len=256, hf_overrides=overrides)
+    return Reranker(server, "qwen3", lambda _: [])
 
 
 @pytest.fixture(scope="module")
-def gemma(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Reranker]:
+def gemma(live_servers: LiveServers, tmp_path_factory: pytest.TempPathFactory) -> Reranker:
     # vLLM: BAAI/bge-reranker-v2-gemma --max-model-len 256 --hf-overrides GEMMA_HF_OVERRIDES
     #   --chat-template bge-reranker-v2-gemma.jinja
     directory = save_tiny_decoder(
         "gemma", tmp_path_factory.mktemp("tiny") / "bge-reranker-v2-gemma"
     )
     overrides = json.dumps(GEMMA_YES)
-    with started_client(
-        lambda _: directory, "gemma", max_model_len=256, hf_overrides=overrides
-    ) as started:
-        yield Reranker(started, "gemma", lambda _: [])
+    server = live_servers.serve(directory, "gemma", max_model_len=256, hf_overrides=overrides)
+    return Reranker(server, "gemma", lambda _: [])
 
 
 @pytest.mark.parametrize("kind", ["cross", "gemma", "qwen3"])

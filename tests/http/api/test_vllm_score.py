@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from transformers import AutoTokenizer
 
 from tests.http.api.vllm_checks import Served
+from tests.http.serving import start_together
 
 INPUT_TEXT = "This product was excellent and exceeded my expectations"
 TEXTS_1 = ["What is the capital of France?", "What is the capital of Germany?"]
@@ -41,6 +42,11 @@ SMALLER = "Please request a smaller truncation size."
 
 
 Scorer = Served  # the shared fixtures' record (conftest.py)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _servers(request: pytest.FixtureRequest) -> None:
+    start_together(request, ("cross", "bi", "colbert"))
 
 
 @pytest.fixture(params=["cross", "bi"])
