@@ -324,10 +324,11 @@ def docs_server(
 ) -> Iterator[httpx.Client]:
     """`poolserve serve` with no arguments, as `make serve` starts it: the embedded MiniLM under
     its default served name, the name the docs' requests send (the suite's shared live server
-    serves other names). Started after the jobs, so they share the cores."""
+    serves other names), with the Batch API the docs show (--batch-dir). Started after the
+    jobs, so they share the cores."""
     folder = tmp_path_factory.mktemp("docs-server")
     with (
-        poolserve_server(folder) as live,
+        poolserve_server(folder, {"POOLSERVE_BATCH_DIR": str(folder / "batches")}) as live,
         httpx.Client(base_url=live.base_url, timeout=60) as client,
     ):
         yield client

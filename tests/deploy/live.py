@@ -122,11 +122,15 @@ def wait_ready(
 
 
 @contextmanager
-def poolserve_server(workdir: Path) -> Iterator[LiveProcess]:
-    """`poolserve serve` on a free loopback port with its default (embedded) model, ready."""
+def poolserve_server(
+    workdir: Path, settings: dict[str, str] | None = None
+) -> Iterator[LiveProcess]:
+    """`poolserve serve` on a free loopback port with its default (embedded) model, ready;
+    `settings`: POOLSERVE_* variables beside the defaults."""
     port = free_port()
     live = LiveProcess("poolserve", f"http://127.0.0.1:{port}", workdir / "poolserve.log")
-    with started(live.name, server_command(port), server_env(), live.log_path) as process:
+    env = {**server_env(), **(settings or {})}
+    with started(live.name, server_command(port), env, live.log_path) as process:
         wait_ready(process, live, "/ready", SERVER_READY_TIMEOUT_S)
         yield live
 
