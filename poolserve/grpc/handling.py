@@ -27,8 +27,9 @@ from poolserve.grpc.calls import (
 from poolserve.grpc.streams import in_order
 from poolserve.http.compat.tei_common import Ran, truncation
 from poolserve.http.tenants import KeyRing
+from poolserve.http.visible import restricts, unseen
 from poolserve.observability.logs import API_KEY_NAME_KEY
-from poolserve.types.errors import AuthenticationError
+from poolserve.types.errors import AuthenticationError, ModelNotFoundError
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp", bound="Sized")
@@ -81,6 +82,9 @@ class Calls:
             call.finish(CLIENT_CLOSED)
             raise
         except Exception as exc:
+            if isinstance(exc, ModelNotFoundError) and restricts(call.tenant):
+                # its message lists every served name: none for a key restricted to some
+                exc = unseen(call.model_name, call.tenant)
             error = grpc_error(exc)
             call.finish(error.status)
             raise error from exc

@@ -120,6 +120,11 @@ def test_a_model_the_key_may_not_use_is_permission_denied(
         _sample(http, "poolserve_api_key_rejected_requests_total", key="reranking", reason="model")
         >= 1
     )
+    # a name no model is served under: NOT_FOUND in words that list no served model, as HTTP's
+    unknown = _auth("reranking", ("model", "no-such-model"))
+    error = _refused(lambda: embed.Embed(pb.EmbedRequest(inputs="a"), metadata=unknown))
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+    assert error.details() == "model 'no-such-model' does not exist or this API key may not use it"
     reranker = _auth("reranking", ("model", "reranker"))
     ranked = pb_grpc.RerankStub(channel).Rerank(
         pb.RerankRequest(query="q", texts=["a", "b"]), metadata=reranker
