@@ -243,9 +243,11 @@ class BatchRunner:
             if file_id is None:
                 await asyncio.to_thread(_remove, path)
                 continue
-            if not await asyncio.to_thread(path.exists):
+            if await asyncio.to_thread(store.has_file, file_id):
                 continue  # published before a restart
-            size = (await asyncio.to_thread(path.stat)).st_size
+            # the part file, or its bytes already moved when a crash came before the record
+            source = path if path.exists() else store.data_path(file_id)
+            size = (await asyncio.to_thread(source.stat)).st_size
             record = FileRecord(
                 id=file_id,
                 bytes=size,

@@ -252,9 +252,15 @@ class BatchStore:
         return self.files_dir / f".{file_id}.upload"
 
     def add_file(self, record: FileRecord, written: Path) -> None:
-        """Publish a file whose bytes are complete at `written`: bytes first, record last."""
-        os.replace(written, self.data_path(record.id))
+        """Publish a file whose bytes are complete at `written`: bytes first, record last. Done
+        again after a crash between the two, it only writes the record (the bytes are there)."""
+        if written.exists() or not self.data_path(record.id).exists():
+            os.replace(written, self.data_path(record.id))
         _write_atomic(self.files_dir / f"{record.id}{RECORD}", msgspec.json.encode(record))
+
+    def has_file(self, file_id: str) -> bool:
+        """Whether the file is published (its record written), whoever owns it."""
+        return (self.files_dir / f"{file_id}{RECORD}").exists()
 
     def file(self, file_id: str, owner: str | None, now: float) -> FileRecord | None:
         """The owner's live file `file_id`; None for any other id, owner or an expired file."""

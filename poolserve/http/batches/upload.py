@@ -18,9 +18,15 @@ from dataclasses import dataclass, field
 
 from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
+from starlette.requests import ClientDisconnect
 
 from poolserve.http.batches.store import BatchStore, FileRecord, Purpose, new_file_id
-from poolserve.types.errors import InvalidRequestError, PayloadTooLargeError, clip
+from poolserve.types.errors import (
+    ClientDisconnectedError,
+    InvalidRequestError,
+    PayloadTooLargeError,
+    clip,
+)
 
 # OpenAI's bounds of `expires_after[seconds]` and its default for batch files.
 EXPIRES_SECONDS = (3600, 2_592_000)
@@ -182,6 +188,10 @@ async def _parse(form: Form, boundary: bytes, chunks: AsyncIterator[bytes], hand
         parser.finalize()
     except MultipartParseError as exc:
         raise InvalidRequestError(f"the form is malformed: {exc}", None, "invalid_form") from None
+    except ClientDisconnect:  # a 499, never a 500: the partial file is removed by the caller
+        raise ClientDisconnectedError(
+            "the client closed the connection during the upload"
+        ) from None
     if form.pending:
         await asyncio.to_thread(write, bytes(form.pending))
         form.pending.clear()
