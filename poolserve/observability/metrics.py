@@ -157,6 +157,20 @@ class ServiceMetrics:
             [KEY_LABEL, "reason"],
             registry=r,
         )
+        # --batch-dir: the Batch API's lines and batches (counted by the front end running them)
+        self.batch_lines = Counter(
+            "poolserve_batch_lines",
+            "Batch API lines written, by outcome: completed (2xx) or failed (error lines, "
+            "batch_expired included).",
+            ["outcome"],
+            registry=r,
+        )
+        self.batches_ended = Counter(
+            "poolserve_batches_ended",
+            "Batch API batches ended, by status: completed, failed, expired or cancelled.",
+            ["status"],
+            registry=r,
+        )
         self._models: dict[str, ModelMetrics] = {}
         self._engine: _EngineCollector | None = None
         # each transport's finished requests, counted through children made once

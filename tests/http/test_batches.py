@@ -40,6 +40,24 @@ def _wait(client: openai.OpenAI, batch_id: str, timeout_s: float = 60.0) -> Any:
         time.sleep(0.05)
 
 
+def _counted(served: TestClient) -> dict[str, float]:
+    """The batch series of /metrics: `lines:OUTCOME` and `ended:STATUS`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(served.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name == "poolserve_batch_lines_total":
+                found[f"lines:{sample.labels['outcome']}"] = sample.value
+            elif sample.name == "poolserve_batches_ended_total":
+                found[f"ended:{sample.labels['status']}"] = sample.value
+    return found
+
+
+def _grown(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+
+
 def _lines(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
     if file_id is None:
         return []
@@ -80,8 +98,11 @@ def test_the_openai_client_runs_a_batch_of_embeddings(
         for i, text in enumerate(TEXTS)
     ]
     lines.append(_line("unknown-model", "/v1/embeddings", {"model": "nope", "input": "x"}))
+    before = _counted(served)
     batch = _run(oai, "/v1/embeddings", lines, metadata={"job": "nightly"})
     assert batch.status == "completed"
+    grown = _grown(before, _counted(served))
+    assert grown == {"lines:completed": 4, "lines:failed": 1, "ended:completed": 1}
     counts = batch.request_counts
     assert (counts.total, counts.completed, counts.failed) == (5, 4, 1)
     assert batch.metadata == {"job": "nightly"}
@@ -315,12 +336,14 @@ def test_a_batch_past_its_window_expires_line_by_line(
 ) -> None:
     lines = [_line(f"r{i}", "/v1/embeddings", {"input": TEXTS[i % 4]}) for i in range(5)]
     uploaded = oai.files.create(file=("in.jsonl", _jsonl(lines)), purpose="batch")
+    before = _counted(served)
     with queue_taken(served, requests=FULL_QUEUE, tokens=0):
         created = oai.batches.create(
             input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="2s"
         )
         batch = _wait(oai, created.id)
     assert batch.status == "expired" and batch.expired_at is not None
+    assert _grown(before, _counted(served)) == {"lines:failed": 5, "ended:expired": 1}
     assert (batch.request_counts.total, batch.request_counts.failed) == (5, 5)
     expired = _lines(oai, batch.error_file_id)
     assert [line["custom_id"] for line in expired] == [f"r{i}" for i in range(5)]

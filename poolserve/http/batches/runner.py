@@ -212,6 +212,7 @@ class BatchRunner:
         path = store.data_path(batch.input_file_id)
         errors = store.part_path(batch.id, "errors")
         written, lines = await asyncio.to_thread(_write_expired, path, errors, progress)
+        self.state.metrics.batch_lines.labels("failed").inc(lines)
         progress = msgspec.structs.replace(
             progress, error_bytes=progress.error_bytes + written, failed=progress.failed + lines
         )
@@ -259,6 +260,7 @@ class BatchRunner:
             )
             await asyncio.to_thread(store.add_file, record, path)
         await self._put(batch.moved(batch.ending, now))
+        self.state.metrics.batches_ended.labels(batch.ending.value).inc()
         logger.info(
             "batch %s %s: %d of %d lines completed, %d failed",
             batch.id,
@@ -296,7 +298,7 @@ class LineRun:
         self.parts = parts
         self.pending: dict[str, list[bytes]] = {"output": [], "errors": []}
         self.pending_bytes = 0
-        self.progress = batch.progress
+        self.progress = self.counted = batch.progress
         self.faults: tuple[LineFault, ...] = ()
         self.window: deque[tuple[Line, asyncio.Task[Answered | None], int]] = deque()
         self.tokens_in_flight = 0  # the lines in flight's guessed prompt tokens
@@ -342,6 +344,15 @@ class LineRun:
         finally:
             for _, task, _ in self.window:
                 task.cancel()
+
+    def _count(self, progress: Progress) -> None:
+        """The lines recorded since the last count, in the metrics (a line run again after a
+        crash was never recorded before it, so it is counted once)."""
+        counted = self.counted
+        lines = self.runner.state.metrics.batch_lines
+        lines.labels("completed").inc(progress.completed - counted.completed)
+        lines.labels("failed").inc(progress.failed - counted.failed)
+        self.counted = progress
 
     def _may_start(self, line: Line) -> bool:
         """Whether the next line may start: never while interactive requests are in flight;
@@ -447,6 +458,7 @@ class LineRun:
         store = runner.store
         self.batch = msgspec.structs.replace(self.batch, progress=self.progress)
         await runner._put(self.batch)
+        self._count(self.progress)
         self.checked = time.monotonic()
         if await asyncio.to_thread(store.cancel_asked, self.batch.id) is not None:
             return Status.CANCELLED
