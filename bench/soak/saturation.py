@@ -86,25 +86,51 @@ def malloc_env(variant: str) -> dict[str, str]:
     return table[variant]()
 
 
+def _tree(pid: int) -> list[int]:
+    """The server process and every process under it (the supervisor, the engine core, the
+    front ends of `poolserve serve`), read from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        todo.extend(children.get(current, ()))
+    return found
+
+
 def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (fields 14 and 15 of /proc/PID/stat; 0 once it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """utime + stime of the server's processes (fields 14 and 15 of /proc/PID/stat; a process
+    gone counts 0)."""
+    total = 0.0
+    for member in _tree(pid):
+        try:
+            fields = Path(f"/proc/{member}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def rss_mib(pid: int) -> float:
-    """VmRSS of a process in MiB (0 once it is gone)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return 0.0
-    for line in status.splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+    """VmRSS of the server's processes together, in MiB (0 once they are gone)."""
+    total = 0.0
+    for member in _tree(pid):
+        try:
+            status = Path(f"/proc/{member}/status").read_text()
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("VmRSS:"):
+                total += int(line.split()[1]) / 1024
+    return total
 
 
 @contextlib.contextmanager
