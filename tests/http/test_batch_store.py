@@ -17,6 +17,7 @@ from poolserve.config.settings import ServerSettings
 from poolserve.http.batches.runner import BatchRunner
 from poolserve.http.batches.store import BatchRecord, BatchStore, Progress, Status, new_file_id
 from poolserve.http.batches.upload import Limits, receive_file
+from poolserve.observability.metrics import ServiceMetrics
 from poolserve.types.errors import ClientDisconnectedError
 
 BOUNDARY = "b0undary"
@@ -65,7 +66,9 @@ def test_a_finalize_resumed_after_the_bytes_moved_writes_the_record(tmp_path: Pa
         output_file_id=output_id,
     )
     store.put_batch(batch)
-    state: Any = SimpleNamespace(settings=ServerSettings(), draining=False)
+    state: Any = SimpleNamespace(
+        settings=ServerSettings(), draining=False, metrics=ServiceMetrics()
+    )
 
     async def finalize() -> None:
         await BatchRunner(store, state)._finalize(batch)
