@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerBase
 
 from poolserve.models.bge_m3 import m3_unused_ids
 from poolserve.models.families.records import ArchitectureEntry
-from poolserve.models.registry import ARCHITECTURES, Backbone
+from poolserve.models.registry import ARCHITECTURES
 from poolserve.models.spec import LoadedModel
 from poolserve.types.errors import ModelLoadError
 from poolserve.types.model_info import HEAD_FIELDS, PoolingModelInfo, ScoreActivation
@@ -48,7 +48,7 @@ def pooling_info_from(
         _check_per_token(spec.architecture, entry)
     return PoolingModelInfo(
         # by backbone, not attention: a bidirectional decoder's heads still read the last token
-        is_decoder=entry is not None and entry.backbone is Backbone.DECODER,
+        is_decoder=entry is not None and entry.backbone.is_decoder,
         hidden_size=spec.hidden_size,
         **head,
         sparse_excluded_ids=m3_unused_ids(loaded.tokenizer)

@@ -35,4 +35,5 @@ def card_of(engine: Engine) -> ModelCard:
         lora_modules=() if engine.adapters is None else engine.adapters.modules,
         images=loaded.images,
         pad_texts_to=loaded.pad_texts_to,
+        inline_images=loaded.inline_images,
     )

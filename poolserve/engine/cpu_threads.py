@@ -41,14 +41,15 @@ class StepThreads:
         self.max_threads = max(1, max_threads)
         self._current: int | None = None  # the forward thread's count, read on its first step
 
-    def threads_for(self, num_tokens: int) -> int:
-        """Threads for a step of `num_tokens`: one per FLOPS_PER_THREAD of work, 1..max."""
-        wanted = int(num_tokens * self.flops_per_token // FLOPS_PER_THREAD)
+    def threads_for(self, num_tokens: int, extra_flops: int = 0) -> int:
+        """Threads for a step of `num_tokens` (and `extra_flops` of other work: a vision
+        tower's images): one per FLOPS_PER_THREAD of work, 1..max."""
+        wanted = int((num_tokens * self.flops_per_token + extra_flops) // FLOPS_PER_THREAD)
         return min(self.max_threads, max(1, wanted))
 
-    def apply(self, num_tokens: int) -> None:
+    def apply(self, num_tokens: int, extra_flops: int = 0) -> None:
         """Give the coming forward its threads; a no-op when the count does not change."""
-        threads = self.threads_for(num_tokens)
+        threads = self.threads_for(num_tokens, extra_flops)
         if self._current is None:
             self._current = torch.get_num_threads()  # OpenMP's count is per calling thread
         if threads != self._current:

@@ -24,6 +24,7 @@ from poolserve.engine.sched.prefix_cache import CacheUse, PrefixCache
 from poolserve.engine.sched.queues import RequestQueues
 from poolserve.engine.sched.request import PoolingRequest, RequestStatus
 from poolserve.engine.turns import Seat
+from poolserve.engine.vision_rows import RequestImages
 from poolserve.models.loader import read_adapter
 from poolserve.models.spec import LoadedModel
 from poolserve.pooling.stats import CloneStats
@@ -33,6 +34,7 @@ from poolserve.types.errors import (
     DrainingError,
     EngineDeadError,
     InvalidPoolingParamsError,
+    InvalidRequestError,
     LoraAdapterError,
     LoraAdapterNotFoundError,
     OverloadedError,
@@ -50,6 +52,7 @@ from poolserve.types.prompts import checked_prompt, checked_token_types
 from poolserve.types.stats import EngineSnapshot, LoraStats
 from poolserve.types.tasks import PoolingTask, PoolingType
 from poolserve.types.validation import prompt_params, validate_params
+from poolserve.types.vision import PromptImages
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +182,7 @@ class Engine:
         *,
         checked: bool = False,
         pixels: Sequence[np.ndarray | None] | None = None,
+        media: Sequence[PromptImages | None] | None = None,
     ) -> list[asyncio.Future[PoolingOutput]]:
         """Admit all prompts (each with optional type ids) or none; each gets a future.
 
@@ -186,6 +190,7 @@ class Engine:
         were already checked against this engine (by a front end holding its model card), so
         the engine's one thread does not do that work again. `pixels`: per prompt, an image's
         pixel values (its prompt then stands for the image's tokens), or None for a text.
+        `media`: per prompt of a vision-language model, the images its placeholders stand for.
         """
         self.precheck(len(prompts))
         images = list(pixels) if pixels is not None else [None] * len(prompts)
@@ -203,6 +208,7 @@ class Engine:
             num_types = self.loaded.model.num_token_types
             types = checked_token_types(token_type_ids, token_ids, num_types)
             self.check_params(params)
+        inline = self._inline_images(token_ids, media)
         # late chunking: each prompt its own token spans, within it (refused before admission)
         own_params = prompt_params(params, [len(ids) for ids in token_ids])
         try:
@@ -213,8 +219,11 @@ class Engine:
             raise
         loop = asyncio.get_running_loop()
         futures = []
-        for ids, type_ids, own, image in zip(token_ids, types, own_params, images, strict=True):
+        for ids, type_ids, own, image, held in zip(
+            token_ids, types, own_params, images, inline, strict=True
+        ):
             request = self._new_request(ids, type_ids, own, priority, loop, image)
+            request.images = held
             if adapter is not None:
                 # an adapter changes every state: cached blocks never serve another adapter
                 request.adapter, request.cache_use = adapter, CacheUse.NONE
@@ -283,6 +292,31 @@ class Engine:
             steps=[] if self.config.record_timelines else None,
             pixels=pixels,
         )
+
+    def _inline_images(
+        self, token_ids: Sequence[np.ndarray], media: Sequence[PromptImages | None] | None
+    ) -> list[RequestImages | None]:
+        """Each prompt's images placed among its tokens (refused unless its placeholders are
+        exactly theirs); a placeholder without an image is refused too."""
+        inline = self.loaded.inline_images
+        held = list(media) if media is not None else [None] * len(token_ids)
+        if inline is None:
+            if any(m is not None for m in held):
+                raise InvalidRequestError("this model takes no images inside its prompts", "input")
+            return [None] * len(token_ids)
+        placed: list[RequestImages | None] = []
+        for ids, images in zip(token_ids, held, strict=True):
+            if images is not None:
+                placed.append(RequestImages(images, np.asarray(ids), inline))
+            elif bool(np.any(np.asarray(ids) == inline.image_token_id)):
+                raise InvalidRequestError(
+                    f"the prompt holds the image placeholder {inline.image_token!r} but no "
+                    "image: send images as image_url parts",
+                    "input",
+                )
+            else:
+                placed.append(None)
+        return placed
 
     def _image_info(self) -> PoolingModelInfo:
         """Pooling's view of an image's one row: its embedding, so no text head projects it

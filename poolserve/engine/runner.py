@@ -11,6 +11,14 @@ import numpy as np
 import torch
 
 from poolserve.engine.cpu_threads import StepThreads, matmul_flops_per_token
+from poolserve.engine.vision_rows import (
+    ChunkImages,
+    ImageTower,
+    RequestImages,
+    chunk_images,
+    pending_patches,
+)
+from poolserve.engine.vision_rows import vision_rows as cut_vision_rows
 from poolserve.models.adapters import AdapterSegments
 from poolserve.models.attention import build_attention_metadata
 from poolserve.models.kv_cache import PagedKVCache
@@ -50,6 +58,8 @@ class ChunkWork:
     # its token_ids are placeholders counting the image tower's tokens (the step's budget),
     # never run through the text tower
     pixels: np.ndarray | None = None
+    # a vision-language prompt's images (their tower rows replace its placeholders' embeddings)
+    images: RequestImages | None = None
 
 
 @dataclass(frozen=True)
@@ -65,6 +75,7 @@ class PreparedStep:
     num_text_tokens: int | None = None  # their tokens, packed in the slot (None: num_tokens)
     pixels: torch.Tensor | None = None  # [num_images, channels, height, width] of the images
     grids: tuple[tuple[int, int], ...] = ()  # naflex: each image's (rows, cols) of patches
+    vision: tuple[ChunkImages, ...] = ()  # the text chunks' image tokens (vision-language)
 
     @property
     def texts(self) -> tuple[ChunkWork, ...]:
@@ -126,15 +137,20 @@ class Runner:
         self.host_ids = torch.zeros(
             self.NUM_SLOTS, max_num_tokens, dtype=torch.long, pin_memory=pin
         )
+        # positions [slot, token], or M-RoPE's [slot, row, token] (Qwen-VL)
+        self.position_rows = loaded.model.position_rows
+        rows = () if self.position_rows == 1 else (self.position_rows,)
         self.host_pos = torch.zeros(
-            self.NUM_SLOTS, max_num_tokens, dtype=torch.long, pin_memory=pin
+            self.NUM_SLOTS, *rows, max_num_tokens, dtype=torch.long, pin_memory=pin
         )
         # Token type ids, filled only for steps where some request has them (BERT pairs).
         self.host_types = torch.zeros(
             self.NUM_SLOTS, max_num_tokens, dtype=torch.long, pin_memory=pin
         )
         self.dev_ids = torch.zeros(self.NUM_SLOTS, max_num_tokens, dtype=torch.long, device=device)
-        self.dev_pos = torch.zeros(self.NUM_SLOTS, max_num_tokens, dtype=torch.long, device=device)
+        self.dev_pos = torch.zeros(
+            self.NUM_SLOTS, *rows, max_num_tokens, dtype=torch.long, device=device
+        )
         self.dev_types = torch.zeros(
             self.NUM_SLOTS, max_num_tokens, dtype=torch.long, device=device
         )
@@ -152,6 +168,9 @@ class Runner:
             if self.is_cuda
             else StepThreads(matmul_flops_per_token(loaded.model), torch.get_num_threads())
         )
+        # a vision tower's matmul work per patch (its own layers, outside the decoder's)
+        tower = getattr(loaded.model, "visual", None)
+        self.patch_flops = 0 if tower is None else matmul_flops_per_token(tower)
 
     def prepare(self, step_index: int, chunks: Sequence[ChunkWork]) -> PreparedStep:
         """Fill the host slot of this step with token ids, positions and types (loop thread)."""
@@ -163,20 +182,24 @@ class Runner:
             # each LoRA adapter's tokens in one run: its matmuls read a slice, no gather/scatter
             chunks = sorted(chunks, key=lambda c: -1 if c.adapter is None else c.adapter)
         num_tokens, has_types = 0, False
+        vision: tuple[ChunkImages, ...] = ()
         if chunks:
             ids = np.concatenate([c.token_ids for c in chunks])  # [num_tokens]
             positions = np.concatenate(
-                [np.arange(c.context_len, c.context_len + len(c.token_ids)) for c in chunks]
-            )  # [num_tokens]
+                [_positions(c, self.position_rows) for c in chunks], axis=-1
+            )  # [num_tokens], M-RoPE: [3, num_tokens]
             num_tokens = len(ids)
             self.host_ids[slot, :num_tokens].copy_(torch.from_numpy(ids))
-            self.host_pos[slot, :num_tokens].copy_(torch.from_numpy(positions))
+            self.host_pos[slot, ..., :num_tokens].copy_(torch.from_numpy(positions))
+            vision = _step_images(chunks)
             has_types = any(c.token_type_ids is not None for c in chunks)
             if has_types:
                 types = np.concatenate([_types_or_zeros(c) for c in chunks])  # [num_tokens]
                 self.host_types[slot, :num_tokens].copy_(torch.from_numpy(types))
         if not images:
-            return PreparedStep(step_index, tuple(chunks), num_tokens, slot, has_types)
+            return PreparedStep(
+                step_index, tuple(chunks), num_tokens, slot, has_types, vision=vision
+            )
         taken = cast("ImageInputs", self.loaded.images)
         batched, grids = taken.batch([cast("np.ndarray", c.pixels) for c in images])
         pixels = torch.from_numpy(batched)
@@ -198,7 +221,8 @@ class Runner:
         start = time.perf_counter()
         try:
             if self.step_threads is not None:
-                self.step_threads.apply(step.num_tokens)
+                tower_flops = pending_patches(step.vision) * self.patch_flops if step.vision else 0
+                self.step_threads.apply(step.num_tokens, tower_flops)
             with torch.inference_mode():
                 pooled = self._pool_texts(step) + self._pool_images(step)
                 finished = [
@@ -252,9 +276,9 @@ class Runner:
         n = step.num_tokens if step.num_text_tokens is None else step.num_text_tokens
         slot = step.slot
         ids = self.dev_ids[slot, :n]
-        pos = self.dev_pos[slot, :n]
+        pos = self.dev_pos[slot, ..., :n]
         ids.copy_(self.host_ids[slot, :n], non_blocking=True)
-        pos.copy_(self.host_pos[slot, :n], non_blocking=True)
+        pos.copy_(self.host_pos[slot, ..., :n], non_blocking=True)
         types = None
         if step.has_token_types:
             types = self.dev_types[slot, :n]
@@ -273,7 +297,11 @@ class Runner:
         segments = AdapterSegments.from_chunks(
             [c.adapter for c in chunks], [len(c.token_ids) for c in chunks], self.device
         )
-        extra = {} if segments is None else {"adapters": segments}  # only adapted models take it
+        # only adapted models take adapters, only vision-language ones image rows
+        extra: dict[str, object] = {} if segments is None else {"adapters": segments}
+        if step.vision:
+            tower = cast("ImageTower", self.loaded.model)
+            extra["vision"] = cut_vision_rows(tower, step.vision, self.device)
         return self.loaded.model(
             ids, pos, attn, self.kv_cache, out=self.hidden, token_type_ids=types, **extra
         )
@@ -309,6 +337,25 @@ def _chunk_inputs(chunks: Sequence[ChunkWork]) -> list[ChunkInput]:
     return [
         ChunkInput(len(c.token_ids), cast("Sequence[int]", c.token_ids), c.is_last) for c in chunks
     ]
+
+
+def _positions(chunk: ChunkWork, rows: int) -> np.ndarray:
+    """A chunk's positions: its prompt's own M-RoPE rows where it holds images, else its
+    indices in the prompt (on every row)."""
+    start, end = chunk.context_len, chunk.context_len + len(chunk.token_ids)
+    if chunk.images is not None:
+        return chunk.images.positions[:, start:end]  # [3, num_tokens]
+    positions = np.arange(start, end)  # [num_tokens]
+    return positions if rows == 1 else np.broadcast_to(positions, (rows, end - start))
+
+
+def _step_images(chunks: Sequence[ChunkWork]) -> tuple[ChunkImages, ...]:
+    """The image tokens of a step's packed chunks, in order."""
+    found, offset = [], 0
+    for chunk in chunks:
+        found.append(chunk_images(chunk.images, chunk.context_len, len(chunk.token_ids), offset))
+        offset += len(chunk.token_ids)
+    return tuple(c for c in found if c is not None)
 
 
 def _types_or_zeros(chunk: ChunkWork) -> np.ndarray:

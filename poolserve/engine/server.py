@@ -133,6 +133,7 @@ class EngineCore:
                 cast("list[Sequence[int] | None] | None", types),
                 checked=True,  # the front end checked them against the model card
                 pixels=protocol.split_pixels(message, frames, self.engine.loaded.images),
+                media=protocol.split_media(message, frames, self.engine.loaded.inline_images),
             )
         except Exception as exc:  # refused as a whole: each prompt fails with the engine's error
             for request_id in message.ids:

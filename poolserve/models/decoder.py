@@ -40,6 +40,17 @@ _NORM_NAMES: dict[bool, dict[str, str]] = {
 
 
 @dataclass(frozen=True)
+class VisionRows:
+    """A vision-language step's image tokens: the vision tower's rows put in place of their
+    placeholders after the embedding, and Qwen3-VL's deepstack rows added to those tokens after
+    each of the first layers."""
+
+    index: torch.Tensor  # [num_image_tokens] int64: the placeholders' places in the step
+    embeds: torch.Tensor  # [num_image_tokens, hidden]
+    deepstack: tuple[torch.Tensor, ...] = ()  # per layer from the first: [num_image_tokens, hidden]
+
+
+@dataclass(frozen=True)
 class AttentionStep:
     """What every layer's attention needs in one forward."""
 
@@ -288,14 +299,16 @@ class DecoderModel(PackedModel):
     def forward(
         self,
         input_ids: torch.Tensor,  # [num_tokens] int64
-        positions: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64; M-RoPE: [3, num_tokens]
         attn: AttentionMetadata,
         kv_cache: PagedKVCache | None,
         out: torch.Tensor | None = None,  # [>= num_tokens, hidden]
         token_type_ids: torch.Tensor | None = None,  # [num_tokens]; ignored: no type table
         adapters: AdapterSegments | None = None,  # each token's LoRA adapter (None: none runs)
+        vision: VisionRows | None = None,  # a vision-language step's image tokens
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        """Embeds, runs every layer with chunk-aware attention, applies the final norm."""
+        """Embeds (images' rows in place of their placeholders), runs every layer with
+        chunk-aware attention, applies the final norm."""
         self.check_inputs(input_ids)
         if adapters is not None and not self.adapter_names:
             raise ValueError("this model has no adapters")
@@ -305,8 +318,14 @@ class DecoderModel(PackedModel):
             x = self.word_lora.add_to(x, input_ids, adapters)
         if self.embed_scale is not None:
             x = x * self.embed_scale
+        if vision is not None:
+            x[vision.index] = vision.embeds.to(x.dtype)
         ropes = [cast(Rotary, rotary).cos_sin(positions, x.dtype) for rotary in self.rotary]
         step = AttentionStep(self.backend, attn, kv_cache, adapters)
-        for layer in self.layers:
+        deepstack = () if vision is None else vision.deepstack
+        for i, layer in enumerate(self.layers):
             x = layer(x, ropes, step)
+            if i < len(deepstack):
+                assert vision is not None
+                x.index_add_(0, vision.index, deepstack[i].to(x.dtype))
         return self.deliver(rms_norm(x, self.norm, self.eps), out)

@@ -14,7 +14,6 @@ from transformers import PretrainedConfig
 from poolserve.models.decoder_config import LogitsTransform, logits_transform
 from poolserve.models.families.records import (
     ArchitectureEntry,
-    Backbone,
     HeadTransform,
     MaskedLMHead,
     PerToken,
@@ -136,7 +135,7 @@ def classifier_pooling(entry: ArchitectureEntry, config: PretrainedConfig) -> st
     default token. An entry that maps config.classifier_pooling refuses a value it lacks."""
     value = getattr(config, "classifier_pooling", None)
     if not entry.classifier_pooling:
-        if entry.backbone is Backbone.DECODER:
+        if entry.backbone.is_decoder:
             return None
         if value == LATE:  # only a head built to average its logits may be handed every token
             raise ModelLoadError(f"classifier_pooling {LATE!r} is not supported here")
@@ -208,7 +207,11 @@ FROM_2_WAY_SOFTMAX = "from_2_way_softmax"  # rows (false, true): one logit, true
 NO_POST_PROCESSING = "no_post_processing"  # one logit per row, as the LM head gives it
 LM_HEAD_METHODS = (FROM_2_WAY_SOFTMAX, NO_POST_PROCESSING)
 # Where a tied LM head's weights live: the decoder's input embeddings.
-TIED_LM_HEADS = ("model.embed_tokens.weight", "embed_tokens.weight")
+TIED_LM_HEADS = (
+    "model.embed_tokens.weight",
+    "embed_tokens.weight",
+    "model.language_model.embed_tokens.weight",  # a vision-language checkpoint's decoder
+)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from poolserve.models.dual_encoder import (
 from poolserve.models.encoder import EncoderModel
 from poolserve.models.encoder_config import encoder_max_len
 from poolserve.models.families.nomic import adopt_remote_nomic_fields
+from poolserve.models.families.qwen_vl import ARCHITECTURES as VISION_LANGUAGE
 from poolserve.models.float_kernels import TORCH, pack_linears
 from poolserve.models.heads import (
     HeadFactory,
@@ -59,6 +60,13 @@ from poolserve.models.registry import (
 from poolserve.models.sentence_transformers import read_sentence_transformers
 from poolserve.models.spec import LoadedModel, ModelSpec
 from poolserve.models.static import find_static, load_static
+from poolserve.models.vision_language import (
+    TEXT_PREFIXES as VISION_TEXT_PREFIXES,
+)
+from poolserve.models.vision_language import (
+    VisionLanguageModel,
+    inline_images,
+)
 from poolserve.models.weights import load_state_dict, strip_prefix
 from poolserve.types.errors import (
     LoraAdapterError,
@@ -139,6 +147,9 @@ def load_model(
     packed = _BACKBONES[entry.backbone](
         config, backbone_state, select_attention_backend(device), placement
     )
+    full_config = config
+    if entry.backbone is Backbone.VISION_DECODER:
+        config = _decoder_config(config)
     kernels = CpuKernels(TORCH, None)
     if device.type == "cpu":
         kernels = choose_kernels(packed, dtype, quantization, allow_slower_precision)
@@ -177,6 +188,9 @@ def load_model(
         sentence_transformers=st_config,
         lora=served_lora,
         head_factory=head_factory if lora is not None else None,
+        inline_images=inline_images(path, full_config, tokenizer)
+        if entry.backbone is Backbone.VISION_DECODER
+        else None,
     )
 
 
@@ -399,10 +413,7 @@ def _lm_head_rows(
     method = lm_head_method(config)
     if method is None:
         return None
-    if (
-        entry.backbone is not Backbone.DECODER
-        or entry.head_kind is not HeadKind.SEQUENCE_CLASSIFIER
-    ):
+    if not entry.backbone.is_decoder or entry.head_kind is not HeadKind.SEQUENCE_CLASSIFIER:
         raise ModelLoadError(
             f"method {method} reads a causal LM's head: it needs a decoder "
             "*ForSequenceClassification architecture (set `architectures` too)"
@@ -437,6 +448,9 @@ def _backbone_prefix(entry: ArchitectureEntry, state: dict[str, torch.Tensor]) -
     markers = {
         Backbone.DECODER: ("embed_tokens.weight",),
         Backbone.ENCODER: ("embeddings.word_embeddings.weight", "embeddings.tok_embeddings.weight"),
+        Backbone.VISION_DECODER: tuple(
+            f"{prefix}embed_tokens.weight" for prefix in VISION_TEXT_PREFIXES
+        ),
     }
     for prefix in entry.backbone_prefixes:
         if any(f"{prefix}{marker}" in state for marker in markers[entry.backbone]):
@@ -477,9 +491,35 @@ def _encoder(
     return EncoderModel(config, state, family, backend, placement).eval()
 
 
+def _decoder_config(config: PretrainedConfig) -> PretrainedConfig:
+    """A vision-language model's decoder config, whose sizes, limits and heads are the model's;
+    with the whole model's reading of its LM head (tied to the embeddings or not) and its
+    reranker fields (--hf-overrides set them on the whole config)."""
+    text = config.get_text_config()
+    text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+    for key in ("method", "classifier_from_token", "is_original_qwen3_reranker"):
+        value = getattr(config, key, None)
+        if value is not None:
+            setattr(text, key, value)
+    return text
+
+
+def _vision_decoder(
+    config: PretrainedConfig,
+    state: dict[str, torch.Tensor],
+    backend: AttentionBackend,
+    placement: tuple[torch.device, torch.dtype],
+) -> PackedModel:
+    """The packed decoder and vision tower of a Qwen-VL checkpoint (the whole state)."""
+    architecture = str((config.architectures or [""])[0])
+    family = VISION_LANGUAGE[architecture]
+    return VisionLanguageModel(config, state, family, backend, placement).eval()
+
+
 _BACKBONES: dict[Backbone, Callable[..., PackedModel]] = {
     Backbone.DECODER: _decoder,
     Backbone.ENCODER: _encoder,
+    Backbone.VISION_DECODER: _vision_decoder,
 }
 
 
@@ -492,7 +532,7 @@ def _spec(
     quantization: str | None,
 ) -> ModelSpec:
     """The ModelSpec of a loaded checkpoint."""
-    decoder = entry.backbone is Backbone.DECODER
+    decoder = entry.backbone.is_decoder
     num_labels = head_out_features(head, entry.head_kind)
     labels: tuple[str, ...] = ()
     if entry.head_kind in CLASSIFIER_HEADS and num_labels is not None:

@@ -37,6 +37,8 @@ class PackedModel(torch.nn.Module, abc.ABC):
     num_token_types: int = 0  # rows of the token type table; 0: the model ignores type ids
     # names of the stacked LoRA adapters a forward may apply per token (`adapters=`), by index
     adapter_names: tuple[str, ...] = ()
+    # rows of positions per token: 1, or M-RoPE's 3 (frame, row, column: Qwen-VL)
+    position_rows: int = 1
 
     @abc.abstractmethod
     def forward(

@@ -26,6 +26,7 @@ from poolserve.models.families import (
     nomic,
     phi3,
     qwen,
+    qwen_vl,
     roberta,
 )
 from poolserve.models.families.records import (
@@ -49,6 +50,7 @@ DECODER_FAMILIES: dict[str, DecoderFamily] = {
     **phi3.FAMILIES,
     **granite.FAMILIES,
     **eurobert.FAMILIES,
+    **qwen_vl.TEXT_FAMILIES,
 }
 # One row per config model_type. *ForMaskedLM checkpoints carry their MLM head (sparse
 # embeddings) on the base model; MASKED_LM_LAYOUTS holds each family's MLM head layouts.
@@ -139,6 +141,23 @@ ARCHITECTURES: dict[str, ArchitectureEntry] = {
         for class_name in family.classes
     },
     **_EXTRA,
+    # the whole checkpoint is the backbone: the decoder and the tower under their own prefixes
+    **{
+        class_name: ArchitectureEntry(Backbone.VISION_DECODER, HeadKind.NONE, ("",))
+        for class_name in qwen_vl.ARCHITECTURES
+        if class_name.endswith(qwen_vl.EMBEDDERS)
+    },
+    **{
+        class_name: ArchitectureEntry(
+            Backbone.VISION_DECODER,
+            HeadKind.SEQUENCE_CLASSIFIER,
+            ("",),
+            "score.",
+            per_token=PerToken.HEAD,
+        )
+        for class_name in qwen_vl.ARCHITECTURES
+        if class_name.endswith(qwen_vl.RERANKERS)
+    },
 }
 
 

@@ -55,12 +55,21 @@ class Rotary(torch.nn.Module):
             raise ModelLoadError(f"unknown rope type {rope_type!r}")
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)  # [rotary_dim/2]
         self.scaling = float(scaling)
+        # Qwen-VL's M-RoPE: the rotary channels split among three position rows (frame, row,
+        # column of an image's tokens; all three equal for text), in sections or interleaved
+        section = params.get("mrope_section")
+        self.mrope_section = tuple(int(s) for s in section) if section else None
+        self.mrope_interleaved = bool(params.get("mrope_interleaved", False))
 
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:  # [num_tokens, 1, rotary_dim] each
-        """cos and sin per token, computed in float32 then cast like the reference."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [num_tokens, rotary_dim/2]
+        """cos and sin per token, computed in float32 then cast like the reference; positions
+        [num_tokens], or M-RoPE's three rows [3, num_tokens]."""
+        if positions.dim() == 2:
+            freqs = self._mrope_freqs(positions)  # [num_tokens, rotary_dim/2]
+        else:
+            freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [num_tokens, dim/2]
         emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]  # [num_tokens, 1, rotary_dim]
         cos = emb.cos()
         sin = emb.sin()
@@ -68,6 +77,23 @@ class Rotary(torch.nn.Module):
             cos.mul_(self.scaling)
             sin.mul_(self.scaling)
         return cos.to(dtype), sin.to(dtype)
+
+    def _mrope_freqs(self, positions: torch.Tensor) -> torch.Tensor:  # [num_tokens, dim/2]
+        """Each rotary channel's angle from its own position row: Qwen2-VL gives consecutive
+        sections to frame, row and column in turn; Qwen3-VL interleaves them channel by channel
+        (row and column within their sections' span, frame everywhere else)."""
+        section = self.mrope_section
+        if section is None or positions.shape[0] != 3:
+            raise ValueError(f"positions {tuple(positions.shape)} for a model without M-RoPE")
+        freqs = positions.float()[..., None] * self.inv_freq  # [3, num_tokens, rotary_dim/2]
+        if not self.mrope_interleaved:
+            parts = freqs.split(list(section), dim=-1)
+            return torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1)
+        mixed = freqs[0].clone()
+        for row in (1, 2):
+            span = slice(row, section[row] * 3, 3)
+            mixed[..., span] = freqs[row, ..., span]
+        return mixed
 
 
 def apply_rotary(

@@ -12,6 +12,7 @@ from transformers import PreTrainedTokenizerBase
 from poolserve.types.images import ImageInputs
 from poolserve.types.model import SentenceTransformersConfig
 from poolserve.types.tasks import HeadKind
+from poolserve.types.vision import InlineImages
 
 if TYPE_CHECKING:
     from poolserve.models.heads import HeadFactory
@@ -70,3 +71,5 @@ class LoadedModel:
     images: ImageInputs | None = None
     # texts padded with the pad token to this many tokens, as the model was trained (SigLIP)
     pad_texts_to: int | None = None
+    # a vision-language model's images inside its prompts (Qwen-VL): processor, placeholder
+    inline_images: InlineImages | None = None

@@ -19,6 +19,7 @@ from poolserve.types.lora import LoraModule
 from poolserve.types.model import SentenceTransformersConfig
 from poolserve.types.model_info import PoolingModelInfo
 from poolserve.types.tasks import PoolingTask
+from poolserve.types.vision import InlineImages
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -52,6 +53,8 @@ class ModelCard:
     lora_modules: tuple[LoraModule, ...] = ()
     images: ImageInputs | None = None  # None: the model takes no images
     pad_texts_to: int | None = None  # texts padded with the pad token to this length (SigLIP)
+    # a vision-language model's images inside its prompts (Qwen-VL); None: it takes none there
+    inline_images: InlineImages | None = None
 
     def dumps(self) -> bytes:
         """The card as it travels."""

@@ -18,6 +18,7 @@ import numpy as np
 from poolserve.types.errors import StepFailedError
 from poolserve.types.images import ImageInputs
 from poolserve.types.params import PoolingParams
+from poolserve.types.vision import InlineImages, PromptImages
 
 # Errors are rebuilt on the front end as the class the core raised, so the service's error
 # table answers exactly as if the engine ran in-process; only the project's own classes.
@@ -67,6 +68,11 @@ class Submit(msgspec.Struct, tag="submit", array_like=True):
     # per image, in order: its (rows, cols) of patches, for a model whose images differ in size
     # (SigLIP 2's naflex); empty for a model whose images all have one shape
     grids: list[tuple[int, int]] = []
+    # a vision-language model's prompts: per prompt, how many images its placeholders stand for
+    # (their patches in the last frame, prompt by prompt); empty: no prompt holds an image
+    inline: list[int] = []
+    # per inline image, in order: its (frames, rows, cols) of patches
+    thw: list[tuple[int, int, int]] = []
 
 
 class Cancel(msgspec.Struct, tag="cancel", array_like=True):
@@ -290,6 +296,52 @@ def _naflex_views(
         raise ValueError("pixel frame does not match the image grids")
     views = _views(flat, lengths)
     return [v.reshape(rows, cols, width) for v, (rows, cols) in zip(views, grids, strict=True)]
+
+
+def media_frame(
+    media: Sequence[PromptImages | None],
+) -> tuple[list[int], list[tuple[int, int, int]], list[memoryview]]:
+    """A Submit's per-prompt image counts, grids and patch frame (none when no prompt holds an
+    image)."""
+    counts = [0 if m is None else len(m.grids) for m in media]
+    if not any(counts):
+        return [], [], []
+    present = [m for m in media if m is not None]
+    grids = [grid for m in present for grid in m.grids]
+    joined = np.concatenate([p.reshape(-1) for m in present for p in m.patches])
+    return counts, grids, [joined.astype(np.float32, copy=False).data]
+
+
+def split_media(
+    message: Submit, frames: Sequence[bytes | memoryview], inline: InlineImages | None
+) -> list[PromptImages | None] | None:
+    """Each prompt's images (views of the last frame), None for a prompt without; None: no
+    prompt holds one. Every grid is checked against the model before its patches are cut."""
+    if not any(message.inline):
+        if message.thw:
+            raise ValueError("image grids without images")
+        return None
+    if inline is None:
+        raise ValueError("images sent to a model that takes none inside its prompts")
+    if len(message.inline) != len(message.lengths) or sum(message.inline) != len(message.thw):
+        raise ValueError("image counts do not match the prompts or the grids")
+    for grid in message.thw:
+        inline.check_grid(grid)
+    width = inline.processing.patch_width
+    sizes = [frames_ * rows * cols * width for frames_, rows, cols in message.thw]
+    flat = np.frombuffer(frames[-1], dtype=np.float32)
+    if len(flat) != sum(sizes):
+        raise ValueError("patch frame does not match the image grids")
+    views = iter(v.reshape(-1, width) for v in _views(flat, sizes))
+    grids = iter(message.thw)
+    media: list[PromptImages | None] = []
+    for count in message.inline:
+        if count == 0:
+            media.append(None)
+            continue
+        patches = tuple(next(views) for _ in range(count))
+        media.append(PromptImages(patches, tuple(next(grids) for _ in range(count))))
+    return media
 
 
 def _views(flat: np.ndarray, lengths: Sequence[int]) -> list[np.ndarray]:

@@ -37,15 +37,23 @@ class CacheUse(enum.Enum):
 
 
 def extend_block_hashes(
-    hashes: list[bytes], token_ids: np.ndarray, block_size: int, num_blocks: int
+    hashes: list[bytes],
+    token_ids: np.ndarray,
+    block_size: int,
+    num_blocks: int,
+    images: tuple[int, bytes] | None = None,
 ) -> None:
-    """Append chained hashes of `token_ids`' full blocks (int64) until `num_blocks` are hashed."""
+    """Append chained hashes of `token_ids`' full blocks (int64) until `num_blocks` are hashed.
+    `images`: where a prompt's first image placeholder sits, and its images' digest, which every
+    block reaching it hashes too (placeholders are one id whatever the image)."""
     if num_blocks * block_size > len(token_ids):
         raise ValueError(f"{len(token_ids)} tokens hold fewer than {num_blocks} full blocks")
     parent = hashes[-1] if hashes else b""
     for start in range(len(hashes) * block_size, num_blocks * block_size, block_size):
         digest = hashlib.blake2b(parent, digest_size=HASH_BYTES)
         digest.update(token_ids[start : start + block_size].tobytes())
+        if images is not None and start + block_size > images[0]:
+            digest.update(images[1])
         parent = digest.digest()
         hashes.append(parent)
 

@@ -116,7 +116,11 @@ class RequestQueues:
         """The chained hash of the request's full block `index`, hashing up to it on first need."""
         hashes = request.block_hashes
         if index >= len(hashes):
-            extend_block_hashes(hashes, request.prompt_token_ids, self.blocks.block_size, index + 1)
+            images = request.images
+            salt = None if images is None else (images.first_image, images.digest)
+            extend_block_hashes(
+                hashes, request.prompt_token_ids, self.blocks.block_size, index + 1, salt
+            )
         return hashes[index]
 
     def apply(self, plan: BatchPlan) -> list[ChunkWork]:
@@ -164,6 +168,7 @@ class RequestQueues:
             None if types is None else types[span],
             request.adapter,
             request.pixels,
+            request.images,
         )
 
     def _take_hits(self, request: PoolingRequest, chunk: ScheduledChunk) -> None:

@@ -5,12 +5,16 @@ from __future__ import annotations
 import asyncio
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from poolserve.engine.sched.prefix_cache import CacheUse
 from poolserve.pooling.tasks import RequestPooler
 from poolserve.types.outputs import PoolingOutput, RequestTimeline, StepTiming
+
+if TYPE_CHECKING:
+    from poolserve.engine.vision_rows import RequestImages
 
 
 class RequestStatus(enum.Enum):
@@ -48,6 +52,8 @@ class PoolingRequest:
     steps: list[StepTiming] | None = None  # the steps it ran in; None: timelines are off
     # an image's pixel values [channels, height, width]; its prompt ids are placeholders
     pixels: np.ndarray | None = None
+    # a vision-language prompt's images, its M-RoPE positions, its tower rows once computed
+    images: RequestImages | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -13,6 +13,13 @@ class Backbone(enum.Enum):
 
     DECODER = "decoder"
     ENCODER = "encoder"
+    # a decoder with a vision tower whose rows stand in for image placeholders (Qwen-VL)
+    VISION_DECODER = "vision_decoder"
+
+    @property
+    def is_decoder(self) -> bool:
+        """Whether the backbone is a decoder (its heads read the last token by default)."""
+        return self in (Backbone.DECODER, Backbone.VISION_DECODER)
 
 
 class Positions(enum.Enum):

@@ -1,0 +1,219 @@
+"""What a vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) needs of the images inside
+its prompts: its processor's steps, the placeholder token an image's merged patches stand on,
+and one prompt's images as they travel from a front end to the engine.
+
+Read once by the engine from the checkpoint (`preprocessor_config.json`, the config's token
+ids) and carried on the model card, so a front end turns each image into the vision tower's
+patches exactly as transformers' Qwen2-VL image processor does, without torch. Torch-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, TypeGuard
+
+import numpy as np
+
+from poolserve.types.errors import ModelLoadError
+from poolserve.types.images import RESAMPLING
+
+# Qwen2VLImageProcessorPil's class defaults, where preprocessor_config.json is silent.
+GRID_DEFAULTS: dict[str, Any] = {
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "min_pixels": 56 * 56,  # its size["shortest_edge"]
+    "max_pixels": 28 * 28 * 1280,  # its size["longest_edge"]
+    "resample": 3,  # bicubic
+    "rescale_factor": 1 / 255,
+    "image_mean": (0.48145466, 0.4578275, 0.40821073),  # OPENAI_CLIP_MEAN
+    "image_std": (0.26862954, 0.26130258, 0.27577711),  # OPENAI_CLIP_STD
+}
+
+
+@dataclass(frozen=True)
+class GridProcessing:
+    """Qwen2-VL's image processor (Qwen2VLImageProcessorPil): each image resized, aspect kept,
+    to multiples of `patch_size * merge_size` with between `min_pixels` and `max_pixels` pixels,
+    rescaled and normalized, then cut into patches flattened in the vision tower's order."""
+
+    patch_size: int
+    temporal_patch_size: int  # an image is its one frame repeated this many times
+    merge_size: int  # merge_size x merge_size patches become one token of the decoder
+    min_pixels: int
+    max_pixels: int
+    resample: int  # PILImageResampling number
+    rescale_factor: float | None  # None: no rescale
+    mean: tuple[float, ...] | None  # None: no normalization
+    std: tuple[float, ...] | None
+    convert_rgb: bool
+    channels: int = 3
+
+    @property
+    def factor(self) -> int:
+        """What both sides of a resized image are multiples of."""
+        return self.patch_size * self.merge_size
+
+    @property
+    def patch_width(self) -> int:
+        """Values in one patch: channels * temporal_patch_size * patch_size**2."""
+        return self.channels * self.temporal_patch_size * self.patch_size**2
+
+
+# An image's patch grid: (frames, rows, cols) in patches, as transformers' image_grid_thw.
+Grid = tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class InlineImages:
+    """How a vision-language model takes images inside a prompt: its processor, and the token
+    its chat template writes for an image, repeated once per merged patch before it runs."""
+
+    processing: GridProcessing
+    image_token: str  # the placeholder's text, as the chat template writes it ("<|image_pad|>")
+    image_token_id: int
+    vision_start_token_id: int  # the token before every image's placeholders
+
+    def num_tokens(self, grid: Grid) -> int:
+        """The decoder tokens an image of this patch grid becomes."""
+        frames, rows, cols = grid
+        return frames * rows * cols // self.processing.merge_size**2
+
+    def check_grid(self, grid: Grid) -> None:
+        """A grid the processor can make: whole merges, within the pixel bounds."""
+        frames, rows, cols = grid
+        merge, patch = self.processing.merge_size, self.processing.patch_size
+        pixels = rows * cols * patch * patch
+        if (
+            frames != 1
+            or rows < merge
+            or cols < merge
+            or rows % merge
+            or cols % merge
+            or pixels > self.processing.max_pixels
+        ):
+            raise ValueError(
+                f"an image of {frames}x{rows}x{cols} patches; the model takes none such"
+            )
+
+
+@dataclass(frozen=True)
+class PromptImages:
+    """One prompt's images, in the order of their placeholders in its token ids."""
+
+    patches: tuple[np.ndarray, ...]  # each [frames * rows * cols, patch_width] float32
+    grids: tuple[Grid, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.patches) != len(self.grids) or not self.grids:
+            raise ValueError("a prompt's images need one grid per patch array, and at least one")
+
+
+def read_grid_processing(config: Mapping[str, Any]) -> GridProcessing:
+    """A preprocessor_config.json as Qwen2VLImageProcessorPil reads it (Qwen2-VL, Qwen2.5-VL
+    and Qwen3-VL checkpoints alike): the pixel bounds as `min_pixels`/`max_pixels` or as `size`
+    {shortest_edge, longest_edge} (the former win, as transformers' constructor has it), its
+    class defaults where the file is silent. What the processor would run differently from
+    `GridProcessing` (no resize, a bound missing or below one pixel, other than 3 channels'
+    statistics) is refused here, at load, rather than served wrong."""
+    if not _flag(config, "do_resize"):
+        raise ModelLoadError(
+            "preprocessor_config.json: do_resize false is not supported (each image is resized "
+            "to whole merged patches)"
+        )
+    min_pixels, max_pixels = _pixel_bounds(config)
+    normalize = _flag(config, "do_normalize")
+    return GridProcessing(
+        patch_size=_positive(config, "patch_size"),
+        temporal_patch_size=_positive(config, "temporal_patch_size"),
+        merge_size=_positive(config, "merge_size"),
+        min_pixels=min_pixels,
+        max_pixels=max_pixels,
+        resample=_resample(config),
+        rescale_factor=_number(config, "rescale_factor") if _flag(config, "do_rescale") else None,
+        mean=_channels(config, "image_mean") if normalize else None,
+        std=_channels(config, "image_std") if normalize else None,
+        convert_rgb=_flag(config, "do_convert_rgb"),
+    )
+
+
+def _pixel_bounds(config: Mapping[str, Any]) -> tuple[int, int]:
+    """(min_pixels, max_pixels): `size`'s edges (the class's when there is no `size`), each
+    replaced by a top-level min_pixels/max_pixels that is not null."""
+    size = config.get("size")
+    if size is None:
+        bounds = {"shortest_edge": GRID_DEFAULTS["min_pixels"]}
+        bounds["longest_edge"] = GRID_DEFAULTS["max_pixels"]
+    elif isinstance(size, Mapping) and set(size) <= {"shortest_edge", "longest_edge"}:
+        bounds = dict(size)
+    else:
+        raise ModelLoadError(
+            f"preprocessor_config.json: size {size!r} is not supported (shortest_edge and "
+            "longest_edge: the fewest and most pixels of a resized image)"
+        )
+    if config.get("min_pixels") is not None:
+        bounds["shortest_edge"] = config["min_pixels"]
+    if config.get("max_pixels") is not None:
+        bounds["longest_edge"] = config["max_pixels"]
+    low, high = bounds.get("shortest_edge"), bounds.get("longest_edge")
+    if not (_is_int(low) and _is_int(high) and low >= 1 and high >= 1):
+        raise ModelLoadError(
+            f"preprocessor_config.json: the pixel bounds {low!r} and {high!r} must both be "
+            "positive integers (min_pixels/max_pixels, or size's shortest_edge/longest_edge)"
+        )
+    return low, high
+
+
+def _flag(config: Mapping[str, Any], name: str) -> bool:
+    """A do_* switch: on unless the file turns it off (null is the class's default, on)."""
+    value = config.get(name)
+    return True if value is None else bool(value)
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive(config: Mapping[str, Any], name: str) -> int:
+    """A size of the processor (patch, temporal patch, merge): a positive integer."""
+    value = config.get(name)
+    value = GRID_DEFAULTS[name] if value is None else value
+    if not _is_int(value) or value < 1:
+        raise ModelLoadError(
+            f"preprocessor_config.json: {name} {value!r} is not a positive integer"
+        )
+    return int(value)
+
+
+def _resample(config: Mapping[str, Any]) -> int:
+    """The PIL resampling filter's number (bicubic unless the file names one)."""
+    value = config.get("resample")
+    value = GRID_DEFAULTS["resample"] if value is None else value
+    if not _is_int(value) or value not in RESAMPLING:
+        raise ModelLoadError(f"preprocessor_config.json: unknown resample {value!r}")
+    return int(value)
+
+
+def _number(config: Mapping[str, Any], name: str) -> float:
+    value = config.get(name)
+    value = GRID_DEFAULTS[name] if value is None else value
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ModelLoadError(f"preprocessor_config.json: {name} {value!r} is not a number")
+    return float(value)
+
+
+def _channels(config: Mapping[str, Any], name: str) -> tuple[float, ...]:
+    """A per-channel mean or std: three numbers, or one for every channel (as transformers'
+    normalize repeats it)."""
+    value = config.get(name)
+    value = GRID_DEFAULTS[name] if value is None else value
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return (float(value),) * 3
+    if (
+        isinstance(value, list | tuple)
+        and len(value) == 3
+        and all(isinstance(v, int | float) and not isinstance(v, bool) for v in value)
+    ):
+        return tuple(float(v) for v in value)
+    raise ModelLoadError(f"preprocessor_config.json: {name} {value!r} is not 3 channels' values")
