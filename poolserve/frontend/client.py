@@ -49,6 +49,7 @@ from poolserve.types.protocol import (
 from poolserve.types.stats import EngineSnapshot
 from poolserve.types.tasks import PoolingTask
 from poolserve.types.validation import validate_params
+from poolserve.types.vision import PromptImages
 from poolserve.types.wire import MessageStream
 
 logger = logging.getLogger(__name__)
@@ -209,9 +210,12 @@ class EngineClient:
         priority: int = 0,
         token_type_ids: Sequence[Sequence[int] | None] | None = None,
         pixels: Sequence[np.ndarray | None] | None = None,
+        media: Sequence[PromptImages | None] | None = None,
     ) -> list[asyncio.Future[PoolingOutput]]:
         """Admit all prompts or none; each gets a future, at once. `pixels`: per prompt, an
         image's pixel values (its prompt is then the image's placeholder), or None for a text.
+        `media`: per prompt of a vision-language model, the images its placeholder runs stand
+        for (their patches and grids; the engine checks runs against grids), or None.
 
         The core does not acknowledge a submission (a reply per request would cost both sides a
         message and this caller a loop turn): what it refuses fails each future with the engine's
@@ -240,6 +244,11 @@ class EngineClient:
         if pixels is not None:
             image_flags, grids, pixel_frames = protocol.pixel_frame(pixels, card.images)
             frames.extend(pixel_frames)
+        counts: list[int] = []
+        thw: list[tuple[int, int, int]] = []
+        if media is not None:
+            counts, thw, patch_frames = protocol.media_frame(media)
+            frames.extend(patch_frames)
         loop = asyncio.get_running_loop()
         request_ids = [next(self._ids) for _ in ids]
         futures = [loop.create_future() for _ in ids]
@@ -247,7 +256,8 @@ class EngineClient:
             self._pending[request_id] = future
             self._id_of[future] = request_id
         self._send(
-            Submit(request_ids, lengths, params, priority, typed, image_flags, grids), frames
+            Submit(request_ids, lengths, params, priority, typed, image_flags, grids, counts, thw),
+            frames,
         )
         return futures
 
