@@ -137,6 +137,9 @@ def load_model(
         return _load_dual(path, raw, overrides, dual, (device, dtype))
     architecture = _check_architecture({**raw, **overrides})
     entry = ARCHITECTURES[architecture]
+    if lora is not None and entry.backbone is Backbone.VISION_DECODER:
+        # adapters of the decoder alone are untested beside the tower: refused, never guessed
+        raise LoraAdapterError("", f"LoRA adapters are not supported for {architecture}")
     config = _load_config(path, raw)
     for key, value in overrides.items():
         setattr(config, key, value)

@@ -18,7 +18,8 @@ from PIL import Image
 from poolserve.engine.loop import Engine
 from poolserve.models.loader import load_model
 from poolserve.models.spec import LoadedModel
-from poolserve.types.errors import InvalidRequestError
+from poolserve.types.errors import InvalidRequestError, LoraAdapterError
+from poolserve.types.lora import LoraServing
 from poolserve.types.params import PoolingParams
 from poolserve.types.tasks import PoolingTask
 from poolserve.types.vision import PromptImages
@@ -225,3 +226,8 @@ def test_reranker_reads_the_lm_head_rows(family: Family) -> None:
         logits = family.reference.last_logits(text, images)
         expected = torch.sigmoid(logits[vocab[1]] - logits[vocab[0]]).reshape(1)
         _assert_close(ours, expected)
+
+
+def test_lora_adapters_are_refused_at_load(family: Family) -> None:
+    with pytest.raises(LoraAdapterError, match="not supported"):
+        load_model(str(family.directory), device=CPU, lora=LoraServing())
