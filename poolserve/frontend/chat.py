@@ -47,6 +47,15 @@ def _num_chars(message: Mapping[str, Any]) -> int:
     )
 
 
+def _texts(message: Mapping[str, Any]) -> list[str]:
+    """The texts a message's content brings: the string, or each text part's (a conversation
+    of a vision-language model keeps its parts)."""
+    content = message.get("content")
+    if isinstance(content, list | tuple):
+        return [str(p.get("text") or "") for p in content if isinstance(p, Mapping)]
+    return [str(content or "")]
+
+
 def prepare(chat: Chat, model: ModelHandle, trusted: bool) -> ChatRender:
     """Check a chat request before any work: template, trust, options and size."""
     kwargs = dict(chat.chat_template_kwargs or {})
@@ -92,7 +101,7 @@ def prepare(chat: Chat, model: ModelHandle, trusted: bool) -> ChatRender:
 
 def render(tokenizer: PreTrainedTokenizerBase, chat: ChatRender) -> str:
     """The conversation as the prompt text the template makes (400 when it refuses)."""
-    check_encodable([str(m.get("content") or "") for m in chat.messages], "messages")
+    check_encodable(["".join(_texts(m)) for m in chat.messages], "messages")
     try:
         text = tokenizer.apply_chat_template(
             [dict(m) for m in chat.messages],

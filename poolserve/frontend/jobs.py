@@ -113,16 +113,23 @@ class ScoreJob:
 
 @dataclass(frozen=True)
 class MediaItem:
-    """One input of a request that may carry images: an image reference or a text."""
+    """One input of a request that may carry images: an image reference, a text, or a
+    conversation of texts and images (vLLM's chat form, Cohere's content parts), which a
+    vision-language model reads whole and a dual encoder only as one image or one text."""
 
     image: str | None = None  # a data URL, bare base64, or an http(s) URL (when allowed)
     text: str | None = None
     where: str = "input"  # where the body holds it, for error messages ("input[2]")
+    # the conversation, its content parts kept: {"type": "text", "text": ...} and
+    # {"type": "image_url", "image_url": {"url": ...}}
+    chat: Chat | None = None
+    image_wheres: tuple[str, ...] = ()  # where each image part of `chat` is in the body
 
 
 @dataclass(frozen=True)
 class MediaJob:
-    """Images (and texts beside them) embedded by a model that takes images: one prompt each."""
+    """Images (and texts beside them) for a model that takes images: one prompt each (an
+    image, a text, or a conversation holding images)."""
 
     task: PoolingTask
     items: tuple[MediaItem, ...]

@@ -19,6 +19,7 @@ from poolserve.frontend.adapters import choose_adapter
 from poolserve.frontend.chat import render_conversations
 from poolserve.frontend.client import EngineClient
 from poolserve.frontend.images import pixel_values
+from poolserve.frontend.inline_images import check_request, dual_item, image_refs, inline_prompts
 from poolserve.frontend.jobs import MediaJob, Requested, ScoreJob, TextJob, merge
 from poolserve.frontend.joined import join_inputs, with_ends
 from poolserve.frontend.media import Budgets, MediaLimits, load_image
@@ -42,6 +43,7 @@ from poolserve.types.params import PoolingParams
 from poolserve.types.scoring import PairMode, job_scorer
 from poolserve.types.tasks import PoolingTask
 from poolserve.types.validation import check_public
+from poolserve.types.vision import InlineImages, PromptImages
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,9 @@ class Batch:
     char_spans: CharSpans | None = None  # late chunking: each prompt's spans, in characters
     # per prompt, an image's pixel values (its token ids then placeholders) or None; None: texts
     pixels: Sequence[np.ndarray | None] | None = None
+    # per prompt of a vision-language model, the images its placeholder runs stand for, in
+    # order, or None; None: no prompt holds one
+    media: Sequence[PromptImages | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -238,15 +243,19 @@ def _joint_mode(model: ModelHandle, is_decoder: bool) -> PromptMode:
 def plan_media(
     job: MediaJob, engine: EngineClient, model: ModelHandle, state: ServiceState
 ) -> Plan:
-    """One prompt per item: an image loaded, checked and turned into the model's pixel values,
-    a text tokenized; refused before any work unless the model takes images and the task
-    gives one vector per input."""
-    images = model.card.images
-    if images is None:
-        where = next((item.where for item in job.items if item.image is not None), "input")
+    """One prompt per item, refused before any work unless the model takes images: for a
+    vision-language model each image inside its conversation (inline_images.py); for a dual
+    encoder an image loaded and turned into the model's pixel values, or a text tokenized,
+    where the task gives one vector per input."""
+    images, inline = model.card.images, model.card.inline_images
+    if images is None and inline is None:
+        where = next((r.where for item in job.items for r in image_refs(item)), "input")
         raise InvalidRequestError(
             f"model {model.served_name!r} takes no images: send text", where.split("[")[0]
         )
+    if inline is not None:
+        return _plan_inline(job, engine, model, state, inline)
+    assert images is not None
     if job.task is not PoolingTask.EMBED:
         raise InvalidRequestError(
             f"task {job.task.value!r} does not take images: an image gives one embedding "
@@ -255,14 +264,15 @@ def plan_media(
         )
     check_batch_size(len(job.items), model.settings.max_client_batch_size, "input")
     _check_image_count(job, model.settings.max_images_per_request)
+    items = tuple(dual_item(item) for item in job.items)
     params = merge(job.task, job.requested, model.defaults)
     truncation = truncation_for(job.truncate, model)
     limits = MediaLimits.from_settings(model.settings)
 
     async def run() -> Batch:
         on_reject = state.metrics.model(model.model_name).on_reject
-        texts = tuple(item.text or "" for item in job.items if item.image is None)
-        for item in job.items:
+        texts = tuple(item.text or "" for item in items if item.image is None)
+        for item in items:
             if item.image is None and not item.text:
                 raise InvalidRequestError(f"{item.where} is empty", item.where)
         ids_of_texts = (
@@ -272,14 +282,14 @@ def plan_media(
         pixels = await asyncio.gather(
             *(
                 _pixels(item.image, item.where, images, limits, state.media_budgets)
-                for item in job.items
+                for item in items
                 if item.image
             )
         )
         loaded = iter(pixels)
         ids: list[list[int]] = []
         per_prompt: list[np.ndarray | None] = []
-        for item in job.items:
+        for item in items:
             if item.image is None:
                 ids.append(padded(next(tokenized), model))
                 per_prompt.append(None)
@@ -288,14 +298,41 @@ def plan_media(
                 per_prompt.append(next(loaded))
         return Batch(params, ids, pixels=per_prompt)
 
+    return Plan(params, len(items), run)
+
+
+def _plan_inline(
+    job: MediaJob,
+    engine: EngineClient,
+    model: ModelHandle,
+    state: ServiceState,
+    inline: InlineImages,
+) -> Plan:
+    """A vision-language model's prompts: each conversation (a bare image: one of its own)
+    rendered with its images inside, each text a text; any task the model serves."""
+    check_public(engine.pooling_info, job.task)
+    check_batch_size(len(job.items), model.settings.max_client_batch_size, "input")
+    _check_image_count(job, model.settings.max_images_per_request)
+    params = merge(job.task, job.requested, model.defaults)
+    trusted = model.settings.trust_request_chat_template
+    request = check_request(job.items, model, job.truncate, trusted)
+    limits = MediaLimits.from_settings(model.settings)
+
+    async def run() -> Batch:
+        on_reject = state.metrics.model(model.model_name).on_reject
+        ids, media = await inline_prompts(
+            request, model, inline, limits, state.media_budgets, on_reject
+        )
+        return Batch(params, ids, media=media if any(m is not None for m in media) else None)
+
     return Plan(params, len(job.items), run)
 
 
 def _check_image_count(job: MediaJob, limit: int) -> None:
     """400 before any image is loaded when the request holds more than `limit` images."""
-    count = sum(item.image is not None for item in job.items)
-    if count > limit:
-        where = next(item.where for item in job.items if item.image is not None)
+    refs = [ref for item in job.items for ref in image_refs(item)]
+    if len(refs) > limit:
+        count, where = len(refs), refs[0].where
         raise InvalidRequestError(
             f"{count} images in one request, more than the limit of {limit} "
             "(--max-images-per-request)",

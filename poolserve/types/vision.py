@@ -61,6 +61,8 @@ class GridProcessing:
         return self.channels * self.temporal_patch_size * self.patch_size**2
 
 
+# The widest aspect ratio transformers' smart_resize takes (beyond it: an error, a 400 here).
+MAX_ASPECT = 200
 # An image's patch grid: (frames, rows, cols) in patches, as transformers' image_grid_thw.
 Grid = tuple[int, int, int]
 
@@ -80,8 +82,16 @@ class InlineImages:
         frames, rows, cols = grid
         return frames * rows * cols // self.processing.merge_size**2
 
+    @property
+    def most_pixels(self) -> int:
+        """The most pixels a resized image can have: max_pixels, or, where an image as narrow
+        as the processor allows (200:1) keeps its narrow side at one merge, that side times the
+        long side's largest (smart_resize's floor at `factor` can pass max_pixels there)."""
+        factor = self.processing.factor
+        return max(self.processing.max_pixels, MAX_ASPECT * factor * factor)
+
     def check_grid(self, grid: Grid) -> None:
-        """A grid the processor can make: whole merges, within the pixel bounds."""
+        """A grid the processor can make: one frame, whole merges, within the pixel bound."""
         frames, rows, cols = grid
         merge, patch = self.processing.merge_size, self.processing.patch_size
         pixels = rows * cols * patch * patch
@@ -91,7 +101,7 @@ class InlineImages:
             or cols < merge
             or rows % merge
             or cols % merge
-            or pixels > self.processing.max_pixels
+            or pixels > self.most_pixels
         ):
             raise ValueError(
                 f"an image of {frames}x{rows}x{cols} patches; the model takes none such"

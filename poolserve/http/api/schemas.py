@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Annotated, Literal, Self, cast
+from typing import Annotated, Any, Literal, Self, cast
 
 from pydantic import (
     BaseModel,
@@ -25,13 +25,13 @@ from poolserve.http.bodies import (
     REQUEST_ID_PATTERN,
     ChatMessage,
     ContentPart,
+    ImageUrlPart,
     Input,
     RequestBody,
     TokenId,
     TokenIds,
     as_template_message,
 )
-from poolserve.types.errors import InvalidRequestError
 from poolserve.types.tasks import PUBLIC_TASKS, PoolingTask
 
 # The tasks a client may name (an internal one is refused as a task the model lacks): the
@@ -119,6 +119,23 @@ class InputBody(RequestBody):
         """The body's chat conversations (one here; /v1/embeddings also takes a batch)."""
         return None if self.messages is None else (tuple(self.messages),)
 
+    def conversation_where(self, index: int) -> str:
+        """Where conversation `index` is in the body: `messages` (a batch: `messages[i]`)."""
+        return "messages"
+
+    def _chat_item(self, conversation: Sequence[ChatMessage], index: int) -> MediaItem:
+        """One conversation of a request with images, its content parts kept: a
+        vision-language model reads it whole, a dual encoder its one image or its text."""
+        where = self.conversation_where(index)
+        chat = Chat(
+            tuple(_with_parts(m) for m in conversation),
+            self.chat_template,
+            self.chat_template_kwargs,
+            self.add_generation_prompt,
+            self.continue_final_message,
+        )
+        return MediaItem(where=where, chat=chat, image_wheres=_image_wheres(conversation, where))
+
     def job(self, task: PoolingTask, requested: Requested | None = None) -> TextJob | MediaJob:
         """The front end's job for this body (a media job when an input holds an image)."""
         items = _jina_items(self.input)
@@ -135,7 +152,7 @@ class InputBody(RequestBody):
         if conversations is not None and any(m.images() for c in conversations for m in c):
             return MediaJob(
                 task,
-                tuple(_media_item(c, i) for i, c in enumerate(conversations)),
+                tuple(self._chat_item(c, i) for i, c in enumerate(conversations)),
                 requested or Requested(),
                 self.model,
                 Truncate(self.truncate_prompt_tokens, self.truncation_side),
@@ -197,21 +214,31 @@ def _jina_items(value: object) -> tuple[MediaItem, ...] | None:
     )
 
 
-def _media_item(conversation: Sequence[ChatMessage], index: int) -> MediaItem:
-    """One conversation of a request with images: its one image, or its text (a dual encoder
-    embeds an image or a text, as vLLM serves CLIP and SigLIP)."""
-    where = f"messages[{index}]"
-    images = [url for message in conversation for url in message.images()]
-    if not images:
-        text = "\n".join(m.text() or "" for m in conversation if m.has_text())
-        return MediaItem(text=text, where=where)
-    if len(images) > 1 or any(m.has_text() for m in conversation):
-        raise InvalidRequestError(
-            f"{where}: one image_url part, or text, per conversation: this model embeds an "
-            "image or a text, not both together",
-            "messages",
-        )
-    return MediaItem(image=images[0], where=where)
+def _with_parts(message: ChatMessage) -> dict[str, Any]:
+    """A message with its content parts kept (a conversation holding images): text parts and
+    image_url parts as OpenAI's clients send them."""
+    fields = dict(message.model_extra or {})
+    content = message.content
+    if isinstance(content, list):
+        parts: list[dict[str, Any]] = [
+            {"type": "image_url", "image_url": {"url": p.image_url.url}}
+            if isinstance(p, ImageUrlPart)
+            else {"type": "text", "text": p.text}
+            for p in content
+        ]
+        return {**fields, "role": message.role, "content": parts}
+    return {**fields, "role": message.role, "content": content}
+
+
+def _image_wheres(conversation: Sequence[ChatMessage], where: str) -> tuple[str, ...]:
+    """Where each image part of a conversation is in the body (`messages[0].content[1]`)."""
+    return tuple(
+        f"{where}[{j}].content[{k}]"
+        for j, message in enumerate(conversation)
+        if isinstance(message.content, list)
+        for k, part in enumerate(message.content)
+        if isinstance(part, ImageUrlPart)
+    )
 
 
 # ---- late chunking: an extension (no peer serves it as a released API) -------------------------
@@ -338,6 +365,12 @@ class EmbeddingRequest(InputBody, PromptFields, LateChunkingFields, ClientEmbedd
             return tuple(tuple(c) for c in cast(list[list[ChatMessage]], messages))
         # an empty list is one empty conversation, refused as such when it is checked
         return (tuple(cast(list[ChatMessage], messages)),)
+
+    def conversation_where(self, index: int) -> str:
+        """`messages[i]` in a batch of conversations, `messages` for one."""
+        messages = self.messages
+        batch = messages is not None and bool(messages) and isinstance(messages[0], list)
+        return f"messages[{index}]" if batch else "messages"
 
     foreign_fields = COHERE_TEI_FOREIGN
 

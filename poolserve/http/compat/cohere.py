@@ -13,7 +13,7 @@ import logging
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import numpy as np
 from fastapi import APIRouter, Request
@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 from starlette.responses import Response
 
 from poolserve.frontend.encoding import dumps, to_dtype_bytes
-from poolserve.frontend.jobs import MediaItem, MediaJob, Requested, TextJob, Truncate
+from poolserve.frontend.jobs import Chat, MediaItem, MediaJob, Requested, TextJob, Truncate
 from poolserve.frontend.pipeline import check_serving, gather
 from poolserve.frontend.quantize import PRECISIONS, quantize
 from poolserve.frontend.state import ModelHandle
@@ -107,19 +107,34 @@ def _media(body: CohereEmbedRequest, max_batch: int) -> tuple[str, list[MediaIte
 
 
 def _input_item(item: EmbedInput, index: int) -> MediaItem:
-    """One `inputs` item: its image (one image part alone), or its text parts as one text."""
+    """One `inputs` item: its image (one image part alone), its text parts as one text, or,
+    texts and images together, one conversation of its parts in order (a vision-language model
+    embeds it whole; a dual encoder refuses it)."""
     where = f"inputs[{index}]"
-    images = [part for part in item.content if part.type == "image_url"]
-    if not images:
+    if not any(part.type == "image_url" for part in item.content):
         return MediaItem(text=_input_text(item, index), where=where)
-    url = images[0].image_url.get("url") if images[0].image_url else None
-    if len(item.content) != 1 or not isinstance(url, str):
+    parts = [_part(part, f"{where}.content[{k}]") for k, part in enumerate(item.content)]
+    wheres = tuple(
+        f"{where}.content[{k}]" for k, part in enumerate(item.content) if part.type == "image_url"
+    )
+    if len(parts) == 1:
+        return MediaItem(image=parts[0]["image_url"]["url"], where=wheres[0])
+    chat = Chat(({"role": "user", "content": parts},))
+    return MediaItem(where=where, chat=chat, image_wheres=wheres)
+
+
+def _part(part: TextContent, where: str) -> dict[str, Any]:
+    """A content part as a chat template reads it (OpenAI's shape)."""
+    if part.type == "text":
+        if part.text is None:
+            raise InvalidRequestError(f"{where}: a text part needs its text", "inputs")
+        return {"type": "text", "text": part.text}
+    url = part.image_url.get("url") if part.image_url else None
+    if not isinstance(url, str):
         raise InvalidRequestError(
-            f"{where}: an input with an image holds that one image_url part ({{'url': ...}}): "
-            "this model embeds an image or a text, not both together",
-            "inputs",
+            f"{where}: an image_url part holds its image as {{'url': ...}}", "inputs"
         )
-    return MediaItem(image=url, where=where)
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
 def _texts(body: CohereEmbedRequest, max_batch: int) -> tuple[str, list[str]]:

@@ -77,7 +77,8 @@ async def embeddings(body: InfinityEmbeddingRequest, request: Request) -> Respon
         raise InvalidRequestError("input must not be empty", "input")
     check_batch_size(len(texts), model.settings.max_client_batch_size, "input")
     width = _cut(body.dimensions, model.defaults.dimensions or engine.pooling_info.embedding_size)
-    if body.modality == "image" and model.card.images is None:
+    takes_images = model.card.images is not None or model.card.inline_images is not None
+    if body.modality == "image" and not takes_images:
         raise InvalidRequestError(
             f"modality 'image' is not served by model {model.served_name!r}: it embeds text",
             "modality",
