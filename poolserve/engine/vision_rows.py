@@ -10,7 +10,6 @@ prompt's images spread over its chunks), and its rows live as long as its reques
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -22,7 +21,7 @@ from poolserve.models.decoder import VisionRows
 from poolserve.models.qwen_vision import VisionOutput
 from poolserve.types.errors import InvalidRequestError
 from poolserve.types.mrope import image_starts, mrope_positions
-from poolserve.types.vision import InlineImages, PromptImages
+from poolserve.types.vision import InlineImages, PromptImages, image_digest
 
 
 class ImageTower(Protocol):
@@ -82,11 +81,12 @@ class RequestImages:
         """A hash of the images' grids and patches: cached blocks at and after the first image
         are found again only by a prompt with the same images (engine/sched/prefix_cache.py)."""
         if self._digest is None:
-            digest = hashlib.blake2b(digest_size=16)
-            for grid, patches in zip(self.media.grids, self.media.patches, strict=True):
-                digest.update(np.asarray(grid, dtype=np.int64).tobytes())
-                digest.update(np.ascontiguousarray(patches).tobytes())
-            self._digest = digest.digest()
+            media = self.media
+            each = media.digests or tuple(
+                image_digest(patches, grid)
+                for patches, grid in zip(media.patches, media.grids, strict=True)
+            )
+            self._digest = b"".join(each)
         return self._digest
 
 

@@ -244,11 +244,8 @@ class EngineClient:
         if pixels is not None:
             image_flags, grids, pixel_frames = protocol.pixel_frame(pixels, card.images)
             frames.extend(pixel_frames)
-        counts: list[int] = []
-        thw: list[tuple[int, int, int]] = []
-        if media is not None:
-            counts, thw, patch_frames = protocol.media_frame(media)
-            frames.extend(patch_frames)
+        inline = protocol.media_frame(media or [])
+        frames.extend(inline.frames)
         loop = asyncio.get_running_loop()
         request_ids = [next(self._ids) for _ in ids]
         futures = [loop.create_future() for _ in ids]
@@ -256,7 +253,18 @@ class EngineClient:
             self._pending[request_id] = future
             self._id_of[future] = request_id
         self._send(
-            Submit(request_ids, lengths, params, priority, typed, image_flags, grids, counts, thw),
+            Submit(
+                request_ids,
+                lengths,
+                params,
+                priority,
+                typed,
+                image_flags,
+                grids,
+                inline.counts,
+                inline.grids,
+                inline.digests,
+            ),
             frames,
         )
         return futures

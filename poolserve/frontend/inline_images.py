@@ -17,8 +17,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
+import numpy as np
 from PIL import Image
 
 from poolserve.frontend.chat import ChatRender, prepare, render
@@ -36,7 +38,7 @@ from poolserve.frontend.texts import (
 )
 from poolserve.frontend.truncation import encode_batch
 from poolserve.types.errors import InvalidRequestError, PayloadTooLargeError
-from poolserve.types.vision import Grid, InlineImages, PromptImages
+from poolserve.types.vision import Grid, GridProcessing, InlineImages, PromptImages, image_digest
 
 # How a chat template sees an image part: vLLM's placeholder, which every Qwen-VL template
 # (`content['type'] == 'image'`) writes as the image's placeholder run
@@ -141,6 +143,21 @@ def _template_message(message: Mapping[str, Any]) -> Mapping[str, Any]:
     return {**message, "content": parts}
 
 
+@dataclass(frozen=True)
+class InlinePrompts:
+    """A request's prompts with their images, and how to give back the patches' memory."""
+
+    token_ids: list[list[int]]
+    media: list[PromptImages | None]
+    release: Callable[[], None]  # once the patches are sent (their budget's bytes given back)
+
+
+def _patch_bytes(grids: Sequence[Grid], inline: InlineImages) -> int:
+    """Bytes the images of these grids are as patches (float32)."""
+    width = inline.processing.patch_width
+    return sum(frames * rows * cols * width * 4 for frames, rows, cols in grids)
+
+
 async def inline_prompts(
     request: InlineRequest,
     model: ModelHandle,
@@ -148,10 +165,10 @@ async def inline_prompts(
     limits: MediaLimits,
     budgets: Budgets,
     on_reject: Callable[[str], None],
-) -> tuple[list[list[int]], list[PromptImages | None]]:
+) -> InlinePrompts:
     """Each prompt's token ids (a conversation's placeholders expanded) and its images, in the
     request's order: the cheap checks (placeholders, then lengths from the images' sizes)
-    before the patches are cut."""
+    before the patches are cut, under the process's patch budget."""
     conversations = [p for p in request.prompts if isinstance(p, Conversation)]
     texts = tuple(p for p in request.prompts if isinstance(p, str))
     text_ids = (
@@ -172,9 +189,16 @@ async def inline_prompts(
     for conversation, ids, grid in zip(conversations, rendered, grids, strict=True):
         length = _expanded_length(ids, grid, inline)
         _check_length(conversation, length, request.most_tokens, model.max_model_len)
-    media = await _patched(conversations, loaded, grids, inline)
+    held = sum(_patch_bytes(grid, inline) for grid in grids)
+    await budgets.patches.take(held)  # given back once sent (the Batch's release)
+    try:
+        media = await _patched(conversations, loaded, grids, inline)
+    except BaseException:
+        budgets.patches.give(held)
+        raise
     expanded = [expand(ids, grid, inline) for ids, grid in zip(rendered, grids, strict=True)]
-    return _in_order(request.prompts, text_ids, expanded, media)
+    prompts, ordered = _in_order(request.prompts, text_ids, expanded, media)
+    return InlinePrompts(prompts, ordered, partial(budgets.patches.give, held))
 
 
 async def _load(
@@ -198,16 +222,24 @@ async def _patched(
     conversation of text alone)."""
     steps = inline.processing
     work = [
-        asyncio.to_thread(grid_patches, image, steps, ref.where)
+        asyncio.to_thread(_cut, image, steps, ref.where)
         for c, images in zip(conversations, loaded, strict=True)
         for image, ref in zip(images, c.images, strict=True)
     ]
-    patches = iter(await asyncio.gather(*work))
+    cut = iter(await asyncio.gather(*work))
     media: list[PromptImages | None] = []
     for grid in grids:
-        arrays = tuple(next(patches)[0] for _ in grid)
-        media.append(PromptImages(arrays, grid) if grid else None)
+        pieces = [next(cut) for _ in grid]
+        arrays, digests = tuple(p for p, _ in pieces), tuple(d for _, d in pieces)
+        media.append(PromptImages(arrays, grid, digests) if grid else None)
     return media
+
+
+def _cut(image: Image.Image, steps: GridProcessing, where: str) -> tuple[np.ndarray, bytes]:
+    """One image's patches and their digest, both in the worker thread (hashing an image's
+    megabytes never runs on an event loop, the engine's included)."""
+    patches, grid = grid_patches(image, steps, where)
+    return patches, image_digest(patches, grid)
 
 
 def _in_order(

@@ -55,6 +55,10 @@ IMAGES_IN_FLIGHT = 16
 # (an RGBA image, its copy, the white ground, the composite), so about 1 GiB; an image larger
 # than the budget decodes alone. Small images decode side by side on every core.
 DECODE_PIXELS = 64_000_000
+# Bytes of a vision-language model's patches cut and not yet sent to the engine, in one process:
+# an image's patches are 24 bytes a pixel (float32, 3 channels, 2 frames), up to 24 MiB for
+# Qwen2-VL's default 1,003,520 pixels; a request holding more than the budget runs alone.
+PATCH_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -320,8 +324,10 @@ class Budgets:
 
     images: Budget
     pixels: Budget
+    patches: Budget
 
     @classmethod
     def new(cls) -> Budgets:
-        """A process's budgets: IMAGES_IN_FLIGHT loads, DECODE_PIXELS being decoded."""
-        return cls(Budget(IMAGES_IN_FLIGHT), Budget(DECODE_PIXELS))
+        """A process's budgets: IMAGES_IN_FLIGHT loads, DECODE_PIXELS being decoded,
+        PATCH_BYTES of patches on their way to the engine."""
+        return cls(Budget(IMAGES_IN_FLIGHT), Budget(DECODE_PIXELS), Budget(PATCH_BYTES))

@@ -104,9 +104,12 @@ async def submit_job(state: ServiceState, job: Job, caller: Caller = IN_PROCESS)
     caller.tokenized(started, ended, len(batch.token_ids), num_tokens)
     slicing = None
     if batch.media is not None:  # a vision-language model's prompts with their images
-        futures = await engine.submit_many(
-            batch.token_ids, batch.params, job.priority, batch.token_type_ids, media=batch.media
-        )
+        try:
+            futures = await engine.submit_many(
+                batch.token_ids, batch.params, job.priority, batch.token_type_ids, media=batch.media
+            )
+        finally:
+            batch.released()
     elif limit is None:
         futures = await engine.submit_many(
             batch.token_ids, batch.params, job.priority, batch.token_type_ids, batch.pixels

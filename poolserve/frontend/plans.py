@@ -61,6 +61,13 @@ class Batch:
     # per prompt of a vision-language model, the images its placeholder runs stand for, in
     # order, or None; None: no prompt holds one
     media: Sequence[PromptImages | None] | None = None
+    # gives back what the prompts hold of a process budget (images' patches) once submitted
+    release: Callable[[], None] | None = None
+
+    def released(self) -> None:
+        """What the prompts hold given back (their images' patches are sent)."""
+        if self.release is not None:
+            self.release()
 
 
 @dataclass(frozen=True)
@@ -320,10 +327,11 @@ def _plan_inline(
 
     async def run() -> Batch:
         on_reject = state.metrics.model(model.model_name).on_reject
-        ids, media = await inline_prompts(
-            request, model, inline, limits, state.media_budgets, on_reject
-        )
-        return Batch(params, ids, media=media if any(m is not None for m in media) else None)
+        made = await inline_prompts(request, model, inline, limits, state.media_budgets, on_reject)
+        if all(m is None for m in made.media):  # texts alone: nothing held, the text path
+            made.release()
+            return Batch(params, made.token_ids)
+        return Batch(params, made.token_ids, media=made.media, release=made.release)
 
     return Plan(params, len(job.items), run)
 

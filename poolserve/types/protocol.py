@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import pickle
 from collections.abc import Sequence
+from dataclasses import dataclass
 from itertools import accumulate
 
 import msgspec
@@ -73,6 +74,8 @@ class Submit(msgspec.Struct, tag="submit", array_like=True):
     inline: list[int] = []
     # per inline image, in order: its (frames, rows, cols) of patches
     thw: list[tuple[int, int, int]] = []
+    # per inline image, in order: its digest (types/vision.py image_digest); empty: none sent
+    digests: list[bytes] = []
 
 
 class Cancel(msgspec.Struct, tag="cancel", array_like=True):
@@ -298,18 +301,33 @@ def _naflex_views(
     return [v.reshape(rows, cols, width) for v, (rows, cols) in zip(views, grids, strict=True)]
 
 
-def media_frame(
-    media: Sequence[PromptImages | None],
-) -> tuple[list[int], list[tuple[int, int, int]], list[memoryview]]:
-    """A Submit's per-prompt image counts, grids and patch frame (none when no prompt holds an
-    image)."""
+@dataclass(frozen=True)
+class MediaFields:
+    """A Submit's inline images: per prompt its count, per image its grid and digest, and the
+    patch frame (every image's patches, in order)."""
+
+    counts: list[int]
+    grids: list[tuple[int, int, int]]
+    digests: list[bytes]
+    frames: list[memoryview]
+
+
+def media_frame(media: Sequence[PromptImages | None]) -> MediaFields:
+    """A Submit's inline images (empty when no prompt holds one); digests only when every image
+    has its own."""
     counts = [0 if m is None else len(m.grids) for m in media]
     if not any(counts):
-        return [], [], []
+        return MediaFields([], [], [], [])
     present = [m for m in media if m is not None]
     grids = [grid for m in present for grid in m.grids]
+    digests = [d for m in present for d in m.digests]
     joined = np.concatenate([p.reshape(-1) for m in present for p in m.patches])
-    return counts, grids, [joined.astype(np.float32, copy=False).data]
+    return MediaFields(
+        counts,
+        grids,
+        digests if len(digests) == len(grids) else [],
+        [joined.astype(np.float32, copy=False).data],
+    )
 
 
 def split_media(
@@ -325,6 +343,8 @@ def split_media(
         raise ValueError("images sent to a model that takes none inside its prompts")
     if len(message.inline) != len(message.lengths) or sum(message.inline) != len(message.thw):
         raise ValueError("image counts do not match the prompts or the grids")
+    if message.digests and len(message.digests) != len(message.thw):
+        raise ValueError("image digests do not match the images")
     for grid in message.thw:
         inline.check_grid(grid)
     width = inline.processing.patch_width
@@ -334,13 +354,15 @@ def split_media(
         raise ValueError("patch frame does not match the image grids")
     views = iter(v.reshape(-1, width) for v in _views(flat, sizes))
     grids = iter(message.thw)
+    digests = iter(message.digests)
     media: list[PromptImages | None] = []
     for count in message.inline:
         if count == 0:
             media.append(None)
             continue
         patches = tuple(next(views) for _ in range(count))
-        media.append(PromptImages(patches, tuple(next(grids) for _ in range(count))))
+        given = tuple(next(digests) for _ in range(count)) if message.digests else ()
+        media.append(PromptImages(patches, tuple(next(grids) for _ in range(count)), given))
     return media
 
 

@@ -9,6 +9,7 @@ patches exactly as transformers' Qwen2-VL image processor does, without torch. T
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeGuard
@@ -61,6 +62,7 @@ class GridProcessing:
         return self.channels * self.temporal_patch_size * self.patch_size**2
 
 
+DIGEST_BYTES = 16
 # The widest aspect ratio transformers' smart_resize takes (beyond it: an error, a 400 here).
 MAX_ASPECT = 200
 # An image's patch grid: (frames, rows, cols) in patches, as transformers' image_grid_thw.
@@ -114,10 +116,28 @@ class PromptImages:
 
     patches: tuple[np.ndarray, ...]  # each [frames * rows * cols, patch_width] float32
     grids: tuple[Grid, ...]
+    # each image's image_digest, computed where its patches were cut (a front end's worker
+    # thread), so the engine's one thread never hashes pixels; (): the engine computes them
+    digests: tuple[bytes, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.patches) != len(self.grids) or not self.grids:
             raise ValueError("a prompt's images need one grid per patch array, and at least one")
+        if self.digests and len(self.digests) != len(self.grids):
+            raise ValueError("a prompt's images need one digest each, or none")
+
+    @property
+    def num_bytes(self) -> int:
+        """The bytes its patches hold."""
+        return sum(p.nbytes for p in self.patches)
+
+
+def image_digest(patches: np.ndarray, grid: Grid) -> bytes:
+    """A 16-byte hash of one image's grid and patches: equal images, equal digests (the prefix
+    cache keys the blocks from a prompt's first image on by them)."""
+    digest = hashlib.blake2b(np.asarray(grid, dtype=np.int64).tobytes(), digest_size=DIGEST_BYTES)
+    digest.update(np.ascontiguousarray(patches).data)
+    return digest.digest()
 
 
 def read_grid_processing(config: Mapping[str, Any]) -> GridProcessing:

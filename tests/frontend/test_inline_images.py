@@ -36,8 +36,9 @@ from poolserve.config.settings import ServerSettings
 from poolserve.frontend.inline_images import expand
 from poolserve.frontend.state import ModelHandle, Served, ServiceState, SpecialTokens
 from poolserve.http.app import create_app
+from poolserve.types.errors import InvalidRequestError
 from poolserve.types.outputs import PoolingOutput
-from poolserve.types.vision import InlineImages, PromptImages, read_grid_processing
+from poolserve.types.vision import InlineImages, PromptImages, image_digest, read_grid_processing
 from tests.tiny_vl import CHAT_TEMPLATE, FAMILIES, IMAGE_TOKEN, START_TOKEN, save_tiny_vl
 
 NAME = "vl"
@@ -154,6 +155,9 @@ def assert_prompt(recorded: Recorded, index: int, want: tuple[list[int], np.ndar
     assert [list(g) for g in media.grids] == grids
     got = np.concatenate(media.patches)
     assert got.dtype == np.float32 and np.array_equal(got, pixels)
+    # each image's digest, cut beside its patches, is the engine's for the same image
+    want_digests = [image_digest(p, g) for p, g in zip(media.patches, media.grids, strict=True)]
+    assert list(media.digests) == want_digests
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -226,6 +230,27 @@ def test_a_conversation_equals_the_processor(vl: VL) -> None:
     assert vl.recorded.calls == 1 and len(vl.recorded.prompts) == 1
     assert_prompt(vl.recorded, 0, vl.reference(messages))
     assert response.json()["usage"]["prompt_tokens"] == len(vl.recorded.prompts[0])
+
+
+def test_the_patch_budget_is_given_back_after_each_request(vl: VL) -> None:
+    """The patches' bytes are held from before they are cut until they are sent, and given back
+    whether the request was answered or refused after its patches were cut."""
+    patches = vl.state.media_budgets.patches
+    messages = conversation(image_part(PICTURES[0]), text_part(TEXT))
+    assert vl.post("/v1/embeddings", {"messages": messages, "model": NAME}).status_code == 200
+    assert patches.held == 0
+    refusing = vl.state.models[0].engine
+
+    async def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise InvalidRequestError("refused by the engine", "input")
+
+    answered = refusing.submit_many
+    refusing.submit_many = refuse  # type: ignore[method-assign]
+    try:
+        response = vl.post("/v1/embeddings", {"messages": messages, "model": NAME})
+    finally:
+        refusing.submit_many = answered  # type: ignore[method-assign]
+    assert response.status_code == 400 and patches.held == 0
 
 
 def test_a_batch_of_conversations_and_the_pooling_route(vl: VL) -> None:

@@ -44,6 +44,7 @@ from poolserve.types.protocol import (
     WireError,
 )
 from poolserve.types.tasks import PoolingTask
+from poolserve.types.vision import GridProcessing, InlineImages, PromptImages, image_digest
 from tests.types.test_wire import Receiver, _wire
 
 IDLE = Load(0, 0, None, None, False, True)
@@ -596,3 +597,80 @@ def test_pixels_the_model_does_not_take_are_refused() -> None:
         NAFLEX.check_pixels(np.zeros((1, 1, 12), np.float64))
     with pytest.raises(ValueError, match="the model takes"):
         FIXED.check_pixels(np.zeros((3, 4, 5), np.float32))
+
+
+# A vision-language model's images: 2x2 merges of 4-value patches, at most 64 pixels of 1-pixel
+# patches (8x8 patches; a 200:1 image's narrow grid may go past, up to 200 x 2 x 2 = 800)
+INLINE = InlineImages(
+    GridProcessing(1, 1, 2, 4, 64, 3, None, None, None, True, channels=4),
+    "<|image_pad|>",
+    5,
+    3,
+)
+
+
+def _inline(
+    media: Sequence[PromptImages | None],
+) -> tuple[protocol.Submit, list[bytes | memoryview]]:
+    """A Submit of one prompt per entry, carrying the entries' images."""
+    prompts = [np.zeros(4, np.int64) for _ in media]
+    lengths, typed, frames = protocol.flat_prompts(prompts, [None] * len(prompts))
+    fields = protocol.media_frame(media)
+    message = protocol.Submit(
+        list(range(len(media))),
+        lengths,
+        PoolingParams(task=PoolingTask.EMBED),
+        0,
+        typed,
+        inline=fields.counts,
+        thw=fields.grids,
+        digests=fields.digests,
+    )
+    return message, [*frames, *fields.frames]
+
+
+def test_inline_images_travel_with_their_grids_and_digests() -> None:
+    rng = np.random.default_rng(0)
+
+    def images(*grids: tuple[int, int, int]) -> PromptImages:
+        patches = tuple(rng.standard_normal((t * h * w, 4), dtype=np.float32) for t, h, w in grids)
+        return PromptImages(
+            patches, grids, tuple(image_digest(p, g) for p, g in zip(patches, grids, strict=True))
+        )
+
+    media = [images((1, 2, 4), (1, 2, 2)), None, images((1, 4, 2))]
+    message, frames = _inline(media)
+    assert message.inline == [2, 0, 1] and len(message.digests) == 3
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(message), type=protocol.Submit)
+    got = protocol.split_media(decoded, frames, INLINE)
+    assert got is not None and got[1] is None
+    for sent, came in zip(media, got, strict=True):
+        if sent is None:
+            continue
+        assert came is not None and came.grids == sent.grids and came.digests == sent.digests
+        assert all(np.array_equal(a, b) for a, b in zip(sent.patches, came.patches, strict=True))
+    assert protocol.split_media(*_inline([None]), INLINE) is None
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        ({"inline": [1]}, "counts do not match"),
+        ({"thw": [(1, 2, 4), (1, 2, 3)]}, "1x2x3 patches"),
+        ({"thw": [(1, 2, 4), (2, 2, 2)]}, "2x2x2 patches"),
+        ({"thw": [(1, 2, 4), (1, 40, 40)]}, "1x40x40 patches"),
+        ({"thw": [(1, 2, 4), (1, 4, 2)]}, "frame does not match"),
+        ({"digests": [b"x"]}, "digests do not match"),
+    ],
+)
+def test_inline_grids_are_checked_before_the_frame_is_cut(
+    change: dict[str, object], said: str
+) -> None:
+    patches = (np.zeros((8, 4), np.float32), np.zeros((4, 4), np.float32))
+    message, frames = _inline([PromptImages(patches, ((1, 2, 4), (1, 2, 2)))])
+    for key, value in change.items():
+        setattr(message, key, value)
+    with pytest.raises(ValueError, match=said):
+        protocol.split_media(message, frames, INLINE)
+    with pytest.raises(ValueError, match="takes none inside its prompts"):
+        protocol.split_media(*_inline([PromptImages(patches, ((1, 2, 4), (1, 2, 2)))]), None)
