@@ -12,7 +12,8 @@ machine for minutes. So are `fleet` (replicas behind HAProxy), `fleet-ray` (Ray 
 `footprint` (the command line's answer times, every server process's memory, the modules one
 request runs), `static` (a model2vec model through the offline engine against model2vec's
 own encode), `lora` (LoRA adapters mixed in one step against the base model alone), `images`
-(a CLIP checkpoint's images through the engine against transformers) and `api-keys` (what API
+(a CLIP checkpoint's images through the engine against transformers), `vision-language` (Qwen2-VL
+prompts with images through the engine against transformers) and `api-keys` (what API
 keys cost a request at the edge). So is `grpc`
 (TEI's gRPC EmbedStream against HTTP /embed on one server, same batch sizes), `batch`
 (interactive latency with and without a running Batch API batch), and so is
@@ -81,6 +82,7 @@ SEPARATE: dict[str, Callable[[Sequence[str]], None]] = {
     "static": lambda argv: _with_list("offline.static", argv),
     "lora": lambda argv: _with_list("offline.lora", argv),
     "images": lambda argv: _with_list("offline.images", argv),
+    "vision-language": lambda argv: _with_list("offline.vision_language", argv),
     "images-served": lambda argv: _with_list("served.images", argv),
     "grpc": lambda argv: _with_list("served.grpc", argv),
     "batch": lambda argv: _with_list("served.batch", argv),

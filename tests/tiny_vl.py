@@ -139,8 +139,14 @@ def _vision_config(family: str) -> dict[str, Any]:
     }
 
 
-def _config(family: str, vocab: int) -> transformers.PretrainedConfig:
-    """The whole model's config, its special token ids those of the tiny tokenizer."""
+def vl_config(
+    family: str,
+    vocab: int,
+    text: dict[str, Any] | None = None,
+    vision: dict[str, Any] | None = None,
+) -> transformers.PretrainedConfig:
+    """The whole model's config, its special token ids those of the tiny tokenizer; `text` and
+    `vision` replace fields of the tiny towers' (a benchmark's geometry)."""
     ids = {
         "image_token_id": IMAGE_TOKEN,
         "video_token_id": VIDEO_TOKEN,
@@ -148,8 +154,8 @@ def _config(family: str, vocab: int) -> transformers.PretrainedConfig:
         "vision_end_token_id": END_TOKEN,
     }
     return CONFIGS[family](
-        text_config=_text_config(family, vocab),
-        vision_config=_vision_config(family),
+        text_config={**_text_config(family, vocab), **(text or {})},
+        vision_config={**_vision_config(family), **(vision or {})},
         tie_word_embeddings=False,
         **ids,
     )
@@ -172,17 +178,25 @@ def _tokenizer(directory: Path) -> transformers.PreTrainedTokenizerFast:
     return fast
 
 
-def save_tiny_vl(family: str, directory: Path, seed: int = 0) -> Path:
-    """A tiny random `family` checkpoint with tokenizer, chat template and image processor."""
+def save_tiny_vl(
+    family: str,
+    directory: Path,
+    seed: int = 0,
+    geometry: tuple[dict[str, Any], dict[str, Any], dict[str, Any]] | None = None,
+) -> Path:
+    """A tiny random `family` checkpoint with tokenizer, chat template and image processor;
+    `geometry`: the text tower's, the vision tower's and the processor's fields to replace
+    (weights then drawn at 0.02, as a trained model's scale)."""
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = _tokenizer(directory)
+    text, vision, images = geometry or ({}, {}, {})
     torch.manual_seed(seed)
-    model = MODELS[family](_config(family, len(tokenizer)))
+    model = MODELS[family](vl_config(family, len(tokenizer), text, vision))
     with torch.no_grad():
         for param in model.parameters():
-            param.normal_(0, 0.2)
+            param.normal_(0, 0.02 if geometry else 0.2)
     model.save_pretrained(directory)
-    processor().__class__(**PROCESSORS[family]).save_pretrained(directory)
+    processor().__class__(**{**PROCESSORS[family], **images}).save_pretrained(directory)
     return directory
 
 
