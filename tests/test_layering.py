@@ -4,7 +4,8 @@
 `config` builds the settings on it. The engine-core process runs `engine` on `models` and
 `pooling` (which never import each other). Front-end processes run `http` on `frontend`, which
 import neither the engine nor the model code (tests/test_process_imports.py checks what a front
-end actually loads). `offline` (the Python API) runs the app in process, `jobs` on `offline`.
+end actually loads). `offline` (the Python API) runs on `frontend`: only its `request()` builds
+the app, imported there; `jobs` run on `offline`.
 Inside http: api and compat never import each other; only the app factory imports dispatch.
 """
 
@@ -44,8 +45,7 @@ ALLOWED = {
     # TEI's gRPC API: beside http, on the same pipeline; it reuses the HTTP side's error table
     # and TEI translation helpers, and http never imports it (the process entries pass it in)
     "grpc": {"types", "config", "observability", "frontend", "http"},
-    # request() answers a raw HTTP request in process (run-batch replays request bodies)
-    "offline": {"types", "config", "observability", "frontend", "http"},
+    "offline": {"types", "config", "observability", "frontend"},
     "jobs": {"types", "config", "observability", "frontend", "offline", "http"},
 }
 
@@ -79,6 +79,9 @@ LAZY = {
     ("poolserve/frontend/state.py", "engine"),  # its type only (TYPE_CHECKING)
     # --otlp-traces-endpoint: the OpenTelemetry extra is checked where the flags are parsed
     ("poolserve/config/flags.py", "observability"),
+    # request() answers a raw HTTP request through the app (run-batch replays request bodies);
+    # the Python API's other calls never load it
+    ("poolserve/offline/app_client.py", "http"),
 }
 
 

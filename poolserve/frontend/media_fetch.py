@@ -1,6 +1,9 @@
 """An image URL fetched without trusting it: allowed hosts only, every address the host resolves
 to checked, the connection pinned to a checked address (the Host header, TLS name and
-certificate check stay the URL's), each redirect checked again, the body capped in bytes."""
+certificate check stay the URL's), each redirect checked again, the body capped in bytes.
+
+httpx is imported where a URL is parsed or fetched, not with the module: a front end that never
+fetches an image URL (the Python API embedding texts) loads no HTTP client."""
 
 from __future__ import annotations
 
@@ -11,10 +14,12 @@ import logging
 import socket
 import ssl
 from dataclasses import dataclass
-
-import httpx
+from typing import TYPE_CHECKING
 
 from poolserve.types.errors import ImageTooLargeError, InvalidImageError, clip
+
+if TYPE_CHECKING:
+    import httpx
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +66,8 @@ async def fetch(url: str, policy: FetchPolicy, what: str) -> bytes:
     The caller bounds the whole fetch in time; every refusal is an InvalidImageError (400) or
     an ImageTooLargeError (413) naming `what`.
     """
+    import httpx
+
     async with httpx.AsyncClient(
         verify=tls_context(),
         trust_env=False,  # a proxy from the environment would connect to names, not addresses
@@ -92,6 +99,8 @@ async def fetch(url: str, policy: FetchPolicy, what: str) -> bytes:
 
 def check_url(url: str, policy: FetchPolicy, what: str) -> Target:
     """The URL's target when it is http(s), without credentials, on an allowed host."""
+    import httpx
+
     try:
         parsed = httpx.URL(url)
     except (httpx.InvalidURL, ValueError):
@@ -190,6 +199,8 @@ async def checked_addresses(target: Target, policy: FetchPolicy, what: str) -> l
 def tls_context() -> ssl.SSLContext:
     """One certificate-checking TLS context for every fetch (building one reads the CA file):
     certifi's authorities, or SSL_CERT_FILE's / SSL_CERT_DIR's where the environment sets them."""
+    import httpx
+
     return httpx.create_ssl_context(trust_env=True)
 
 
@@ -197,6 +208,8 @@ async def _send(
     client: httpx.AsyncClient, target: Target, addresses: list[IPAddress], what: str
 ) -> httpx.Response:
     """The response's head from the first address that connects, the body left to stream."""
+    import httpx
+
     extensions = {"sni_hostname": target.host} if target.url.scheme == "https" else {}
     failure: Exception | None = None
     for address in addresses:
@@ -230,6 +243,8 @@ def _fetch_failed(target: Target, what: str, exc: Exception) -> InvalidImageErro
 
 def _join(base: httpx.URL, location: str, what: str) -> str:
     """A redirect's target as an absolute URL."""
+    import httpx
+
     try:
         return str(base.join(location))
     except (httpx.InvalidURL, ValueError):
@@ -270,6 +285,8 @@ def _check_response(response: httpx.Response, max_bytes: int, what: str) -> None
 
 async def _read(response: httpx.Response, max_bytes: int, what: str) -> bytes:
     """The body, read no further than one byte past max_bytes."""
+    import httpx
+
     parts: list[bytes] = []
     size = 0
     try:

@@ -1,8 +1,9 @@
 """Start-up of a front end: reach the engine core, one client and handle per model, warm up.
 
-The app's lifespan and the Python API both run `start`: every model connected and warmed up
-before the server reports ready; a model that fails fails the start, named, and what started is
-stopped. The engine core is another process (its socket directory in the state), or, with
+The app's lifespan and the Python API both build their state with `new_state` and run `start`
+and `stop`, so the Python API needs no web framework to serve: every model connected and warmed
+up before the server reports ready; a model that fails fails the start, named, and what started
+is stopped. The engine core is another process (its socket directory in the state), or, with
 --api-server-count 0 and in the Python API, started here on this event loop.
 """
 
@@ -16,6 +17,7 @@ import math
 from poolserve.config.core import CoreConfig, core_configs
 from poolserve.config.models_file import ServedModel, served_models
 from poolserve.config.pooler import PoolerDefaults
+from poolserve.config.settings import ServerSettings
 from poolserve.frontend.chunked import slice_length
 from poolserve.frontend.client import EngineClient
 from poolserve.frontend.jobs import Truncate, TruncationSide
@@ -25,7 +27,8 @@ from poolserve.frontend.score_template import score_template_of
 from poolserve.frontend.state import ModelHandle, Served, ServiceState, TextLimits
 from poolserve.frontend.texts import encode_texts, truncation_for
 from poolserve.frontend.truncation import special_tokens
-from poolserve.observability.metrics import ModelMetrics
+from poolserve.observability.metrics import ModelMetrics, ServiceMetrics
+from poolserve.observability.tracing import build_tracing
 from poolserve.types.admission import CharBudget
 from poolserve.types.card import ModelCard
 from poolserve.types.params import PoolingParams
@@ -36,6 +39,20 @@ WARMUP_TEXT = "poolserve warm-up"
 YOUNG_GC_THRESHOLD = 20_000
 
 logger = logging.getLogger(__name__)
+
+
+def new_state(
+    settings: ServerSettings, core_address: str | None = None, *, owns_process: bool = False
+) -> ServiceState:
+    """A front end's state before its start: its own metrics, and tracing as the settings ask
+    (built here so the app and the Python API count and trace alike)."""
+    return ServiceState(
+        settings=settings,
+        metrics=ServiceMetrics(),
+        tracing=build_tracing(settings.otlp_traces_endpoint),
+        core_address=core_address,
+        owns_process=owns_process,
+    )
 
 
 async def start(state: ServiceState) -> None:
@@ -78,6 +95,17 @@ async def start(state: ServiceState) -> None:
     state.ready = True
     for one in models:
         _log_ready(state, one, default)
+
+
+async def stop(state: ServiceState) -> None:
+    """Stop serving: refuse new work, close every engine client, then the engine core started
+    here (work still queued has nobody waiting for it), then flush the traces."""
+    state.draining = True
+    for served in state.models:
+        await served.engine.close()
+    if state.core is not None:
+        await state.core.stop()
+    await asyncio.to_thread(state.tracing.shutdown)
 
 
 async def _engine_clients(

@@ -15,7 +15,7 @@ from fastapi import APIRouter, FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
 from poolserve.config.settings import ServerSettings
-from poolserve.frontend.startup import start
+from poolserve.frontend.startup import new_state, start, stop
 from poolserve.frontend.state import ServiceState
 from poolserve.http import dispatch
 from poolserve.http.api import admin, inference, lora, retrieval
@@ -29,8 +29,6 @@ from poolserve.http.edge.middleware import EdgeMiddleware, InFlight, open_paths
 from poolserve.http.routing import DirectRoutes, StrictJSONRoute
 from poolserve.http.tenants import KeyRing, on_hangup
 from poolserve.observability.logs import report_start_failure
-from poolserve.observability.metrics import ServiceMetrics
-from poolserve.observability.tracing import build_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +43,11 @@ FASTAPI_TELEMETRY_OFF: dict[str, Any] = (
 
 
 def create_app(
-    settings: ServerSettings, core_address: str | None = None, *, owns_process: bool = False
+    settings: ServerSettings,
+    core_address: str | None = None,
+    *,
+    owns_process: bool = False,
+    state: ServiceState | None = None,
 ) -> FastAPI:
     """A server app; /ready turns 200 after warm-up.
 
@@ -53,14 +55,12 @@ def create_app(
     models listen there (`socket_path(core_address, i)` for model i); without, its lifespan runs
     the engine core on its own loop (loading every model).
     `owns_process`: the app is all this process serves (its objects may be frozen after start).
+    `state`: a front end already started by its owner (the Python API, `frontend/startup.py`),
+    which also stops it; the lifespan then runs only the app's own parts (keys file, batches).
     """
-    state = ServiceState(
-        settings=settings,
-        metrics=ServiceMetrics(),
-        tracing=build_tracing(settings.otlp_traces_endpoint),
-        core_address=core_address,
-        owns_process=owns_process,
-    )
+    owns_state = state is None
+    if state is None:
+        state = new_state(settings, core_address, owns_process=owns_process)
     inflight = InFlight()
     batches = None
     if settings.batch_dir is not None:
@@ -76,7 +76,8 @@ def create_app(
         try:
             if keys is not None:
                 keys.load()  # checked before any process started; read here as it is now
-            await start(state)
+            if owns_state:
+                await start(state)
             if batches is not None:  # its lines answered by this app, below the edge's checks
                 await asyncio.to_thread(batches.store.prepare)
                 batches.runner.start(app)
@@ -95,12 +96,8 @@ def create_app(
             state.draining = True
             if batches is not None:  # before the engines: its lines in flight run again later
                 await batches.runner.stop()
-            for served in state.models:
-                await served.engine.close()
-            if state.core is not None:
-                # the HTTP side had the drain; work still queued now has nobody waiting for it
-                await state.core.stop()
-            await asyncio.to_thread(state.tracing.shutdown)
+            if owns_state:  # the HTTP side had the drain
+                await stop(state)
 
     app = FastAPI(
         title="poolserve",

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
-
-from starlette.requests import Request
-from starlette.types import Scope
+from typing import TYPE_CHECKING, Protocol
 
 from poolserve.types.outputs import PoolingOutput, RequestTimeline, StepTiming
+
+if TYPE_CHECKING:  # annotations only: the Python API runs the front end without Starlette
+    from starlette.requests import Request
+    from starlette.types import Scope
 
 AttributeValue = str | int | float | bool
 Attributes = Mapping[str, AttributeValue]

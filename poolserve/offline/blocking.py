@@ -17,7 +17,8 @@ import numpy as np
 
 from poolserve.config.settings import ServerSettings
 from poolserve.frontend.state import ModelHandle
-from poolserve.offline.engine import AsyncPoolingEngine, Inputs, RequestBody
+from poolserve.offline.app_client import RequestBody
+from poolserve.offline.engine import AsyncPoolingEngine, Inputs
 from poolserve.offline.outputs import Classification, Pooled, Ranked, Reply
 from poolserve.types.tasks import PoolingTask
 

@@ -1,39 +1,35 @@
-"""`AsyncPoolingEngine`: the server's app run in this process, called without HTTP.
+"""`AsyncPoolingEngine`: the server's front end run in this process, called without HTTP.
 
-The app's own lifespan loads the model, starts the engine core on the caller's event loop and
-warms up; every call builds the same job a route builds and sends it through the same pipeline
-(`submit_job`), so outputs equal the server's. A call with more inputs than one request may carry
-is cut into pieces that run concurrently (continuous batching takes them together) and wait for
-room when the engine's queue is full, instead of failing with the server's 429.
+The front end's own start-up (`frontend/startup.py`, which the app's lifespan runs too) loads the
+model, starts the engine core on the caller's event loop and warms up; every call builds the same
+job a route builds and sends it through the same pipeline (`submit_job`), so outputs equal the
+server's, with no web framework loaded. A call with more inputs than one request may carry is
+cut into pieces that run concurrently (continuous batching takes them together) and wait for
+room when the engine's queue is full, instead of failing with the server's 429. Only `request()`
+(a raw HTTP request) builds the app, on first use (`app_client.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
-import httpx
 import numpy as np
-from fastapi import FastAPI
 
 from poolserve.config.settings import ServerSettings
 from poolserve.frontend.jobs import Requested, ScoreJob, TextJob, Truncate, TruncationSide
 from poolserve.frontend.pipeline import check_serving, gather, submit_job
 from poolserve.frontend.scoring import best_first, scores_of
-from poolserve.frontend.spans import LateChunking
+from poolserve.frontend.startup import new_state, start, stop
 from poolserve.frontend.state import ModelHandle, ServiceState
-from poolserve.http.api.schemas import LateChunkingBody
-from poolserve.http.app import create_app
+from poolserve.offline.app_client import AppClient, RequestBody
+from poolserve.offline.late import late_chunking_of, late_piece, with_spans
 from poolserve.offline.outputs import Classification, Pooled, Ranked, Reply
-from poolserve.types.errors import InvalidRequestError, OverloadedError, RequestTooLargeError
+from poolserve.types.errors import OverloadedError, RequestTooLargeError
 from poolserve.types.tasks import PoolingTask
 
 T = TypeVar("T")
-# What `request` sends: the body's bytes or text as they are, or a JSON document to encode.
-RequestBody = bytes | str | Mapping[str, Any] | None
 
 # Inputs per piece: enough for the engine to fill steps, few enough that a piece's tokenization
 # (in a worker thread) overlaps the forwards of the pieces before it.
@@ -59,10 +55,10 @@ class AsyncPoolingEngine:
         if model is not None:
             settings["model"] = model
         self.settings = ServerSettings(**{**settings, "api_server_count": 0})
-        self.app: FastAPI = create_app(self.settings)
-        self._lifespan: contextlib.AbstractAsyncContextManager[Any] | None = None
-        self._http: httpx.AsyncClient | None = None
-        self._slots: asyncio.Semaphore | None = None
+        self.state: ServiceState = new_state(self.settings)  # the server state calls run on
+        self._slots: asyncio.Semaphore | None = None  # set while started
+        self._app: AppClient | None = None  # built by the first request()
+        self._opening = asyncio.Lock()
 
     @classmethod
     def from_settings(cls, settings: ServerSettings) -> AsyncPoolingEngine:
@@ -71,28 +67,24 @@ class AsyncPoolingEngine:
 
     async def start(self) -> None:
         """Load the model, start the engine and warm up (the server's start-up)."""
-        lifespan = self.app.router.lifespan_context(self.app)
-        await lifespan.__aenter__()
-        self._lifespan = lifespan
+        try:
+            await start(self.state)
+        except BaseException as exc:
+            self.state.start_failure = exc
+            raise
         self._slots = asyncio.Semaphore(PIECES_IN_FLIGHT)
-        headers = {}
-        if self.settings.api_key is not None:
-            headers["authorization"] = f"Bearer {self.settings.api_key}"
-        self._http = httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=self.app),
-            base_url="http://poolserve",
-            headers=headers,
-            timeout=None,
-        )
 
     async def close(self) -> None:
         """Stop the engine; work still queued is cancelled."""
-        if self._http is not None:
-            await self._http.aclose()
-            self._http = None
-        if self._lifespan is not None:
-            lifespan, self._lifespan = self._lifespan, None
-            await lifespan.__aexit__(None, None, None)
+        if self._slots is None:
+            return
+        self._slots = None
+        try:
+            if self._app is not None:  # the app's own parts first, as its lifespan stops them
+                app, self._app = self._app, None
+                await app.close()
+        finally:
+            await stop(self.state)
 
     async def __aenter__(self) -> AsyncPoolingEngine:
         await self.start()
@@ -100,12 +92,6 @@ class AsyncPoolingEngine:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
-
-    @property
-    def state(self) -> ServiceState:
-        """The server state the app runs on."""
-        state: ServiceState = self.app.state.poolserve
-        return state
 
     @property
     def model(self) -> ModelHandle:
@@ -159,10 +145,10 @@ class AsyncPoolingEngine:
             returned_token_ids=None if returned_token_ids is None else tuple(returned_token_ids),
         )
         truncate = Truncate(truncate_prompt_tokens, truncation_side)
-        late = None if late_chunking is None else LateChunkingBody.model_validate(late_chunking)
+        late = None if late_chunking is None else late_chunking_of(late_chunking)
 
         async def piece(items: list[Any]) -> list[Pooled]:
-            items, chunking = _late_piece(items, late)
+            items, chunking = late_piece(items, late)
             job = TextJob(
                 task,
                 items,
@@ -178,7 +164,7 @@ class AsyncPoolingEngine:
             outputs = await gather(await submit_job(self.state, job))
             return [Pooled(o.data, o.num_prompt_tokens) for o in outputs]
 
-        return await self._pieces(_with_spans(_as_inputs(inputs), late), piece, model)
+        return await self._pieces(with_spans(_as_inputs(inputs), late), piece, model)
 
     async def embed(
         self, inputs: Inputs, *, late_chunking: Mapping[str, Any] | None = None, **options: Any
@@ -258,12 +244,19 @@ class AsyncPoolingEngine:
         headers: dict[str, str] | None = None,
     ) -> Reply:
         """One HTTP request answered by the in-process server, exactly as it would over a socket;
-        a dict `body` is sent as its JSON, bytes and text as they are."""
-        if self._http is None:
-            raise RuntimeError("the engine is not started: use `async with` or await start()")
-        sent = {"content-type": "application/json", **(headers or {})}
-        response = await self._http.request(method, path, content=_content(body), headers=sent)
-        return Reply(response.status_code, dict(response.headers), response.content)
+        a dict `body` is sent as its JSON, bytes and text as they are. The first call builds the
+        server's app on this engine's state (FastAPI and httpx load then)."""
+        app = self._app if self._app is not None else await self._open_app()
+        return await app.request(method, path, body, headers)
+
+    async def _open_app(self) -> AppClient:
+        """The app, built once however many requests arrive before it is."""
+        async with self._opening:
+            if self._slots is None:
+                raise RuntimeError("the engine is not started: use `async with` or await start()")
+            if self._app is None:
+                self._app = await AppClient.open(self.state)
+            return self._app
 
     async def _pieces(
         self,
@@ -344,40 +337,9 @@ def _as_inputs(inputs: Inputs) -> list[Any]:
     return [[int(t) for t in cast(Sequence[int], item)] for item in items]
 
 
-def _with_spans(items: list[Any], late: LateChunkingBody | None) -> list[Any]:
-    """Each text paired with its own spans when late chunking names spans, so they stay
-    together when the call is cut into pieces; else the items as they are."""
-    if late is None or late.spans is None:
-        return items
-    if len(late.spans) != len(items):
-        message = f"spans has {len(late.spans)} lists for {len(items)} inputs: send one per input"
-        raise InvalidRequestError(message, "late_chunking.spans")
-    return [(item, tuple(ranges)) for item, ranges in zip(items, late.spans, strict=True)]
-
-
-def _late_piece(
-    items: list[Any], late: LateChunkingBody | None
-) -> tuple[list[Any], LateChunking | None]:
-    """A piece's inputs and its own late-chunking record (its texts' spans only)."""
-    if late is None:
-        return items, None
-    if late.spans is None:
-        return items, LateChunking(chunk_size=late.chunk_size)
-    return [text for text, _ in items], LateChunking(tuple(spans for _, spans in items))
-
-
 def _texts(texts: str | Sequence[str], name: str) -> tuple[str, ...]:
     """One text or several, all strings."""
     values = (texts,) if isinstance(texts, str) else tuple(texts)
     if not all(isinstance(text, str) for text in values):
         raise TypeError(f"{name} must be texts")
     return values
-
-
-def _content(body: RequestBody) -> bytes | str | None:
-    """A request's body as sent: a mapping as its JSON (so callers need not encode it)."""
-    if body is None or isinstance(body, bytes | str):
-        return body
-    if isinstance(body, Mapping):
-        return json.dumps(body).encode()
-    raise TypeError(f"body must be bytes, str or a dict, not {type(body).__name__}")

@@ -21,7 +21,6 @@ import numpy as np
 import orjson
 import pytest
 import torch
-from pydantic import ValidationError
 from transformers import AutoModel, AutoTokenizer, PreTrainedTokenizerBase
 
 from poolserve.frontend.spans import LateChunking, check_inputs, tokenize_documents
@@ -285,8 +284,9 @@ def test_python_api_equals_the_http_answer(engine: PoolingEngine) -> None:
 
 
 def test_python_api_refuses_as_the_route_does(engine: PoolingEngine) -> None:
-    with pytest.raises(ValidationError):
+    with pytest.raises(InvalidRequestError) as caught:
         engine.embed(DOCS[:1], late_chunking={"spans": [[(0, 5)]], "chunk_size": 3})
+    assert caught.value.param == "late_chunking"
     with pytest.raises(InvalidRequestError) as caught:
         engine.embed(DOCS[:2], late_chunking={"spans": [[(0, 5)]]})
     assert caught.value.param == "late_chunking.spans"

@@ -19,7 +19,9 @@ import pytest
 import torch
 from sentence_transformers import SentenceTransformer, util
 
+from poolserve.frontend.state import ServiceState
 from poolserve.offline import AsyncPoolingEngine, PoolingEngine
+from poolserve.offline.app_client import AppClient
 from poolserve.offline.engine import PIECE_INPUTS
 from poolserve.types.errors import APIError, InvalidPoolingParamsError
 from tests.http.serving import hf_logits
@@ -70,6 +72,34 @@ def test_request_takes_a_dict_or_the_bodys_own_bytes(minilm: PoolingEngine) -> N
     assert data[0] == data[1]
     with pytest.raises(TypeError, match="body must be bytes, str or a dict, not list"):
         minilm.request("POST", "/v1/embeddings", [1, 2])  # type: ignore[arg-type]
+
+
+def test_request_answers_from_the_started_engine(minilm: PoolingEngine) -> None:
+    """The app request() builds serves the engine's own state: ready at once, no second start."""
+    core = minilm.engine.state.core
+    assert minilm.request("GET", "/ready").status == 200
+    assert minilm.engine.state.core is core
+
+
+def test_concurrent_first_requests_build_one_app(
+    minilm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    opened: list[AppClient] = []
+    real_open = AppClient.open
+
+    async def counted(state: ServiceState) -> AppClient:
+        opened.append(await real_open(state))
+        return opened[-1]
+
+    monkeypatch.setattr(AppClient, "open", counted)
+
+    async def run() -> list[int]:
+        async with AsyncPoolingEngine(str(minilm_dir)) as engine:
+            replies = await asyncio.gather(*(engine.request("GET", "/ready") for _ in range(8)))
+            return [reply.status for reply in replies]
+
+    assert asyncio.run(run()) == [200] * 8
+    assert len(opened) == 1
 
 
 def test_token_ids_and_texts_agree(minilm: PoolingEngine, reference: SentenceTransformer) -> None:
