@@ -174,7 +174,7 @@ def load_model(
     logger.info(
         "loaded %s (%s) from %s on %s: stored as %s, runs as %s, quantization %s (%d weights)",
         architecture,
-        config.model_type,
+        full_config.model_type,
         path,
         device,
         _stored_dtype(state),

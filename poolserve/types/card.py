@@ -56,6 +56,12 @@ class ModelCard:
     # a vision-language model's images inside its prompts (Qwen-VL); None: it takes none there
     inline_images: InlineImages | None = None
 
+    @property
+    def takes_images(self) -> bool:
+        """Whether its inputs may be images: an image tower (dual encoder) or images inside
+        its prompts (vision-language)."""
+        return self.images is not None or self.inline_images is not None
+
     def dumps(self) -> bytes:
         """The card as it travels."""
         return pickle.dumps(self, protocol=pickle.HIGHEST_PROTOCOL)

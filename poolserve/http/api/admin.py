@@ -168,8 +168,8 @@ async def info(request: Request, model: str | None = None) -> Response:
             "model_source": _source(handle),
             "architecture": handle.card.architecture,
             "tasks": [t.value for t in handle.supported_tasks],
-            # what its inputs may be: texts always, images where it has an image tower
-            "modalities": ["text", "image"] if handle.card.images is not None else ["text"],
+            # what its inputs may be: texts always, images where it takes them
+            "modalities": ["text", "image"] if handle.card.takes_images else ["text"],
             "dtype": handle.dtype,
             "device": handle.device,
             "max_model_len": handle.max_model_len,

@@ -194,7 +194,7 @@ def _card(model: ModelHandle, snapshot: EngineSnapshot) -> dict[str, object]:
         "backend": "torch",
         "capabilities": sorted(
             {CAPABILITIES[t] for t in tasks if t in CAPABILITIES}
-            | ({IMAGE_CAPABILITY} if model.card.images is not None else set())
+            | ({IMAGE_CAPABILITY} if model.card.takes_images else set())
         ),
     }
 

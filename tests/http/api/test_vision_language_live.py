@@ -122,7 +122,9 @@ def test_cohere_client_embeds_images(served: tuple[str, Reference]) -> None:
         _close(got, _unit(reference.last_hidden(text, [picture]).numpy()))
 
 
-def test_what_a_client_gets_wrong_is_a_400(served: tuple[str, Reference]) -> None:
+def test_what_a_client_gets_wrong_is_a_400_and_the_model_says_it_takes_images(
+    served: tuple[str, Reference],
+) -> None:
     base, _ = served
     headers = {"authorization": f"Bearer {API_KEY}"}
     broken = {"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}}
@@ -134,3 +136,6 @@ def test_what_a_client_gets_wrong_is_a_400(served: tuple[str, Reference]) -> Non
         assert reply.json()["error"]["type"] == "invalid_request_error"
     ok = {"model": "vl", "messages": [{"role": "user", "content": "w1 w2"}]}
     assert httpx.post(f"{base}/v1/embeddings", json=ok, headers=headers).status_code == 200
+    # the model says it takes images (its card's inline images)
+    info = httpx.get(f"{base}/info", headers=headers).json()
+    assert info["modalities"] == ["text", "image"]
