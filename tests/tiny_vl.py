@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import transformers
 from PIL import Image
-from tokenizers import Tokenizer, pre_tokenizers
+from tokenizers import Regex, Tokenizer, pre_tokenizers
 from tokenizers.models import WordLevel
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
@@ -165,7 +165,13 @@ def _tokenizer(directory: Path) -> transformers.PreTrainedTokenizerFast:
     """A word-level tokenizer with Qwen's special tokens and chat template, saved."""
     vocab = {token: i for i, token in enumerate((*SPECIALS, *WORDS))}
     tokenizer = Tokenizer(WordLevel(vocab, unk_token="<|endoftext|>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(r"(\n|<\|[a-z_]+\|>| )", behavior="isolated")
+    # words between spaces, "\n" a word of its own (the special tokens are matched before this)
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex("\n"), behavior="isolated"),
+            pre_tokenizers.Split(Regex(" "), behavior="removed"),
+        ]
+    )
     fast = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         eos_token="<|im_end|>",

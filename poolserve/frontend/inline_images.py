@@ -7,29 +7,29 @@ A conversation is rendered by the model's chat template with its image parts kep
 template wrote repeated once per merged patch of its image, as transformers' Qwen2VLProcessor
 expands it. A bare image (Cohere's `images`, Jina's and Infinity's image inputs) is a one-message
 conversation of it; a text stays a text (`dual_item`: how a dual encoder, CLIP or SigLIP, reads
-the same items instead). Images load through media.py (its limits and budgets)
-and become patches (grid_images.py) in worker threads; a prompt's length is known from the
-images' headers, so one too long is refused before any patch is cut.
+the same items instead). The rendered prompts' images are then placed as every template's
+are (prompt_images.py): loaded through media.py (its limits and budgets), a prompt's length
+known from the images' headers, so one too long is refused before any patch is cut, and
+patches cut (grid_images.py) in worker threads.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
-import numpy as np
-from PIL import Image
-
 from poolserve.frontend.chat import ChatRender, prepare, render
-from poolserve.frontend.grid_images import grid_patches, image_grid
 from poolserve.frontend.jobs import Chat, MediaItem, Truncate
-from poolserve.frontend.media import Budgets, MediaLimits, load_image
+from poolserve.frontend.media import Budgets, MediaLimits
+from poolserve.frontend.prompt_images import (
+    ImageRef,
+    InlinePrompts,
+    LengthBound,
+    place_images,
+)
 from poolserve.frontend.state import ModelHandle
 from poolserve.frontend.texts import (
-    InputTooLongError,
     RawInputs,
     Truncation,
     run_budgeted,
@@ -38,19 +38,11 @@ from poolserve.frontend.texts import (
 )
 from poolserve.frontend.truncation import encode_batch
 from poolserve.types.errors import InvalidRequestError, PayloadTooLargeError
-from poolserve.types.vision import Grid, GridProcessing, InlineImages, PromptImages, image_digest
+from poolserve.types.vision import InlineImages, PromptImages
 
 # How a chat template sees an image part: vLLM's placeholder, which every Qwen-VL template
 # (`content['type'] == 'image'`) writes as the image's placeholder run
 IMAGE_PART: Mapping[str, str] = {"type": "image"}
-
-
-@dataclass(frozen=True)
-class ImageRef:
-    """One image of a prompt: its reference (data URL, base64, URL) and where the body holds it."""
-
-    ref: str
-    where: str
 
 
 @dataclass(frozen=True)
@@ -143,21 +135,6 @@ def _template_message(message: Mapping[str, Any]) -> Mapping[str, Any]:
     return {**message, "content": parts}
 
 
-@dataclass(frozen=True)
-class InlinePrompts:
-    """A request's prompts with their images, and how to give back the patches' memory."""
-
-    token_ids: list[list[int]]
-    media: list[PromptImages | None]
-    release: Callable[[], None]  # once the patches are sent (their budget's bytes given back)
-
-
-def _patch_bytes(grids: Sequence[Grid], inline: InlineImages) -> int:
-    """Bytes the images of these grids are as patches (float32)."""
-    width = inline.processing.patch_width
-    return sum(frames * rows * cols * width * 4 for frames, rows, cols in grids)
-
-
 async def inline_prompts(
     request: InlineRequest,
     model: ModelHandle,
@@ -167,8 +144,8 @@ async def inline_prompts(
     on_reject: Callable[[str], None],
 ) -> InlinePrompts:
     """Each prompt's token ids (a conversation's placeholders expanded) and its images, in the
-    request's order: the cheap checks (placeholders, then lengths from the images' sizes)
-    before the patches are cut, under the process's patch budget."""
+    request's order: texts tokenized as texts, conversations rendered and tokenized, then their
+    images placed (prompt_images.py: the checks before any patch is cut, the patch budget)."""
     conversations = [p for p in request.prompts if isinstance(p, Conversation)]
     texts = tuple(p for p in request.prompts if isinstance(p, str))
     text_ids = (
@@ -179,67 +156,10 @@ async def inline_prompts(
     rendered = await run_budgeted(
         model, request.num_chars, on_reject, _tokenized, model, conversations
     )
-    for conversation, ids in zip(conversations, rendered, strict=True):
-        _check_placeholders(conversation, ids, inline)
-    loaded = await _load(conversations, limits, budgets)
-    grids = [
-        tuple(_grid(image, ref, inline) for image, ref in zip(images, c.images, strict=True))
-        for c, images in zip(conversations, loaded, strict=True)
-    ]
-    for conversation, ids, grid in zip(conversations, rendered, grids, strict=True):
-        length = _expanded_length(ids, grid, inline)
-        _check_length(conversation, length, request.most_tokens, model.max_model_len)
-    held = sum(_patch_bytes(grid, inline) for grid in grids)
-    await budgets.patches.take(held)  # given back once sent (the Batch's release)
-    try:
-        media = await _patched(conversations, loaded, grids, inline)
-    except BaseException:
-        budgets.patches.give(held)
-        raise
-    expanded = [expand(ids, grid, inline) for ids, grid in zip(rendered, grids, strict=True)]
-    prompts, ordered = _in_order(request.prompts, text_ids, expanded, media)
-    return InlinePrompts(prompts, ordered, partial(budgets.patches.give, held))
-
-
-async def _load(
-    conversations: Sequence[Conversation], limits: MediaLimits, budgets: Budgets
-) -> list[list[Image.Image]]:
-    """Every conversation's images, decoded (media.py: its limits, budgets and threads)."""
-    refs = [ref for c in conversations for ref in c.images]
-    images = iter(
-        await asyncio.gather(*(load_image(r.ref, limits, budgets, what=r.where) for r in refs))
-    )
-    return [[next(images) for _ in c.images] for c in conversations]
-
-
-async def _patched(
-    conversations: Sequence[Conversation],
-    loaded: Sequence[Sequence[Image.Image]],
-    grids: Sequence[tuple[Grid, ...]],
-    inline: InlineImages,
-) -> list[PromptImages | None]:
-    """Each conversation's images as patches, each image in a worker thread (None: a
-    conversation of text alone)."""
-    steps = inline.processing
-    work = [
-        asyncio.to_thread(_cut, image, steps, ref.where)
-        for c, images in zip(conversations, loaded, strict=True)
-        for image, ref in zip(images, c.images, strict=True)
-    ]
-    cut = iter(await asyncio.gather(*work))
-    media: list[PromptImages | None] = []
-    for grid in grids:
-        pieces = [next(cut) for _ in grid]
-        arrays, digests = tuple(p for p, _ in pieces), tuple(d for _, d in pieces)
-        media.append(PromptImages(arrays, grid, digests) if grid else None)
-    return media
-
-
-def _cut(image: Image.Image, steps: GridProcessing, where: str) -> tuple[np.ndarray, bytes]:
-    """One image's patches and their digest, both in the worker thread (hashing an image's
-    megabytes never runs on an event loop, the engine's included)."""
-    patches, grid = grid_patches(image, steps, where)
-    return patches, image_digest(patches, grid)
+    bound = LengthBound(request.most_tokens, model.max_model_len)
+    placed = await place_images(conversations, rendered, inline, bound, limits, budgets)
+    prompts, ordered = _in_order(request.prompts, text_ids, placed.token_ids, placed.media)
+    return InlinePrompts(prompts, ordered, placed.release)
 
 
 def _in_order(
@@ -266,71 +186,6 @@ def _tokenized(model: ModelHandle, conversations: Sequence[Conversation]) -> lis
     the special tokens), in a worker thread."""
     texts = [render(model.tokenizer, c.render) for c in conversations]
     return [list(tokens.ids) for tokens in encode_batch(model.tokenizer, texts)] if texts else []
-
-
-def _check_placeholders(
-    conversation: Conversation, ids: Sequence[int], inline: InlineImages
-) -> None:
-    """One placeholder per image, each right after the token that opens an image (which the
-    model's positions count images by): else 400, before any image is loaded."""
-    token = inline.image_token_id
-    found = [i for i, token_id in enumerate(ids) if token_id == token]
-    count = len(conversation.images)
-    if len(found) != count:
-        raise InvalidRequestError(
-            f"{conversation.where}: the chat template wrote {len(found)} image placeholders "
-            f"({inline.image_token}) for {count} image{'s' if count != 1 else ''}; every image "
-            "needs its one placeholder, and a text may not write one",
-            conversation.where,
-        )
-    if any(i == 0 or ids[i - 1] != inline.vision_start_token_id for i in found):
-        raise InvalidRequestError(
-            f"{conversation.where}: an image placeholder ({inline.image_token}) the chat "
-            "template did not open as an image; a text may not write one",
-            conversation.where,
-        )
-
-
-def _grid(image: Image.Image, ref: ImageRef, inline: InlineImages) -> Grid:
-    """The image's patch grid, from its size alone; 400 for one the processor refuses."""
-    grid = image_grid(image.height, image.width, inline.processing, ref.where)
-    try:
-        inline.check_grid(grid)
-    except ValueError as exc:
-        raise InvalidRequestError(f"{ref.where}: {exc}", ref.where, "invalid_image") from None
-    return grid
-
-
-def _expanded_length(ids: Sequence[int], grids: Sequence[Grid], inline: InlineImages) -> int:
-    """The prompt's length once each placeholder stands for its image's merged patches."""
-    return len(ids) + sum(inline.num_tokens(grid) - 1 for grid in grids)
-
-
-def _check_length(conversation: Conversation, length: int, keep: int, most: int) -> None:
-    """400 for a prompt with images above max_model_len, or above a truncation the request
-    asked: a prompt with images is never cut (its placeholders must match its images)."""
-    if length <= keep:
-        return
-    said = "max_model_len" if keep == most else "the truncation asked (it never cuts images)"
-    raise InputTooLongError(
-        f"{conversation.where} has {length} tokens with its images, more than {keep} "
-        f"({said}); send fewer or smaller images, or less text",
-        conversation.where,
-    )
-
-
-def expand(ids: Sequence[int], grids: Sequence[Grid], inline: InlineImages) -> list[int]:
-    """The token ids with the i-th image placeholder repeated once per merged patch of the
-    i-th grid (Qwen2VLProcessor's expansion of `<|image_pad|>`)."""
-    token = inline.image_token_id
-    counts = iter(inline.num_tokens(grid) for grid in grids)
-    expanded: list[int] = []
-    for token_id in ids:
-        if token_id == token:
-            expanded.extend([token] * next(counts))
-        else:
-            expanded.append(token_id)
-    return expanded
 
 
 def dual_item(item: MediaItem) -> MediaItem:

@@ -101,6 +101,10 @@ class ScoreJob:
     # FlagEmbedding's weights_for_different_modes (dense, sparse, ColBERT): bge-m3's combined
     # score of each pair; None: the model's scorer
     mode_weights: tuple[float, ...] | None = None
+    # vLLM's multimodal documents, each a text or an image, for a vision-language model that
+    # reads an image document inside its score template's prompt (score_images.py); then
+    # `documents` holds each text, "" for an image. (): the documents are texts
+    document_items: tuple[MediaItem, ...] = ()
 
     @classmethod
     def one_query(
@@ -109,6 +113,20 @@ class ScoreJob:
         """A rerank job: the query (field `query`) paired with each document in turn."""
         pairs = tuple((0, index) for index in range(len(documents)))
         return cls((query,), tuple(documents), pairs, "query", document_field, **options)
+
+    @classmethod
+    def of_items(
+        cls,
+        queries: tuple[str, ...],
+        items: tuple[MediaItem, ...],
+        fields: tuple[str, str],
+        **options: Any,
+    ) -> ScoreJob:
+        """A job of multimodal documents: each document with its query (one query: all of
+        them), a text document's text in `documents`."""
+        pairs = tuple((0 if len(queries) == 1 else i, i) for i in range(len(items)))
+        texts = tuple(item.text or "" for item in items)
+        return cls(queries, texts, pairs, *fields, document_items=items, **options)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,9 @@ from poolserve.frontend.jobs import MediaJob, Requested, ScoreJob, TextJob, merg
 from poolserve.frontend.joined import join_inputs, with_ends
 from poolserve.frontend.media import Budgets, MediaLimits, load_image
 from poolserve.frontend.pairs import PairTruncation, PromptMode, check_pairs, tokenize_job
+from poolserve.frontend.prompt_images import InlinePrompts, check_image_count
 from poolserve.frontend.prompts import prepend, prompt_length
+from poolserve.frontend.score_images import check_image_pairs, image_pair_prompts
 from poolserve.frontend.score_prompts import tokenize_templated
 from poolserve.frontend.spans import CharSpans, LatePlan, check_late, late_prompts
 from poolserve.frontend.state import ModelHandle, ServiceState
@@ -213,9 +215,15 @@ def plan_pairs(
         logger.debug("instruction ignored: %s has no instruction slot", model.served_name)
     # decoders take no token type ids, whatever the tokenizer's pair template gives
     typed_model = model.card.num_token_types > 0
+    # image documents: read inside the score template's prompt, checked before any work
+    inline = check_image_pairs(job, model, joint) if job.document_items else None
 
     async def run() -> Batch:
         on_reject = state.metrics.model(model.model_name).on_reject
+        if inline is not None:
+            limits, budgets = MediaLimits.from_settings(model.settings), state.media_budgets
+            made = await image_pair_prompts(job, model, inline, cuts, limits, budgets, on_reject)
+            return _inline_batch(params, made)
         if templated:
             prompts = await tokenize_templated(job, model, cuts, on_reject)
         else:
@@ -328,24 +336,23 @@ def _plan_inline(
     async def run() -> Batch:
         on_reject = state.metrics.model(model.model_name).on_reject
         made = await inline_prompts(request, model, inline, limits, state.media_budgets, on_reject)
-        if all(m is None for m in made.media):  # texts alone: nothing held, the text path
-            made.release()
-            return Batch(params, made.token_ids)
-        return Batch(params, made.token_ids, media=made.media, release=made.release)
+        return _inline_batch(params, made)
 
     return Plan(params, len(job.items), run)
 
 
+def _inline_batch(params: PoolingParams, made: InlinePrompts) -> Batch:
+    """A vision-language model's prompts with their images (given back once sent); of texts
+    alone, nothing is held and they take the text path."""
+    if all(m is None for m in made.media):
+        made.release()
+        return Batch(params, made.token_ids)
+    return Batch(params, made.token_ids, media=made.media, release=made.release)
+
+
 def _check_image_count(job: MediaJob, limit: int) -> None:
     """400 before any image is loaded when the request holds more than `limit` images."""
-    refs = [ref for item in job.items for ref in image_refs(item)]
-    if len(refs) > limit:
-        count, where = len(refs), refs[0].where
-        raise InvalidRequestError(
-            f"{count} images in one request, more than the limit of {limit} "
-            "(--max-images-per-request)",
-            where.split("[")[0],
-        )
+    check_image_count([ref for item in job.items for ref in image_refs(item)], limit)
 
 
 async def _pixels(

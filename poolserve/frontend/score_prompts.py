@@ -25,15 +25,25 @@ FIT_ROUNDS = 8
 
 
 async def tokenize_templated(
-    job: ScoreJob, model: ModelHandle, cuts: PairTruncation, on_reject: Callable[[str], None]
+    job: ScoreJob,
+    model: ModelHandle,
+    cuts: PairTruncation,
+    on_reject: Callable[[str], None],
+    whole: frozenset[int] = frozenset(),
 ) -> list[Prompt]:
     """The job's prompts, one per pair, tokenized under the tokenizing budget."""
     num_chars = check_texts(job, model, cuts)
-    return await run_budgeted(model, num_chars, on_reject, templated_prompts, job, model, cuts)
+    return await run_budgeted(
+        model, num_chars, on_reject, templated_prompts, job, model, cuts, whole
+    )
 
 
-def templated_prompts(job: ScoreJob, model: ModelHandle, cuts: PairTruncation) -> list[Prompt]:
-    """Each pair rendered by the model's score template and tokenized whole."""
+def templated_prompts(
+    job: ScoreJob, model: ModelHandle, cuts: PairTruncation, whole: frozenset[int] = frozenset()
+) -> list[Prompt]:
+    """Each pair rendered by the model's score template and tokenized whole. A document in
+    `whole` (an image's placeholder text, score_images.py) is never cut, nor measured here:
+    its image's grid makes its prompt's length, checked once the image's size is known."""
     template = model.score_template
     assert template is not None  # plans.py sends only a model with a template here
     check_encodable(job.queries, job.query_field)
@@ -41,13 +51,16 @@ def templated_prompts(job: ScoreJob, model: ModelHandle, cuts: PairTruncation) -
     if job.instruction is not None:
         check_encodable([job.instruction], "instruction")
     queries = _capped(model, job.queries, cuts.max_query_tokens, cuts.side)
-    documents = _capped(model, job.documents, cuts.max_doc_tokens, cuts.side)
+    documents = _capped(model, job.documents, cuts.max_doc_tokens, cuts.side, whole)
     layout = pair_layout(model, template=False)
     most, what = cuts.limit or (model.max_model_len, "max_model_len")
     budget = (most if cuts.keep is None else cuts.keep) - len(layout)
     texts = [render(model, template, job, queries[q], documents[d]) for q, d in job.pairs]
     prompts = []
     for (query, document), ids in zip(job.pairs, _encode(model, texts), strict=True):
+        if document in whole:
+            prompts.append(layout.join(ids, []))
+            continue
         if len(ids) > budget and cuts.keep is None:
             raise InputTooLongError(
                 f"{_name(job.document_field, document, len(job.documents))} with its "
@@ -100,19 +113,30 @@ def _fit(
 
 
 def _capped(
-    model: ModelHandle, texts: Sequence[str], cap: int | None, side: TruncationSide
+    model: ModelHandle,
+    texts: Sequence[str],
+    cap: int | None,
+    side: TruncationSide,
+    whole: frozenset[int] = frozenset(),
 ) -> list[str]:
-    """Each text, cut to `cap` tokens at the kept side (None: as sent)."""
+    """Each text, cut to `cap` tokens at the kept side (None: as sent); those in `whole` as
+    sent."""
     if cap is None:
         return list(texts)
-    kept = []
-    for text, ids in zip(texts, _encode(model, texts), strict=True):
-        kept.append(text if len(ids) <= cap else _decode(model, _cut(ids, cap, side)))
-    return kept
+    cut = [index for index in range(len(texts)) if index not in whole]
+    encoded = dict(zip(cut, _encode(model, [texts[i] for i in cut]), strict=True))
+    return [
+        text
+        if index not in encoded or len(encoded[index]) <= cap
+        else _decode(model, _cut(encoded[index], cap, side))
+        for index, text in enumerate(texts)
+    ]
 
 
 def _encode(model: ModelHandle, texts: Sequence[str]) -> list[list[int]]:
     """Content tokens of each text, without the tokenizer's special tokens."""
+    if not texts:  # transformers' tokenizer refuses an empty batch
+        return []
     encoded = model.tokenizer(list(texts), add_special_tokens=False)["input_ids"]
     return [list(ids) for ids in encoded]
 

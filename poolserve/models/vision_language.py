@@ -70,7 +70,8 @@ def inline_images(
     path: Path, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase
 ) -> InlineImages:
     """What the front ends need to place images in a prompt: the checkpoint's image processor
-    (preprocessor_config.json) and its placeholder token."""
+    (preprocessor_config.json), its placeholder token, and an image's text (the vision start,
+    placeholder and vision end tokens) for a score template's image documents."""
     file = path / "preprocessor_config.json"
     if not file.is_file():
         raise ModelLoadError(f"{path} has no preprocessor_config.json: its images cannot be read")
@@ -82,11 +83,23 @@ def inline_images(
             f"preprocessor_config.json's patch {processing.patch_size} and merge "
             f"{processing.merge_size} differ from the vision tower's {patch} and {merge}"
         )
-    image_token_id = int(config.image_token_id)
-    token = tokenizer.convert_ids_to_tokens(image_token_id)
-    if not isinstance(token, str):
-        raise ModelLoadError(f"the tokenizer has no token {image_token_id} (image_token_id)")
-    return InlineImages(processing, token, image_token_id, int(config.vision_start_token_id))
+    ids = {
+        name: int(getattr(config, name))
+        for name in ("vision_start_token_id", "image_token_id", "vision_end_token_id")
+    }
+    tokens: dict[str, str] = {}
+    for name, token_id in ids.items():
+        token = tokenizer.convert_ids_to_tokens(token_id)
+        if not isinstance(token, str):
+            raise ModelLoadError(f"the tokenizer has no token {token_id} ({name})")
+        tokens[name] = token
+    return InlineImages(
+        processing,
+        tokens["image_token_id"],
+        ids["image_token_id"],
+        ids["vision_start_token_id"],
+        placeholder="".join(tokens.values()),  # start, placeholder, end: vLLM's image text
+    )
 
 
 def text_config(config: PretrainedConfig) -> Any:

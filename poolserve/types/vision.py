@@ -67,6 +67,8 @@ DIGEST_BYTES = 16
 MAX_ASPECT = 200
 # An image's patch grid: (frames, rows, cols) in patches, as transformers' image_grid_thw.
 Grid = tuple[int, int, int]
+# What every Qwen-VL chat template writes for one image (vLLM's placeholder text for them).
+QWEN_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,9 @@ class InlineImages:
     image_token: str  # the placeholder's text, as the chat template writes it ("<|image_pad|>")
     image_token_id: int
     vision_start_token_id: int  # the token before every image's placeholders
+    # an image as text: the tokens of vision start, the placeholder and vision end, as vLLM
+    # renders an image document in a score template (the checkpoint's tokens at load)
+    placeholder: str = QWEN_PLACEHOLDER
 
     def num_tokens(self, grid: Grid) -> int:
         """The decoder tokens an image of this patch grid becomes."""

@@ -33,7 +33,7 @@ from starlette.testclient import TestClient
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from poolserve.config.settings import ServerSettings
-from poolserve.frontend.inline_images import expand
+from poolserve.frontend.prompt_images import expand
 from poolserve.frontend.state import ModelHandle, Served, ServiceState, SpecialTokens
 from poolserve.http.app import create_app
 from poolserve.types.errors import InvalidRequestError

@@ -18,7 +18,8 @@ from starlette.responses import Response
 
 from poolserve.frontend.encoding import dumps
 from poolserve.frontend.jobs import MediaItem, MediaJob, Requested, ScoreJob, Truncate
-from poolserve.frontend.pipeline import Submitted, check_serving, gather
+from poolserve.frontend.pipeline import check_serving, gather
+from poolserve.frontend.score_images import reads_images_in_pairs
 from poolserve.frontend.scoring import Scored, best_first
 from poolserve.http.api.schemas import (
     Documents,
@@ -30,7 +31,6 @@ from poolserve.http.bodies import ContentPart, ImageUrlPart, TextPart
 from poolserve.http.calls import answer, score, service_state, submit
 from poolserve.http.routing import StrictJSONRoute
 from poolserve.types.errors import InvalidRequestError, RouteNotServedError, UnsupportedTaskError
-from poolserve.types.outputs import PoolingOutput
 from poolserve.types.scoring import cosine_score, scorer_plan
 from poolserve.types.tasks import PoolingTask
 
@@ -151,10 +151,16 @@ async def _media_scores(
     queries: tuple[str, ...],
     documents: tuple[MediaItem, ...],
     defaults: Defaults,
-) -> tuple[list[float], Submitted, list[PoolingOutput]]:
-    """Each document against its query (one query: all of them), by the cosine of their
-    embeddings: texts and images of a model that takes both (CLIP, SigLIP, SigLIP 2) in one job."""
+    fields: tuple[str, str],
+) -> Scored:
+    """Each document against its query (one query: all of them): inside each pair's prompt,
+    rendered by its score template, for a vision-language reranker (Qwen3-VL-Reranker), as
+    vLLM scores it; else by the cosine of their embeddings, texts and images in one job (a
+    dual encoder: CLIP, SigLIP, SigLIP 2; a vision-language embedder, each image document a
+    one-message conversation of it)."""
     options = _options(body, request, defaults)
+    if reads_images_in_pairs(*check_serving(service_state(request), body.model)):
+        return await score(request, ScoreJob.of_items(queries, documents, fields, **options))
     items = (*(MediaItem(text=q, where=f"query[{i}]") for i, q in enumerate(queries)), *documents)
     job = MediaJob(
         PoolingTask.EMBED,
@@ -167,11 +173,11 @@ async def _media_scores(
     run = await submit(request, job)
     outputs = await gather(run)
     firsts, seconds = outputs[: len(queries)], outputs[len(queries) :]
-    scores = [
+    scores = tuple(
         cosine_score(firsts[0 if len(firsts) == 1 else i].data, second.data)
         for i, second in enumerate(seconds)
-    ]
-    return scores, run, outputs
+    )
+    return Scored(scores, tuple(outputs), run.num_prompt_tokens, run.model.served_name)
 
 
 @router.post("/score")
@@ -184,7 +190,7 @@ async def score_texts(body: ScoreRequestBody, request: Request) -> Response:
     firsts = _as_tuple(getattr(body, first_field))
     second = getattr(body, second_field)
     if _has_images(second):
-        return await _score_media(body, request, firsts, _media_items(second, second_field))
+        return await _score_media(body, request, firsts, _media_items(second, second_field), form)
     seconds = _texts(second)
     if len(firsts) > 1 and len(firsts) != len(seconds):
         raise InvalidRequestError(
@@ -220,18 +226,19 @@ async def _score_media(
     request: Request,
     firsts: tuple[str, ...],
     seconds: tuple[MediaItem, ...],
+    fields: tuple[str, str],
 ) -> Response:
     """/score with vLLM's multimodal documents, answered as for texts."""
     if len(firsts) > 1 and len(firsts) != len(seconds):
         raise InvalidRequestError("pair the queries with the documents 1:1, 1:N or N:N", "queries")
-    scores, run, outputs = await _media_scores(request, body, firsts, seconds, VLLM)
-    tokens = run.num_prompt_tokens
+    scored = await _media_scores(request, body, firsts, seconds, VLLM, fields)
+    tokens = scored.num_prompt_tokens
     reply = {
         "id": _response_id(request, body),
         "object": "list",
         "created": int(time.time()),
-        "model": run.model.served_name,
-        "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
+        "model": scored.model_name,
+        "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scored.scores)],
         "usage": {
             "prompt_tokens": tokens,
             "total_tokens": tokens,
@@ -240,7 +247,7 @@ async def _score_media(
             "completion_tokens_details": None,
         },
     }
-    return await answer(request, outputs, lambda: dumps(reply))
+    return await answer(request, scored.outputs, lambda: dumps(reply))
 
 
 @router.post("/v1/rerank")
@@ -290,21 +297,22 @@ async def _rerank_media(
 ) -> Response:
     """Rerank of vLLM's multimodal documents; a returned document is its content part."""
     items = _media_items(documents, "documents")
-    scores, run, outputs = await _media_scores(request, body, (body.query,), items, defaults)
-    parts = documents.content
+    fields = ("query", "documents")
+    scored = await _media_scores(request, body, (body.query,), items, defaults, fields)
+    scores, parts = scored.scores, documents.content
     results = [
         {"index": i, "relevance_score": scores[i]}
         | ({"document": _document(parts[i])} if body.return_documents else {})
         for i in best_first(scores, body.top_n)
     ]
-    tokens = run.num_prompt_tokens
+    tokens = scored.num_prompt_tokens
     reply = {
         "id": _response_id(request, body),
-        "model": run.model.served_name,
+        "model": scored.model_name,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         "results": results,
     }
-    return await answer(request, outputs, lambda: dumps(reply))
+    return await answer(request, scored.outputs, lambda: dumps(reply))
 
 
 def _document(part: ContentPart) -> dict[str, Any]:
