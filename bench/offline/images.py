@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +25,7 @@ import torch
 import transformers
 from PIL import Image
 
+from bench.common.timing import fastest
 from poolserve.engine.loop import Engine
 from poolserve.frontend.images import pixel_values
 from poolserve.models.cpu_class import cpu_class
@@ -57,15 +56,6 @@ def _images(count: int) -> list[Image.Image]:
         Image.fromarray(rng.integers(0, 256, (200 + 17 * (i % 9), 260, 3), dtype=np.uint8))
         for i in range(count)
     ]
-
-
-def _best(run: Callable[[], np.ndarray], passes: int) -> tuple[float, np.ndarray]:
-    best, out = float("inf"), np.empty(0)
-    for _ in range(passes):
-        start = time.perf_counter()
-        out = run()
-        best = min(best, time.perf_counter() - start)
-    return best, out
 
 
 async def _engine_run(
@@ -120,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
             lambda: loop.run_until_complete(_engine_run(engine, pixels, texts)),
         ),
     ):
-        seconds, out = _best(run, passes)
+        seconds, out = fastest(run, passes)
         rows.append((name, seconds, out))
     loop.run_until_complete(engine.stop())
     want = np.asarray(processor(images=pictures, return_tensors="np")["pixel_values"])

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer
 
 from bench.common.corpus import build_texts
+from bench.common.timing import fastest
 from poolserve.offline import PoolingEngine
 from tests.tiny_models import minilm_path
 
@@ -36,16 +35,6 @@ def _save_model(directory: Path) -> Path:
     rows = np.random.default_rng(0).standard_normal((tokenizer.get_vocab_size(), DIM))
     StaticModel(rows.astype(np.float32), tokenizer, normalize=True).save_pretrained(directory)
     return directory
-
-
-def _best(run: Callable[[], np.ndarray], passes: int) -> tuple[float, np.ndarray]:
-    """The fastest of `passes` timed runs (seconds) and its output."""
-    best, out = float("inf"), np.empty(0)
-    for _ in range(passes):
-        start = time.perf_counter()
-        out = run()
-        best = min(best, time.perf_counter() - start)
-    return best, out
 
 
 def _engine_embed(engine: PoolingEngine, texts: list[str]) -> np.ndarray:
@@ -68,10 +57,10 @@ def main(argv: list[str] | None = None) -> None:
         reference = StaticModel.from_pretrained(directory)
         with PoolingEngine(str(directory)) as engine:
             _engine_embed(engine, texts[:BATCH])  # warm
-            ours, got = _best(lambda: _engine_embed(engine, texts), passes)
-            theirs, want = _best(lambda: reference.encode(texts), passes)
+            ours, got = fastest(lambda: _engine_embed(engine, texts), passes)
+            theirs, want = fastest(lambda: reference.encode(texts), passes)
         with PoolingEngine(str(minilm_path())) as minilm:
-            slice_s, _ = _best(lambda: _engine_embed(minilm, texts[:num_minilm]), 1)
+            slice_s, _ = fastest(lambda: _engine_embed(minilm, texts[:num_minilm]), 1)
     minilm_rate = num_minilm / slice_s
     print(f"{num_texts} texts, {num_chars / num_texts:.0f} characters each on average\n")
     print("| runtime | texts/s | vs model2vec |")

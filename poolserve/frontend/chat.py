@@ -128,12 +128,8 @@ async def render_messages(
     return await run_budgeted(model, checked.num_chars, on_reject, render, model.tokenizer, checked)
 
 
-async def render_conversations(
-    chats: Sequence[Chat], model: ModelHandle, trusted: bool, on_reject: Callable[[str], None]
-) -> list[str]:
-    """Each conversation's prompt text, all checked first, rendered in one budgeted thread."""
-    checked = [prepare(chat, model, trusted) for chat in chats]
-    num_chars = sum(c.num_chars for c in checked)
+def check_request_chars(num_chars: int, model: ModelHandle) -> None:
+    """413 for conversations of more characters than --max-request-chars, before any work."""
     if num_chars > model.limits.max_request_chars:
         raise PayloadTooLargeError(
             f"the conversations have {num_chars} characters, more than the limit of "
@@ -141,6 +137,15 @@ async def render_conversations(
             "request",
             "messages",
         )
+
+
+async def render_conversations(
+    chats: Sequence[Chat], model: ModelHandle, trusted: bool, on_reject: Callable[[str], None]
+) -> list[str]:
+    """Each conversation's prompt text, all checked first, rendered in one budgeted thread."""
+    checked = [prepare(chat, model, trusted) for chat in chats]
+    num_chars = sum(c.num_chars for c in checked)
+    check_request_chars(num_chars, model)
 
     def render_all() -> list[str]:
         return [render(model.tokenizer, c) for c in checked]

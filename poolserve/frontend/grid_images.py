@@ -16,7 +16,7 @@ import math
 import numpy as np
 from PIL import Image
 
-from poolserve.frontend.images import _rgb
+from poolserve.frontend.images import _rgb, rescaled
 from poolserve.types.errors import InvalidImageError
 from poolserve.types.vision import MAX_ASPECT, Grid, GridProcessing
 
@@ -38,13 +38,7 @@ def grid_patches(
     height, width = grid_size(image.height, image.width, steps, what)
     image = image.resize((width, height), resample=Image.Resampling(steps.resample))
     pixels = np.moveaxis(np.asarray(image), -1, 0)  # [3, height, width] uint8
-    if steps.rescale_factor is not None:
-        pixels = (pixels.astype(np.float64) * steps.rescale_factor).astype(np.float32)
-    if steps.mean is not None and steps.std is not None:
-        pixels = pixels.astype(np.float32, copy=False)
-        mean = np.asarray(steps.mean, dtype=np.float32)[:, None, None]
-        std = np.asarray(steps.std, dtype=np.float32)[:, None, None]
-        pixels = (pixels - mean) / std
+    pixels = rescaled(pixels, steps.rescale_factor, steps.mean, steps.std)
     patch = steps.patch_size
     grid = (1, height // patch, width // patch)
     return _patches(pixels.astype(np.float32, copy=False), steps), grid

@@ -38,16 +38,28 @@ def pixel_values(image: Image.Image, steps: ImageProcessing) -> np.ndarray:
     pixels = np.moveaxis(array, -1, 0)  # [3, height, width]
     if steps.crop_to is not None:
         pixels = _center_crop(pixels, steps.crop_to)
-    if steps.rescale_factor is not None:
-        pixels = (pixels.astype(np.float64) * steps.rescale_factor).astype(np.float32)
-    if steps.mean is not None and steps.std is not None:
-        pixels = pixels.astype(np.float32, copy=False)
-        mean = np.asarray(steps.mean, dtype=np.float32)[:, None, None]
-        std = np.asarray(steps.std, dtype=np.float32)[:, None, None]
-        pixels = (pixels - mean) / std
+    pixels = rescaled(pixels, steps.rescale_factor, steps.mean, steps.std)
     if steps.naflex is not None:
         pixels = _patches(pixels.astype(np.float32, copy=False), steps.naflex.patch_size)
     return np.ascontiguousarray(pixels, dtype=np.float32)
+
+
+def rescaled(
+    pixels: np.ndarray,  # [channels, height, width] uint8
+    factor: float | None,
+    mean: tuple[float, ...] | None,
+    std: tuple[float, ...] | None,
+) -> np.ndarray:  # [channels, height, width]
+    """transformers' rescale (in float64, stored as float32) then normalization (in float32),
+    each where the processor does it."""
+    if factor is not None:
+        pixels = (pixels.astype(np.float64) * factor).astype(np.float32)
+    if mean is not None and std is not None:
+        pixels = pixels.astype(np.float32, copy=False)
+        shift = np.asarray(mean, dtype=np.float32)[:, None, None]
+        scale = np.asarray(std, dtype=np.float32)[:, None, None]
+        pixels = (pixels - shift) / scale
+    return pixels
 
 
 def naflex_size(height: int, width: int, naflex: Naflex) -> tuple[int, int]:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from poolserve.frontend.chat import ChatRender, prepare, render
+from poolserve.frontend.chat import ChatRender, check_request_chars, prepare, render
 from poolserve.frontend.jobs import Chat, MediaItem, Truncate
 from poolserve.frontend.media import Budgets, MediaLimits
 from poolserve.frontend.prompt_images import (
@@ -37,7 +37,7 @@ from poolserve.frontend.texts import (
     truncation_for,
 )
 from poolserve.frontend.truncation import encode_batch
-from poolserve.types.errors import InvalidRequestError, PayloadTooLargeError
+from poolserve.types.errors import InvalidRequestError
 from poolserve.types.vision import InlineImages, PromptImages
 
 # How a chat template sees an image part: vLLM's placeholder, which every Qwen-VL template
@@ -113,13 +113,7 @@ def check_request(
             Conversation(prepare(templated, model, trusted), image_refs(item), item.where)
         )
     num_chars = sum(p.render.num_chars for p in prompts if isinstance(p, Conversation))
-    if num_chars > model.limits.max_request_chars:
-        raise PayloadTooLargeError(
-            f"the conversations have {num_chars} characters, more than the limit of "
-            f"{model.limits.max_request_chars} per request (--max-request-chars); split the "
-            "request",
-            "messages",
-        )
+    check_request_chars(num_chars, model)
     asked = truncate.tokens if truncate.tokens is not None and truncate.tokens > 0 else None
     most = model.max_model_len if asked is None else min(asked, model.max_model_len)
     return InlineRequest(tuple(prompts), num_chars, truncation_for(truncate, model), most)
