@@ -34,7 +34,7 @@ from poolserve.models.dual_encoder import (
 from poolserve.models.encoder import EncoderModel
 from poolserve.models.encoder_config import encoder_max_len
 from poolserve.models.families.nomic import adopt_remote_nomic_fields
-from poolserve.models.families.qwen_vl import ARCHITECTURES as VISION_LANGUAGE
+from poolserve.models.families.qwen_vl import VISION_LANGUAGE
 from poolserve.models.float_kernels import TORCH, pack_linears
 from poolserve.models.heads import (
     HeadFactory,

@@ -9,7 +9,7 @@ an image's output does not depend on the images beside it. Qwen2.5-VL's transfor
 permutes the patches into window order and back; here the windows gather their patches in that
 order from the unpermuted stream (every other operation is per patch or per merged token), so
 each attention sees its keys in the same order and no permutation of the hidden states is
-needed. Each family's facts are one `VisionFamily` row.
+needed. Each family's facts are one `VisionFamily` row (models/families/qwen_vl.py).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from poolserve.models.families.records import VisionFamily
 from poolserve.models.layers import activation, rms_norm
-from poolserve.types.errors import ModelLoadError
 
 # An image's patch grid (frames, rows, cols), as the processor's image_grid_thw
 Grid = tuple[int, int, int]
@@ -39,71 +39,6 @@ class VisionOutput:
     # Qwen3-VL: one [num_tokens, out_hidden] per deepstack layer, in layer order; others: ()
     deepstack: tuple[torch.Tensor, ...]
 
-
-@dataclass(frozen=True)
-class MlpKeys:
-    """A block's MLP: down(act(up(x))), or gated down(act(gate(x)) * up(x))."""
-
-    up: str
-    down: str
-    gate: str | None = None
-
-
-@dataclass(frozen=True)
-class MergerKeys:
-    """A patch merger's norm and its two Linears (GELU between)."""
-
-    norm: str
-    fc1: str
-    fc2: str
-
-
-@dataclass(frozen=True)
-class VisionFamily:
-    """How one family's tower is laid out and runs (transformers' modeling_<family>.py)."""
-
-    width: str  # the config field of the blocks' width (Qwen2-VL's embed_dim)
-    norm: str  # NORMS key of the blocks' and mergers' norms
-    mlp: MlpKeys
-    merger: MergerKeys
-    patch_bias: bool
-    windows: bool  # Qwen2.5-VL: window attention except at fullatt_block_indexes
-    learned_positions: bool  # Qwen3-VL: pos_embed resized to each grid, added to the patches
-    deepstack: bool  # Qwen3-VL: mergers of the states after deepstack_visual_indexes
-
-
-VISION_FAMILIES: dict[str, VisionFamily] = {
-    "qwen2_vl": VisionFamily(
-        width="embed_dim",
-        norm="layer",
-        mlp=MlpKeys(up="mlp.fc1.", down="mlp.fc2."),
-        merger=MergerKeys(norm="ln_q.", fc1="mlp.0.", fc2="mlp.2."),
-        patch_bias=False,
-        windows=False,
-        learned_positions=False,
-        deepstack=False,
-    ),
-    "qwen2_5_vl": VisionFamily(
-        width="hidden_size",
-        norm="rms",
-        mlp=MlpKeys(up="mlp.up_proj.", down="mlp.down_proj.", gate="mlp.gate_proj."),
-        merger=MergerKeys(norm="ln_q.", fc1="mlp.0.", fc2="mlp.2."),
-        patch_bias=False,
-        windows=True,
-        learned_positions=False,
-        deepstack=False,
-    ),
-    "qwen3_vl": VisionFamily(
-        width="hidden_size",
-        norm="layer",
-        mlp=MlpKeys(up="mlp.linear_fc1.", down="mlp.linear_fc2."),
-        merger=MergerKeys(norm="norm.", fc1="linear_fc1.", fc2="linear_fc2."),
-        patch_bias=True,
-        windows=False,
-        learned_positions=True,
-        deepstack=True,
-    ),
-}
 
 NORMS: dict[str, Callable[[torch.Tensor, Affine], torch.Tensor]] = {
     "layer": lambda x, norm: F.layer_norm(x, x.shape[-1:], norm[0], norm[1], EPS),
@@ -318,15 +253,13 @@ class QwenVision(torch.nn.Module):
 
     def __init__(
         self,
-        family: str,
+        family: VisionFamily,
         vision_config: Any,
         state: dict[str, torch.Tensor],
         placement: tuple[torch.device, torch.dtype],
     ) -> None:
         super().__init__()
-        if family not in VISION_FAMILIES:
-            raise ModelLoadError(f"no vision tower for model type {family!r}")
-        self.family = f = VISION_FAMILIES[family]
+        self.family = f = family
         config, placed = vision_config, Placed(state, placement)
         self.placement, self.merge = placement, int(config.spatial_merge_size)
         num_heads = int(config.num_heads)

@@ -50,7 +50,7 @@ DECODER_FAMILIES: dict[str, DecoderFamily] = {
     **phi3.FAMILIES,
     **granite.FAMILIES,
     **eurobert.FAMILIES,
-    **qwen_vl.TEXT_FAMILIES,
+    **qwen_vl.FAMILIES,
 }
 # One row per config model_type. *ForMaskedLM checkpoints carry their MLM head (sparse
 # embeddings) on the base model; MASKED_LM_LAYOUTS holds each family's MLM head layouts.
@@ -99,6 +99,7 @@ _EXTRA: dict[str, ArchitectureEntry] = {
     **gte.ARCHITECTURES,
     **jina_v3.ARCHITECTURES,
     **eurobert.ARCHITECTURES,
+    **qwen_vl.ARCHITECTURES,
 }
 # config.json model_types (or, where the model_type is a native one, architectures) written for
 # Hub remote code -> the reader that builds a native config.
@@ -141,23 +142,6 @@ ARCHITECTURES: dict[str, ArchitectureEntry] = {
         for class_name in family.classes
     },
     **_EXTRA,
-    # the whole checkpoint is the backbone: the decoder and the tower under their own prefixes
-    **{
-        class_name: ArchitectureEntry(Backbone.VISION_DECODER, HeadKind.NONE, ("",))
-        for class_name in qwen_vl.ARCHITECTURES
-        if class_name.endswith(qwen_vl.EMBEDDERS)
-    },
-    **{
-        class_name: ArchitectureEntry(
-            Backbone.VISION_DECODER,
-            HeadKind.SEQUENCE_CLASSIFIER,
-            ("",),
-            "score.",
-            per_token=PerToken.HEAD,
-        )
-        for class_name in qwen_vl.ARCHITECTURES
-        if class_name.endswith(qwen_vl.RERANKERS)
-    },
 }
 
 

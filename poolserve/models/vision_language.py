@@ -56,7 +56,7 @@ class VisionLanguageModel(DecoderModel):
         super().__init__(config.text_config, text_state, family.decoder, backend, placement)
         vision_prefix = _part(state, VISION_PREFIXES, "patch_embed.proj.weight")
         self.visual = QwenVision(
-            family.vision, config.vision_config, strip_prefix(state, vision_prefix), placement
+            family.tower, config.vision_config, strip_prefix(state, vision_prefix), placement
         )
 
     def embed_images(

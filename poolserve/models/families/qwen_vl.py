@@ -1,52 +1,90 @@
 """Qwen2-VL, Qwen2.5-VL and Qwen3-VL: a Qwen2 or Qwen3 decoder fed by a vision tower
-(models/vision_language.py), one row per config model_type; their decoders' rows by the text
-config's model_type."""
+(models/vision_language.py, models/qwen_vision.py). Their decoders' rows by the text config's
+model_type; each family's tower row; the classes, embedders and vLLM's reranker name."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from poolserve.models.families.records import DecoderFamily
+from poolserve.models.families.records import (
+    ArchitectureEntry,
+    Backbone,
+    DecoderFamily,
+    MergerKeys,
+    MlpKeys,
+    PerToken,
+    VisionFamily,
+)
+from poolserve.types.tasks import HeadKind
 
 
 @dataclass(frozen=True)
 class VisionLanguageFamily:
-    """One family: its classes, its decoder's switch row and its vision tower's."""
+    """One family: its decoder's switch row and its vision tower's."""
 
-    classes: tuple[str, ...]
     decoder: DecoderFamily
-    vision: str  # qwen_vision.VISION_FAMILIES key
-
-
-# The classes whose checkpoints hold both the tower and the decoder. *ForSequenceClassification
-# is no transformers class: vLLM's name (through --hf-overrides) for the LLM reranker read
-# through its LM head's rows (classifier_from_token), Qwen3-VL-Reranker's.
-EMBEDDERS = ("ForConditionalGeneration", "Model")
-RERANKERS = ("ForSequenceClassification",)
-
-
-def _classes(prefix: str) -> tuple[str, ...]:
-    """The family's class names."""
-    return tuple(prefix + suffix for suffix in (*EMBEDDERS, *RERANKERS))
+    tower: VisionFamily
 
 
 # The decoders, by the text config's model_type (no class of their own).
-TEXT_FAMILIES: dict[str, DecoderFamily] = {
+FAMILIES: dict[str, DecoderFamily] = {
     "qwen2_vl_text": DecoderFamily(()),
     "qwen2_5_vl_text": DecoderFamily(()),
     "qwen3_vl_text": DecoderFamily((), qk_norm=True),
 }
-FAMILIES: dict[str, VisionLanguageFamily] = {
-    "qwen2_vl": VisionLanguageFamily(
-        _classes("Qwen2VL"), TEXT_FAMILIES["qwen2_vl_text"], "qwen2_vl"
-    ),
-    "qwen2_5_vl": VisionLanguageFamily(
-        _classes("Qwen2_5_VL"), TEXT_FAMILIES["qwen2_5_vl_text"], "qwen2_5_vl"
-    ),
-    "qwen3_vl": VisionLanguageFamily(
-        _classes("Qwen3VL"), TEXT_FAMILIES["qwen3_vl_text"], "qwen3_vl"
-    ),
+# Each family's vision tower (transformers' modeling_<family>.py).
+QWEN2_VL_TOWER = VisionFamily(
+    width="embed_dim",
+    norm="layer",
+    mlp=MlpKeys(up="mlp.fc1.", down="mlp.fc2."),
+    merger=MergerKeys(norm="ln_q.", fc1="mlp.0.", fc2="mlp.2."),
+    patch_bias=False,
+    windows=False,
+    learned_positions=False,
+    deepstack=False,
+)
+QWEN2_5_VL_TOWER = VisionFamily(
+    width="hidden_size",
+    norm="rms",
+    mlp=MlpKeys(up="mlp.up_proj.", down="mlp.down_proj.", gate="mlp.gate_proj."),
+    merger=MergerKeys(norm="ln_q.", fc1="mlp.0.", fc2="mlp.2."),
+    patch_bias=False,
+    windows=True,
+    learned_positions=False,
+    deepstack=False,
+)
+QWEN3_VL_TOWER = VisionFamily(
+    width="hidden_size",
+    norm="layer",
+    mlp=MlpKeys(up="mlp.linear_fc1.", down="mlp.linear_fc2."),
+    merger=MergerKeys(norm="norm.", fc1="linear_fc1.", fc2="linear_fc2."),
+    patch_bias=True,
+    windows=False,
+    learned_positions=True,
+    deepstack=True,
+)
+# The class-name prefix of each family, and the family.
+_PREFIXES: dict[str, VisionLanguageFamily] = {
+    "Qwen2VL": VisionLanguageFamily(FAMILIES["qwen2_vl_text"], QWEN2_VL_TOWER),
+    "Qwen2_5_VL": VisionLanguageFamily(FAMILIES["qwen2_5_vl_text"], QWEN2_5_VL_TOWER),
+    "Qwen3VL": VisionLanguageFamily(FAMILIES["qwen3_vl_text"], QWEN3_VL_TOWER),
 }
-ARCHITECTURES: dict[str, VisionLanguageFamily] = {
-    name: family for family in FAMILIES.values() for name in family.classes
+# The classes whose checkpoints hold both the tower and the decoder; *ForSequenceClassification
+# is no transformers class: vLLM's name (through --hf-overrides) for the LLM reranker read
+# through its LM head's rows (classifier_from_token), Qwen3-VL-Reranker's.
+EMBEDDERS = ("ForConditionalGeneration", "Model")
+RERANKER = "ForSequenceClassification"
+# class -> its family (the loader builds the model by it)
+VISION_LANGUAGE: dict[str, VisionLanguageFamily] = {
+    prefix + suffix: family
+    for prefix, family in _PREFIXES.items()
+    for suffix in (*EMBEDDERS, RERANKER)
+}
+# the whole checkpoint is the backbone: the decoder and the tower under their own prefixes
+_EMBEDDER = ArchitectureEntry(Backbone.VISION_DECODER, HeadKind.NONE, ("",))
+_RERANKER = ArchitectureEntry(
+    Backbone.VISION_DECODER, HeadKind.SEQUENCE_CLASSIFIER, ("",), "score.", per_token=PerToken.HEAD
+)
+ARCHITECTURES: dict[str, ArchitectureEntry] = {
+    name: _RERANKER if name.endswith(RERANKER) else _EMBEDDER for name in VISION_LANGUAGE
 }

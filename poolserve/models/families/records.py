@@ -206,3 +206,36 @@ def encoder_entry(family: EncoderFamily, class_name: str) -> ArchitectureEntry:
 def family_classes(prefix: str, suffixes: tuple[str, ...] = DECODER_HEADS) -> tuple[str, ...]:
     """transformers class names of one family: prefix + each suffix."""
     return tuple(prefix + suffix for suffix in suffixes)
+
+
+@dataclass(frozen=True)
+class MlpKeys:
+    """A block's MLP: down(act(up(x))), or gated down(act(gate(x)) * up(x))."""
+
+    up: str
+    down: str
+    gate: str | None = None
+
+
+@dataclass(frozen=True)
+class MergerKeys:
+    """A patch merger's norm and its two Linears (GELU between)."""
+
+    norm: str
+    fc1: str
+    fc2: str
+
+
+@dataclass(frozen=True)
+class VisionFamily:
+    """How one Qwen-VL family's vision tower is laid out and runs (models/qwen_vision.py;
+    transformers' modeling_<family>.py)."""
+
+    width: str  # the config field of the blocks' width (Qwen2-VL's embed_dim)
+    norm: str  # NORMS key of the blocks' and mergers' norms
+    mlp: MlpKeys
+    merger: MergerKeys
+    patch_bias: bool
+    windows: bool  # Qwen2.5-VL: window attention except at fullatt_block_indexes
+    learned_positions: bool  # Qwen3-VL: pos_embed resized to each grid, added to the patches
+    deepstack: bool  # Qwen3-VL: mergers of the states after deepstack_visual_indexes
