@@ -35,7 +35,8 @@ class ImageTower(Protocol):
 
 
 class RequestImages:
-    """One request's images; `output` is written once, on the worker thread."""
+    """One request's images; each image's `outputs` entry is written once, on the worker
+    thread, in the step that first reaches its tokens."""
 
     def __init__(self, media: PromptImages, token_ids: np.ndarray, inline: InlineImages) -> None:
         try:
@@ -50,7 +51,7 @@ class RequestImages:
         self.is_image = is_image
         # image tokens before each position: a chunk [a, b)'s rows are [before[a], before[b])
         self.before = np.concatenate([[0], np.cumsum(is_image)])  # [num_tokens + 1]
-        # each image's first row among the prompt's image rows, and one past its last
+        # one past each image's last row among the prompt's image rows
         self.row_ends = np.cumsum([inline.num_tokens(grid) for grid in media.grids])
         self.first_image = starts[0]
         self.outputs: list[VisionOutput | None] = [None] * len(media.grids)  # per image
