@@ -231,3 +231,33 @@ def test_reranker_reads_the_lm_head_rows(family: Family) -> None:
 def test_lora_adapters_are_refused_at_load(family: Family) -> None:
     with pytest.raises(LoraAdapterError, match="not supported"):
         load_model(str(family.directory), device=CPU, lora=LoraServing())
+
+
+@pytest.mark.parametrize(
+    ("dtype", "quantization"), [(torch.bfloat16, None), (torch.float32, "int8")]
+)
+def test_other_precisions_stay_close(
+    family: Family, dtype: torch.dtype, quantization: str | None
+) -> None:
+    """bfloat16 (the tower too) and int8 projections, chunked: each prompt's embedding within
+    cosine 0.99 of transformers' float32 (tiny layers: run anyway, whatever their speed)."""
+    loaded = load_model(
+        str(family.directory),
+        device=CPU,
+        dtype=dtype,
+        quantization=quantization,
+        allow_slower_precision=True,
+    )
+    built = [family.prompt(parts, seed=i) for i, parts in enumerate(CONVERSATIONS)]
+    outputs = _outputs(
+        loaded,
+        [ids for _, _, ids, _ in built],
+        [media for *_, media in built],
+        EMBED,
+        max_num_batched_tokens=16,
+        long_prefill_token_threshold=5,
+    )
+    for (text, images, _, _), ours in zip(built, outputs, strict=True):
+        want = family.reference.last_hidden(text, images).numpy()
+        cosine = float(ours @ want / np.linalg.norm(ours) / np.linalg.norm(want))
+        assert cosine >= 0.99
