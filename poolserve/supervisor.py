@@ -55,6 +55,9 @@ WATCH_INTERVAL_S = 0.1
 SUPERVISOR_PID = "POOLSERVE_SUPERVISOR_PID"
 # Linux prctl option: the signal a child gets when its parent dies.
 PR_SET_PDEATHSIG = 1
+# A front end's exit codes after a drain that count as clean: drained (0), or ended by the
+# supervisor's own SIGTERM before it could serve (still starting: no handler set yet).
+STOPPED_CLEANLY = frozenset({0, -signal.SIGTERM})
 # What a child gets beyond --shutdown-timeout to exit after SIGTERM before it is killed.
 EXIT_GRACE_S = 5.0
 # A child's exit code when the server could not start (it said why in one line): the others,
@@ -221,7 +224,9 @@ class _Supervisor:
         codes = [p.returncode for p in self.front_ends]
         self._stop([self.core])
         logger.info("drained: front ends exited %s, engine core %s", codes, self.core.returncode)
-        clean = all(code == 0 for code in [*codes, self.core.returncode])
+        # a front end our SIGTERM ended by default (-SIGTERM) was still starting: it had not yet
+        # set its drain handler, so it had served nothing and had nothing to drain
+        clean = all(code in STOPPED_CLEANLY for code in codes) and self.core.returncode == 0
         return 0 if clean else 1
 
     def _stop(self, processes: list[subprocess.Popen[bytes]]) -> None:
