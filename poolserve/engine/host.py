@@ -10,14 +10,12 @@ paths, the sockets included. With two or more models the engines take turns on t
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-import math
 import shutil
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -26,13 +24,11 @@ from poolserve.engine.server import EngineCore
 from poolserve.engine.turns import DeviceTurns, Seat
 from poolserve.models.loader import load_model, resolve_dtype
 from poolserve.models.quantization import check_quantization
-from poolserve.models.spec import LoadedModel
 from poolserve.types.errors import (
     ModelStartError,
     UnsupportedDtypeError,
     UnsupportedQuantizationError,
 )
-from poolserve.types.limits import SchedulerConfig
 from poolserve.types.observer import EngineObserver
 from poolserve.types.params import LogitCalibration
 from poolserve.types.process import socket_path
@@ -77,7 +73,7 @@ def build_engines(
     turns = DeviceTurns() if len(configs) > 1 else None
     engines = []
     for config, observer in zip(configs, observers or [None] * len(configs), strict=True):
-        seat = None if turns is None else turns.seat(config.priority)
+        seat = None if turns is None else turns.seat(config.placement.priority)
         try:
             engines.append(build_engine(config, observer, seat))
         except Exception as exc:
@@ -89,8 +85,8 @@ def build_engine(
     config: CoreConfig, observer: EngineObserver | None = None, turns_seat: Seat | None = None
 ) -> Engine:
     """Load the model and build its engine (blocking; not started); its memory share checked."""
-    device = resolve_device(config.device)
-    fraction = config.gpu_memory_fraction
+    device = resolve_device(config.load.device)
+    fraction = config.placement.gpu_memory_fraction
     measured = fraction is not None and device.type == "cuda"
     before = torch.cuda.memory_allocated(device) if measured else 0
     engine = _load_and_build(config, device, observer, turns_seat)
@@ -130,75 +126,42 @@ def _load_and_build(
     turns_seat: Seat | None,
 ) -> Engine:
     """Load the model on `device` and build its engine."""
+    load = config.load
     try:
         # before the load: a dtype the device cannot run fails at once, not after a download
-        dtype = resolve_dtype(DTYPES[config.dtype], device)
+        dtype = resolve_dtype(DTYPES[load.dtype], device)
     except UnsupportedDtypeError as exc:
-        raise ValueError(f"--dtype {config.dtype}: {exc}; float32 runs everywhere") from exc
+        raise ValueError(f"--dtype {load.dtype}: {exc}; float32 runs everywhere") from exc
     try:
-        check_quantization(config.quantization, device, dtype)
+        check_quantization(load.quantization, device, dtype)
     except UnsupportedQuantizationError as exc:
-        raise ValueError(f"--quantization {config.quantization}: {exc}") from exc
-    # before the load: a zero sigma fails at once
-    calibration = LogitCalibration(config.logit_mean, config.logit_sigma)
+        raise ValueError(f"--quantization {load.quantization}: {exc}") from exc
     loaded = load_model(
-        config.model,
+        load.model,
         device=device,
         dtype=dtype,
-        hf_overrides=config.hf_overrides,
-        revision=config.revision,
-        quantization=config.quantization,
-        allow_slower_precision=config.allow_slower_precision,
-        lora=config.lora,
+        hf_overrides=load.hf_overrides,
+        revision=load.revision,
+        quantization=load.quantization,
+        allow_slower_precision=load.allow_slower_precision,
+        lora=load.lora,
     )
     limit = loaded.spec.max_model_len
-    max_model_len = min(config.max_model_len or limit, limit)
+    max_model_len = min(load.max_model_len or limit, limit)
+    calibration = config.pooler.calibration
     if calibration != LogitCalibration() and loaded.spec.head_kind not in CLASSIFIER_HEADS:
         logger.warning("logit_mean/logit_sigma have no effect: the model has no classifier head")
     return Engine(
         loaded,
-        scheduler_config(config, loaded, max_model_len),
+        config.scheduler.sized(max_model_len, loaded.spec.is_causal),
         device,
         max_model_len=max_model_len,
-        embed_pooling=config.embed_pooling,
-        pooler_task=config.pooler_task,
+        embed_pooling=config.pooler.embed_pooling,
+        pooler_task=config.pooler.pooler_task,
         observer=observer,
         calibration=calibration,
         turns_seat=turns_seat,
     )
-
-
-def scheduler_config(
-    config: CoreConfig, loaded: LoadedModel, max_model_len: int
-) -> SchedulerConfig:
-    """Budgets from the flags; encoders need a whole prompt to fit one step."""
-    budget = config.max_num_batched_tokens
-    if not loaded.spec.is_causal and budget < max_model_len:
-        raise ValueError(
-            f"encoder prompts cannot be chunked: --max-num-batched-tokens ({budget}) "
-            f"must be at least max_model_len ({max_model_len})"
-        )
-    blocks_for_longest = math.ceil(max_model_len / config.block_size)
-    num_kv_blocks = config.num_kv_blocks or blocks_for_longest + math.ceil(
-        budget / config.block_size
-    )
-    if num_kv_blocks < blocks_for_longest and loaded.spec.is_causal:
-        raise ValueError(
-            f"--num-kv-blocks ({num_kv_blocks}) cannot hold one prompt of max_model_len "
-            f"({max_model_len}); it needs at least {blocks_for_longest}"
-        )
-    computed: dict[str, Any] = {
-        "num_kv_blocks": num_kv_blocks,
-        "enable_chunked_prefill": loaded.spec.is_causal,
-        # bidirectional attention: a position's KV depends on later tokens, so nothing is shared
-        "enable_prefix_caching": config.enable_prefix_caching and loaded.spec.is_causal,
-    }
-    same = {
-        f.name: getattr(config, f.name)
-        for f in dataclasses.fields(SchedulerConfig)
-        if f.name not in computed
-    }
-    return SchedulerConfig(**same, **computed)
 
 
 class LocalCore:

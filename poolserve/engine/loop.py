@@ -99,12 +99,12 @@ class Engine:
         self.runner = Runner(
             loaded,
             max_num_tokens=config.max_num_batched_tokens,
-            num_kv_blocks=config.num_kv_blocks,
+            num_kv_blocks=config.kv_blocks,
             block_size=config.block_size,
             device=device,
             async_scheduling=config.async_scheduling,
         )
-        self.blocks = PrefixCache(config.num_kv_blocks, config.block_size)
+        self.blocks = PrefixCache(config.kv_blocks, config.block_size)
         # Only causal attention makes a position's KV a function of the tokens up to it.
         self.prefix_caching = config.enable_prefix_caching and loaded.spec.is_causal
         self.admission = AdmissionControl.from_config(config)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import math
+from dataclasses import dataclass, fields, replace
 
 # A prompt at this priority or above is background work (the Batch API's lines): it never shares
 # a step with a prompt below it, and a step of background work alone takes at most
@@ -22,7 +23,7 @@ class SchedulerConfig:
     max_num_queued_tokens: int = 262144  # admission: prompt tokens of unfinished requests
     long_prefill_token_threshold: int | None = None  # cap on one prompt's chunk per step
     block_size: int = 16  # KV tokens per block
-    num_kv_blocks: int = 4096
+    num_kv_blocks: int | None = 4096  # None: `sized` fits the model's longest prompt and a step
     enable_chunked_prefill: bool = True  # False for encoders: prompts scheduled whole
     async_scheduling: bool = True
     # Reuse cached prefix KV blocks for last-token pooling; the engine ignores it for models
@@ -52,3 +53,37 @@ class SchedulerConfig:
         """Most tokens one prompt may take in one step when chunking."""
         threshold = self.long_prefill_token_threshold
         return self.max_num_batched_tokens if threshold is None else threshold
+
+    @property
+    def kv_blocks(self) -> int:
+        """The KV pool's blocks (a config built from the settings holds None until `sized`)."""
+        if self.num_kv_blocks is None:
+            raise ValueError("the KV pool is not sized: SchedulerConfig.sized() sizes it")
+        return self.num_kv_blocks
+
+    def sized(self, max_model_len: int, causal: bool) -> SchedulerConfig:
+        """This config for one loaded model, what it leaves to the engine computed (once, by
+        the engine): the KV pool (the longest prompt and one step when unset), chunking and
+        prefix caching for causal attention only. Refuses budgets the model cannot run."""
+        budget = self.max_num_batched_tokens
+        if not causal and budget < max_model_len:
+            raise ValueError(
+                f"encoder prompts cannot be chunked: --max-num-batched-tokens ({budget}) "
+                f"must be at least max_model_len ({max_model_len})"
+            )
+        blocks_for_longest = math.ceil(max_model_len / self.block_size)
+        num_kv_blocks = self.num_kv_blocks or blocks_for_longest + math.ceil(
+            budget / self.block_size
+        )
+        if num_kv_blocks < blocks_for_longest and causal:
+            raise ValueError(
+                f"--num-kv-blocks ({num_kv_blocks}) cannot hold one prompt of max_model_len "
+                f"({max_model_len}); it needs at least {blocks_for_longest}"
+            )
+        return replace(
+            self,
+            num_kv_blocks=num_kv_blocks,
+            enable_chunked_prefill=causal,
+            # bidirectional attention: a position's KV depends on later tokens: nothing shared
+            enable_prefix_caching=self.enable_prefix_caching and causal,
+        )

@@ -54,7 +54,7 @@ def _config(model: Path, **overrides: object) -> CoreConfig:
         "block_size": 8,
         "max_num_queued_requests": 4,
     }
-    return CoreConfig(**{**base, **overrides})  # type: ignore[arg-type]
+    return CoreConfig.of(**{**base, **overrides})
 
 
 @pytest.fixture

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import os
+import pickle
 import re
 import signal
 import subprocess
@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from poolserve.config.core import CoreConfig
+from poolserve.config.core import CoreConfig, Placement
 from poolserve.engine.host import GIB, CoreThread, LocalCore, build_engine, check_memory_fraction
 from poolserve.engine.loop import Engine
 from poolserve.engine.runner import PreparedStep, StepResult
@@ -52,13 +52,13 @@ PROMPTS_B = [[101, *range(2000 + i, 2000 + i + n), 102] for i, n in enumerate([3
 
 def _configs(tiny_model_dir: Callable[[str], Path]) -> tuple[CoreConfig, CoreConfig]:
     """A: a causal embedder with a small step budget; B: an encoder embedder."""
-    a = CoreConfig(
+    a = CoreConfig.of(
         model=str(tiny_model_dir("llama")),
         max_model_len=64,
         max_num_batched_tokens=16,
         block_size=8,
     )
-    b = CoreConfig(
+    b = CoreConfig.of(
         model=str(tiny_model_dir("bert")), max_model_len=32, max_num_batched_tokens=32, block_size=8
     )
     return a, b
@@ -284,7 +284,7 @@ def test_a_model_that_fails_to_load_fails_the_start_naming_it(
     tiny_model_dir: Callable[[str], Path], tmp_path: Path
 ) -> None:
     missing = str(tmp_path / "missing")
-    configs = [_configs(tiny_model_dir)[0], CoreConfig(model=missing)]
+    configs = [_configs(tiny_model_dir)[0], CoreConfig.of(model=missing)]
     before = _model_threads()
     local = LocalCore(configs)
     with pytest.raises(ModelStartError, match=f"^model {re.escape(repr(missing))}: no such folder"):
@@ -310,7 +310,9 @@ def test_memory_fraction_is_checked_with_the_numbers() -> None:
 def test_the_cpu_ignores_the_memory_fraction_with_one_info_line(
     tiny_model_dir: Callable[[str], Path], caplog: pytest.LogCaptureFixture
 ) -> None:
-    config = dataclasses.replace(_configs(tiny_model_dir)[1], gpu_memory_fraction=1e-9)
+    config = dataclasses.replace(
+        _configs(tiny_model_dir)[1], placement=Placement(gpu_memory_fraction=1e-9)
+    )
     with caplog.at_level(logging.INFO, logger="poolserve.engine.host"):
         build_engine(config)
     lines = [r for r in caplog.records if "gpu_memory_fraction" in r.getMessage()]
@@ -321,10 +323,10 @@ def test_the_cpu_ignores_the_memory_fraction_with_one_info_line(
 # ---- the engine-core process ---------------------------------------------------------------
 
 CHILD = """
-import asyncio, json, sys
+import asyncio, pickle, sys
 from poolserve.config.core import CoreConfig
 from poolserve.engine.process import serve_core_process
-configs = [CoreConfig(**c) for c in json.loads(sys.argv[1])]
+configs = pickle.loads(bytes.fromhex(sys.argv[1]))
 sys.exit(asyncio.run(serve_core_process(configs, sys.argv[2])))
 """
 
@@ -333,7 +335,7 @@ sys.exit(asyncio.run(serve_core_process(configs, sys.argv[2])))
 def test_the_core_process_serves_every_model_on_its_socket(
     tiny_model_dir: Callable[[str], Path], alone: list[list[Any]], tmp_path: Path
 ) -> None:
-    configs = json.dumps([dataclasses.asdict(c) for c in _configs(tiny_model_dir)])
+    configs = pickle.dumps(list(_configs(tiny_model_dir))).hex()
     directory = str(tmp_path / "cores")
     process = subprocess.Popen([sys.executable, "-c", CHILD, configs, directory])
     try:

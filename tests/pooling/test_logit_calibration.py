@@ -20,7 +20,8 @@ import torch
 from starlette.testclient import TestClient
 from transformers import AutoTokenizer
 
-from poolserve.config.core import core_config
+from poolserve.config.core import core_configs
+from poolserve.config.models_file import served_models
 from poolserve.config.pooler import parse_pooler_config
 from poolserve.config.settings import ServerSettings
 from poolserve.engine.host import CoreThread
@@ -132,7 +133,7 @@ def test_token_classifier_per_token(encoders: Callable[[str], Path]) -> None:
 def test_the_engine_core_applies_them_for_every_front_end(cross_encoder: Path) -> None:
     """Front ends in other processes send prompts to the core; the core's heads calibrate."""
     settings = ServerSettings(model=str(cross_encoder), pooler_config=json.dumps(CALIBRATED))
-    core = CoreThread([core_config(settings, parse_pooler_config(settings.pooler_config))])
+    core = CoreThread(list(core_configs(served_models(settings))))
     core.start()
     tokenizer = AutoTokenizer.from_pretrained(str(cross_encoder))
     encoded = [tokenizer(QUERY, document) for document in DOCUMENTS]

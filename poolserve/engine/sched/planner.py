@@ -140,7 +140,7 @@ def max_prompt_tokens(config: SchedulerConfig) -> int:
     if not config.enable_chunked_prefill:
         return config.max_num_batched_tokens
     # a prompt runs whole when it fits one chunk, else it needs its reservation to fit the pool
-    return max(config.max_chunk_tokens, config.num_kv_blocks * config.block_size + 1)
+    return max(config.max_chunk_tokens, config.kv_blocks * config.block_size + 1)
 
 
 @dataclass(slots=True)
