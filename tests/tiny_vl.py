@@ -161,9 +161,10 @@ def vl_config(
     )
 
 
-def _tokenizer(directory: Path) -> transformers.PreTrainedTokenizerFast:
-    """A word-level tokenizer with Qwen's special tokens and chat template, saved."""
-    vocab = {token: i for i, token in enumerate((*SPECIALS, *WORDS))}
+def _tokenizer(directory: Path, extra: Sequence[str] = ()) -> transformers.PreTrainedTokenizerFast:
+    """A word-level tokenizer with Qwen's special tokens and chat template (and `extra`
+    words), saved."""
+    vocab = {token: i for i, token in enumerate((*SPECIALS, *WORDS, *extra))}
     tokenizer = Tokenizer(WordLevel(vocab, unk_token="<|endoftext|>"))
     # words between spaces, "\n" a word of its own (the special tokens are matched before this)
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
@@ -277,3 +278,60 @@ def image(width: int, height: int, seed: int = 0) -> Image.Image:
     generator = torch.Generator().manual_seed(seed)
     pixels = torch.randint(0, 256, (height, width, 3), generator=generator, dtype=torch.uint8)
     return Image.fromarray(pixels.numpy(), "RGB")
+
+
+# ColQwen2's prompt words ("Query: ...", "Describe the image."), beside the tiny vocabulary
+COLQWEN_WORDS = ("Query:", "the", "image.")
+
+
+def save_tiny_colqwen2(directory: Path, family: str = "qwen2_vl", seed: int = 0) -> Path:
+    """A tiny random ColQwen2ForRetrieval (a `family` model inside, a 24-wide projection with a
+    bias) with its ColQwen2Processor saved as transformers saves it (processor_config.json
+    holding the image processor, the query prefix and the visual prompt)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = _tokenizer(directory, COLQWEN_WORDS)
+    vlm = vl_config(family, len(tokenizer))
+    torch.manual_seed(seed)
+    config = transformers.ColQwen2Config(vlm_config=vlm.to_dict(), embedding_dim=24)
+    model = transformers.ColQwen2ForRetrieval(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.2)
+    model.save_pretrained(directory)
+    images = processor().__class__(**PROCESSORS[family])
+    transformers.ColQwen2Processor(image_processor=images, tokenizer=tokenizer).save_pretrained(
+        directory
+    )
+    return directory
+
+
+class ColQwenReference:
+    """transformers' ColQwen2Processor and ColQwen2ForRetrieval: each query's and image
+    document's per-token embeddings, computed alone (a batch of one, nothing padded)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.processor = transformers.ColQwen2Processor.from_pretrained(directory)
+        self.model = transformers.ColQwen2ForRetrieval.from_pretrained(
+            directory, dtype=torch.float32
+        ).eval()
+
+    @torch.no_grad()
+    def query(self, text: str) -> tuple[list[int], torch.Tensor]:
+        """The processor's query ids and their `[num_tokens, dim]` embeddings."""
+        inputs = self.processor.process_queries([text])
+        return inputs["input_ids"][0].tolist(), self.model(**inputs).embeddings[0]
+
+    @torch.no_grad()
+    def document(self, picture: Image.Image) -> tuple[list[int], torch.Tensor, dict[str, Any]]:
+        """The processor's ids of an image document (placeholders expanded), their embeddings,
+        and its patches and grid."""
+        inputs = self.processor.process_images([picture])
+        embeddings = self.model(**inputs).embeddings[0]
+        grid = tuple(int(v) for v in inputs["image_grid_thw"][0].tolist())
+        patches = inputs["pixel_values"][0][: grid[0] * grid[1] * grid[2]]
+        media = {"patches": patches.float().numpy(), "grid": grid}
+        return inputs["input_ids"][0].tolist(), embeddings, media
+
+    def maxsim(self, query: torch.Tensor, document: torch.Tensor) -> float:
+        """score_retrieval of one query against one document, unpadded."""
+        return float(self.processor.score_retrieval([query], [document])[0, 0])

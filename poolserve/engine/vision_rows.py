@@ -1,5 +1,6 @@
 """A vision-language request's images on the engine's side: where they sit in its prompt, its
-M-RoPE positions, and the vision tower's rows, computed once and kept for its later chunks.
+positions (M-RoPE's, or sequential for ColQwen2), and the vision tower's rows, computed once
+and kept for its later chunks.
 
 The loop makes one `RequestImages` at admission. The worker thread runs the tower over every
 image of a step whose first rows the step needs (batched in one call, whatever requests they
@@ -20,7 +21,7 @@ import torch
 from poolserve.models.decoder import VisionRows
 from poolserve.models.qwen_vision import VisionOutput
 from poolserve.types.errors import InvalidRequestError
-from poolserve.types.mrope import image_starts, mrope_positions
+from poolserve.types.mrope import image_starts, prompt_positions
 from poolserve.types.vision import InlineImages, PromptImages, image_digest
 
 
@@ -44,8 +45,8 @@ class RequestImages:
         except ValueError as exc:
             raise InvalidRequestError(str(exc), "messages") from exc
         self.media = media
-        self.positions = mrope_positions(
-            len(token_ids), starts, media.grids, inline.processing.merge_size
+        self.positions = prompt_positions(
+            len(token_ids), starts, media.grids, inline
         )  # [3, num_tokens]
         is_image = token_ids == inline.image_token_id  # [num_tokens]
         self.is_image = is_image

@@ -18,7 +18,7 @@ from poolserve.models.families.records import (
     MaskedLMHead,
     PerToken,
 )
-from poolserve.models.late_interaction import colbert_projection
+from poolserve.models.late_interaction import token_projection
 from poolserve.models.layers import activation
 from poolserve.models.registry import DECODER_FAMILIES, MASKED_LM_LAYOUTS
 from poolserve.models.weights import take
@@ -278,7 +278,7 @@ _BUILDERS: dict[
     HeadKind.PROCESS_REWARD: _mlp_head,
     HeadKind.TOKEN_REWARD: _mlp_head,
     HeadKind.MASKED_LM: _masked_lm,
-    HeadKind.LATE_INTERACTION: lambda entry, state, config: colbert_projection(state, config),
+    HeadKind.LATE_INTERACTION: token_projection,
 }
 
 

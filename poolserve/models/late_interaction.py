@@ -1,4 +1,5 @@
-"""ColBERT checkpoints: reading the token projection beside the backbone, refusing what we lack."""
+"""Late-interaction checkpoints: ColBERT's token projection beside the backbone (refusing what we
+lack), or a retriever's own projection under its entry's head prefix (ColQwen2)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,33 @@ from poolserve.models.families.colbert import (
     PYLATE_PROMPT_FIELDS,
     STANFORD_METADATA,
 )
+from poolserve.models.families.records import ArchitectureEntry
 from poolserve.types.errors import ModelLoadError
+
+
+def token_projection(
+    entry: ArchitectureEntry, state: dict[str, torch.Tensor], config: PretrainedConfig
+) -> torch.nn.Module:
+    """Every token's float32 projection: under the entry's head prefix (ColQwen2's
+    `embedding_proj_layer`, its bias kept), else ColBERT's bias-free one."""
+    if entry.head_prefix is None:
+        return colbert_projection(state, config)
+    name = f"{entry.head_prefix}weight"
+    if name not in state:
+        raise ModelLoadError(f"the checkpoint has no token projection {name}")
+    weight = state[name]  # [dim, hidden]
+    hidden = int(config.hidden_size)
+    if weight.dim() != 2 or weight.shape[1] != hidden:
+        raise ModelLoadError(
+            f"token projection {name} has shape {list(weight.shape)}, expected [dim, {hidden}]"
+        )
+    bias = state.get(f"{entry.head_prefix}bias")  # [dim] or None
+    linear = torch.nn.Linear(hidden, weight.shape[0], bias=bias is not None)
+    with torch.no_grad():
+        linear.weight.copy_(weight.float())
+        if bias is not None:
+            linear.bias.copy_(bias.float())
+    return linear
 
 
 def colbert_projection(state: dict[str, torch.Tensor], config: PretrainedConfig) -> torch.nn.Module:

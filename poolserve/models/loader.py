@@ -34,7 +34,6 @@ from poolserve.models.dual_encoder import (
 from poolserve.models.encoder import EncoderModel
 from poolserve.models.encoder_config import encoder_max_len
 from poolserve.models.families.nomic import adopt_remote_nomic_fields
-from poolserve.models.families.qwen_vl import VISION_LANGUAGE
 from poolserve.models.float_kernels import TORCH, pack_linears
 from poolserve.models.heads import (
     HeadFactory,
@@ -66,6 +65,7 @@ from poolserve.models.vision_language import (
 from poolserve.models.vision_language import (
     VisionLanguageModel,
     inline_images,
+    vision_language,
 )
 from poolserve.models.weights import load_state_dict, strip_prefix
 from poolserve.types.errors import (
@@ -513,10 +513,10 @@ def _vision_decoder(
     backend: AttentionBackend,
     placement: tuple[torch.device, torch.dtype],
 ) -> PackedModel:
-    """The packed decoder and vision tower of a Qwen-VL checkpoint (the whole state)."""
-    architecture = str((config.architectures or [""])[0])
-    family = VISION_LANGUAGE[architecture]
-    return VisionLanguageModel(config, state, family, backend, placement).eval()
+    """The packed decoder and vision tower of a Qwen-VL checkpoint (the whole state; a
+    wrapping class's model config under its field)."""
+    family, model_config = vision_language(config)
+    return VisionLanguageModel(model_config, state, family, backend, placement).eval()
 
 
 _BACKBONES: dict[Backbone, Callable[..., PackedModel]] = {

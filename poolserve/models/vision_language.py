@@ -1,10 +1,13 @@
-"""Vision-language embedders (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): the packed decoder with a vision
-tower whose merged patches stand in the token stream in place of their placeholders.
+"""Vision-language embedders (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) and ColQwen2 retrievers: the packed
+decoder with a vision tower whose merged patches stand in the token stream in place of their
+placeholders.
 
 The decoder is the shared one (decoder.py) with M-RoPE (rope.py) and, for Qwen3-VL, deepstack
 rows added after its first layers; the vision tower is qwen_vision.py. A request's images run
 through the tower once, when the first of its chunks holding image tokens runs, and their rows
-are kept for its later chunks (engine/vision_rows.py). Each family's facts are one row.
+are kept for its later chunks (engine/vision_rows.py). Each family's facts are one row; a
+class that holds the model under a config field (ColQwen2ForRetrieval's `vlm_config`) finds
+its family by that config's model_type, and runs with sequential positions as transformers does.
 """
 
 from __future__ import annotations
@@ -18,11 +21,11 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from poolserve.models.attention import AttentionBackend
 from poolserve.models.decoder import DecoderModel
-from poolserve.models.families.qwen_vl import VisionLanguageFamily
+from poolserve.models.families.qwen_vl import VISION_LANGUAGE, WRAPPED, VisionLanguageFamily
 from poolserve.models.qwen_vision import QwenVision, VisionOutput
 from poolserve.models.weights import strip_prefix
-from poolserve.types.errors import ModelLoadError
-from poolserve.types.vision import InlineImages, read_grid_processing
+from poolserve.types.errors import ModelLoadError, UnsupportedArchitectureError
+from poolserve.types.vision import InlineImages, RetrievalForms, read_grid_processing
 
 # Where checkpoints keep each part: transformers 5 saves `model.language_model.` and
 # `model.visual.`; Qwen2-VL's Hub checkpoints `model.` and `visual.`. The first that holds the
@@ -37,6 +40,23 @@ def _part(state: dict[str, torch.Tensor], prefixes: tuple[str, ...], marker: str
         if f"{prefix}{marker}" in state:
             return prefix
     raise ModelLoadError(f"no {marker} under any of the prefixes {list(prefixes)}")
+
+
+def vision_language(config: PretrainedConfig) -> tuple[VisionLanguageFamily, PretrainedConfig]:
+    """The family of a vision-language checkpoint's class and the config of its Qwen-VL model
+    (a wrapping class's: the config under its field, found by that config's model_type)."""
+    architecture = str((config.architectures or [""])[0])
+    wrapped = WRAPPED.get(architecture)
+    if wrapped is None:
+        return VISION_LANGUAGE[architecture], config
+    inner = getattr(config, wrapped.config_field)
+    family = wrapped.families.get(str(inner.model_type))
+    if family is None:
+        raise UnsupportedArchitectureError(
+            f"{architecture} of a {inner.model_type} model",
+            tuple(f"{architecture} of a {name} model" for name in wrapped.families),
+        )
+    return family, inner
 
 
 class VisionLanguageModel(DecoderModel):
@@ -70,12 +90,12 @@ def inline_images(
     path: Path, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase
 ) -> InlineImages:
     """What the front ends need to place images in a prompt: the checkpoint's image processor
-    (preprocessor_config.json), its placeholder token, and an image's text (the vision start,
-    placeholder and vision end tokens) for a score template's image documents."""
-    file = path / "preprocessor_config.json"
-    if not file.is_file():
-        raise ModelLoadError(f"{path} has no preprocessor_config.json: its images cannot be read")
-    processing = read_grid_processing(json.loads(file.read_text()))
+    (preprocessor_config.json, or the one inside processor_config.json), its placeholder
+    token, an image's text (the vision start, placeholder and vision end tokens) for a score
+    template's image documents; a retriever's positions and prompt forms."""
+    architecture = str((config.architectures or [""])[0])
+    family, config = vision_language(config)
+    processing = read_grid_processing(_image_processor(path))
     merge = int(config.vision_config.spatial_merge_size)
     patch = int(config.vision_config.patch_size)
     if (processing.merge_size, processing.patch_size) != (merge, patch):
@@ -99,7 +119,55 @@ def inline_images(
         ids["image_token_id"],
         ids["vision_start_token_id"],
         placeholder="".join(tokens.values()),  # start, placeholder, end: vLLM's image text
+        mrope=family.mrope,
+        retrieval=_retrieval_forms(path, architecture, tokenizer, tokens),
     )
+
+
+def _image_processor(path: Path) -> dict[str, Any]:
+    """The image processor's fields: preprocessor_config.json, else processor_config.json's
+    `image_processor` (how transformers 5 saves a processor's parts)."""
+    file = path / "preprocessor_config.json"
+    if file.is_file():
+        return dict(json.loads(file.read_text()))
+    file = path / "processor_config.json"
+    if file.is_file():
+        nested = json.loads(file.read_text()).get("image_processor")
+        if isinstance(nested, dict):
+            return nested
+    raise ModelLoadError(
+        f"{path} has no preprocessor_config.json (nor an image processor in "
+        "processor_config.json): its images cannot be read"
+    )
+
+
+def _retrieval_forms(
+    path: Path, architecture: str, tokenizer: PreTrainedTokenizerBase, tokens: dict[str, str]
+) -> RetrievalForms | None:
+    """A retriever's prompts as its processor writes them: processor_config.json's
+    query_prefix and visual_prompt_prefix (the class's defaults where absent or empty), the
+    tokenizer's pad token as the query augmentation token; None for other classes."""
+    wrapped = WRAPPED.get(architecture)
+    if wrapped is None:
+        return None
+    file = path / "processor_config.json"
+    saved: dict[str, Any] = json.loads(file.read_text()) if file.is_file() else {}
+    defaults = wrapped.prompts
+    prefix = saved.get("query_prefix") or defaults.query_prefix
+    document = saved.get("visual_prompt_prefix") or defaults.document
+    pad = tokenizer.pad_token
+    if not isinstance(pad, str):
+        raise ModelLoadError(
+            f"{architecture}: the tokenizer has no pad token, its query augmentation token"
+        )
+    opening = tokens["vision_start_token_id"] + tokens["image_token_id"]
+    if document.count(tokens["image_token_id"]) != 1 or opening not in document:
+        raise ModelLoadError(
+            f"{architecture}: visual_prompt_prefix {document!r} must hold one image "
+            f"placeholder {opening!r}"
+        )
+    suffix = pad * defaults.augmentation + defaults.query_end
+    return RetrievalForms(str(prefix), suffix, str(document))
 
 
 def text_config(config: PretrainedConfig) -> Any:

@@ -4,7 +4,8 @@ Qwen-VL decoders give each token three positions (frame, row, column). A text to
 index on all three, counted on from the position after what came before it; an image's
 tokens take their merged patch's frame, row and column added to the position where the image
 starts, and the text after an image goes on from one past the image's largest position
-(transformers' `get_rope_index`, images only). Torch-free: the engine computes them once per
+(transformers' `get_rope_index`, images only); a model run without them (ColQwen2) counts
+every token by its index. Torch-free: the engine computes them once per
 prompt at admission, and any chunk's slice of them is its positions.
 """
 
@@ -53,3 +54,14 @@ def mrope_positions(
         cursor = end
     positions[:, cursor:] = np.arange(next_position, next_position + num_tokens - cursor)
     return positions
+
+
+def prompt_positions(
+    num_tokens: int, starts: Sequence[int], grids: Sequence[Grid], inline: InlineImages
+) -> np.ndarray:  # [3, num_tokens] int64
+    """The prompt's position rows: M-RoPE's, or, for a model run without them (`inline.mrope`
+    false: ColQwen2, whose transformers forward gives its model no image grids), each token's
+    index on all three rows."""
+    if inline.mrope:
+        return mrope_positions(num_tokens, starts, grids, inline.processing.merge_size)
+    return np.broadcast_to(np.arange(num_tokens, dtype=np.int64), (3, num_tokens)).copy()

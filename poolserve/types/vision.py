@@ -72,6 +72,22 @@ QWEN_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
 @dataclass(frozen=True)
+class RetrievalForms:
+    """How a late-interaction retriever (ColQwen2) writes its prompts, as its processor does:
+    a text as `query_prefix + text + query_suffix`; an image as `document`, whose one
+    placeholder stands for the image's merged patches. A conversation's own text is no part of
+    either: a document is an image alone."""
+
+    query_prefix: str
+    query_suffix: str  # the query augmentation tokens and the end ("<|endoftext|>" x 10 + "\n")
+    document: str
+
+    def query(self, text: str) -> str:
+        """A text as the processor writes a query."""
+        return f"{self.query_prefix}{text}{self.query_suffix}"
+
+
+@dataclass(frozen=True)
 class InlineImages:
     """How a vision-language model takes images inside a prompt: its processor, and the token
     its chat template writes for an image, repeated once per merged patch before it runs."""
@@ -83,6 +99,11 @@ class InlineImages:
     # an image as text: the tokens of vision start, the placeholder and vision end, as vLLM
     # renders an image document in a score template (the checkpoint's tokens at load)
     placeholder: str = QWEN_PLACEHOLDER
+    # M-RoPE positions for an image's tokens; False: every token at its index on all three
+    # rows (ColQwen2, as transformers runs it)
+    mrope: bool = True
+    # a retriever's prompt forms (ColQwen2); None: prompts are rendered by the chat template
+    retrieval: RetrievalForms | None = None
 
     def num_tokens(self, grid: Grid) -> int:
         """The decoder tokens an image of this patch grid becomes."""

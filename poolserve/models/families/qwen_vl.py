@@ -1,6 +1,8 @@
 """Qwen2-VL, Qwen2.5-VL and Qwen3-VL: a Qwen2 or Qwen3 decoder fed by a vision tower
 (models/vision_language.py, models/qwen_vision.py). Their decoders' rows by the text config's
-model_type; each family's tower row; the classes, embedders and vLLM's reranker name."""
+model_type; each family's tower row; the classes, embedders and vLLM's reranker name; and
+ColQwen2 (transformers' ColQwen2ForRetrieval), a Qwen2-VL or Qwen2.5-VL model inside a
+retrieval class with a per-token projection."""
 
 from __future__ import annotations
 
@@ -24,6 +26,32 @@ class VisionLanguageFamily:
 
     decoder: DecoderFamily
     tower: VisionFamily
+    # M-RoPE positions for a prompt's images (transformers' get_rope_index); False: every token
+    # at its index on all three rows, as ColQwen2ForRetrieval runs its model (inputs_embeds
+    # without image_grid_thw)
+    mrope: bool = True
+
+
+@dataclass(frozen=True)
+class RetrievalPrompts:
+    """How a retrieval processor (ColQwen2Processor) writes its prompts, where
+    processor_config.json is silent: a text as `query_prefix + text + the pad token x
+    augmentation + query_end`, an image as `document` with its placeholder expanded."""
+
+    query_prefix: str
+    augmentation: int  # query augmentation tokens (the tokenizer's pad token) after the text
+    query_end: str
+    document: str
+
+
+@dataclass(frozen=True)
+class WrappedVisionLanguage:
+    """A class holding a Qwen-VL model under a config field: the families it takes, by that
+    config's model_type, its head entry and its processor's prompts."""
+
+    config_field: str
+    families: dict[str, VisionLanguageFamily]
+    prompts: RetrievalPrompts
 
 
 # The decoders, by the text config's model_type (no class of their own).
@@ -85,6 +113,31 @@ _EMBEDDER = ArchitectureEntry(Backbone.VISION_DECODER, HeadKind.NONE, ("",))
 _RERANKER = ArchitectureEntry(
     Backbone.VISION_DECODER, HeadKind.SEQUENCE_CLASSIFIER, ("",), "score.", per_token=PerToken.HEAD
 )
+# ColQwen2ForRetrieval: `vlm_config` a Qwen2-VL (or Qwen2.5-VL) config, the model under
+# `vlm.`, `embedding_proj_layer` (with a bias) projecting every token, L2-normalized per token
+COLQWEN2_PROMPTS = RetrievalPrompts(
+    query_prefix="Query: ",
+    augmentation=10,
+    query_end="\n",
+    document="<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>"
+    "Describe the image.<|im_end|><|endoftext|>",
+)
+WRAPPED: dict[str, WrappedVisionLanguage] = {
+    "ColQwen2ForRetrieval": WrappedVisionLanguage(
+        "vlm_config",
+        {
+            "qwen2_vl": VisionLanguageFamily(FAMILIES["qwen2_vl_text"], QWEN2_VL_TOWER, False),
+            "qwen2_5_vl": VisionLanguageFamily(
+                FAMILIES["qwen2_5_vl_text"], QWEN2_5_VL_TOWER, False
+            ),
+        },
+        COLQWEN2_PROMPTS,
+    ),
+}
+_RETRIEVER = ArchitectureEntry(
+    Backbone.VISION_DECODER, HeadKind.LATE_INTERACTION, ("vlm.", ""), "embedding_proj_layer."
+)
 ARCHITECTURES: dict[str, ArchitectureEntry] = {
-    name: _RERANKER if name.endswith(RERANKER) else _EMBEDDER for name in VISION_LANGUAGE
+    **{name: _RERANKER if name.endswith(RERANKER) else _EMBEDDER for name in VISION_LANGUAGE},
+    **dict.fromkeys(WRAPPED, _RETRIEVER),
 }
