@@ -11,6 +11,10 @@ the same items instead). The rendered prompts' images are then placed as every t
 are (prompt_images.py): loaded through media.py (its limits and budgets), a prompt's length
 known from the images' headers, so one too long is refused before any patch is cut, and
 patches cut (grid_images.py) in worker threads.
+
+A late-interaction retriever (ColQwen2: the card's `retrieval` forms) writes its prompts as its
+processor does instead: a text as a query (`Query: ` + text + the pad token ten times + "\n"),
+an image, bare or a conversation's one image_url part with no text, as its visual prompt.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from poolserve.frontend.texts import (
 )
 from poolserve.frontend.truncation import encode_batch
 from poolserve.types.errors import InvalidRequestError
-from poolserve.types.vision import InlineImages, PromptImages
+from poolserve.types.vision import InlineImages, PromptImages, RetrievalForms
 
 # How a chat template sees an image part: vLLM's placeholder, which every Qwen-VL template
 # (`content['type'] == 'image'`) writes as the image's placeholder run
@@ -49,9 +53,15 @@ IMAGE_PART: Mapping[str, str] = {"type": "image"}
 class Conversation:
     """One prompt with images, checked before any work: its render and its images in order."""
 
-    render: ChatRender
+    render: ChatRender | None  # None: `text` is the prompt (a retriever's image document)
     images: tuple[ImageRef, ...]
     where: str  # the conversation in the body, for errors ("messages", "images[2]")
+    text: str = ""
+
+    @property
+    def num_chars(self) -> int:
+        """The characters it brings (the template's, or its fixed prompt's)."""
+        return len(self.text) if self.render is None else self.render.num_chars
 
 
 @dataclass(frozen=True)
@@ -93,13 +103,19 @@ def check_request(
     """Every prompt checked before any work: texts not empty; each conversation's template,
     options and size (chat.prepare), all of them within --max-request-chars. A conversation is
     never cut (its placeholders must match its images): a cut the request asks (not the
-    model's own limit, -1) is the most tokens it may have."""
+    model's own limit, -1) is the most tokens it may have. A retriever's image document is
+    its one image alone, in the retriever's visual prompt."""
     prompts: list[str | Conversation] = []
+    inline = model.card.inline_images
+    retrieval = None if inline is None else inline.retrieval
     for item in items:
         if item.image is None and item.chat is None:
             if not item.text:
                 raise InvalidRequestError(f"{item.where} is empty", item.where)
             prompts.append(item.text)
+            continue
+        if retrieval is not None:
+            prompts.append(retrieval_document(item, retrieval))
             continue
         chat = item.chat or Chat(({"role": "user", "content": [IMAGE_PART]},))
         templated = Chat(
@@ -112,11 +128,26 @@ def check_request(
         prompts.append(
             Conversation(prepare(templated, model, trusted), image_refs(item), item.where)
         )
-    num_chars = sum(p.render.num_chars for p in prompts if isinstance(p, Conversation))
+    num_chars = sum(p.num_chars for p in prompts if isinstance(p, Conversation))
     check_request_chars(num_chars, model)
     asked = truncate.tokens if truncate.tokens is not None and truncate.tokens > 0 else None
     most = model.max_model_len if asked is None else min(asked, model.max_model_len)
     return InlineRequest(tuple(prompts), num_chars, truncation_for(truncate, model), most)
+
+
+def retrieval_document(item: MediaItem, forms: RetrievalForms) -> Conversation:
+    """A retriever's image document: the item's one image in the visual prompt, as its
+    processor writes an image (ColQwen2Processor takes an image alone: text beside it, or
+    several images, is refused rather than dropped)."""
+    refs = image_refs(item)
+    texts = [] if item.chat is None else [t for m in item.chat.messages for t in _message_texts(m)]
+    if len(refs) != 1 or texts:
+        raise InvalidRequestError(
+            f"{item.where}: this model embeds a document as one image alone (one image_url "
+            "part, no text); send a text as a text",
+            item.where.split("[")[0],
+        )
+    return Conversation(None, refs, item.where, forms.document)
 
 
 def _template_message(message: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -142,6 +173,8 @@ async def inline_prompts(
     images placed (prompt_images.py: the checks before any patch is cut, the patch budget)."""
     conversations = [p for p in request.prompts if isinstance(p, Conversation)]
     texts = tuple(p for p in request.prompts if isinstance(p, str))
+    if inline.retrieval is not None:  # a retriever's texts are its queries
+        texts = tuple(inline.retrieval.query(text) for text in texts)
     text_ids = (
         await tokenize(RawInputs(texts, None), model, request.truncation, on_reject)
         if texts
@@ -178,7 +211,9 @@ def _in_order(
 def _tokenized(model: ModelHandle, conversations: Sequence[Conversation]) -> list[list[int]]:
     """Each conversation rendered by the template and tokenized as it is (the template wrote
     the special tokens), in a worker thread."""
-    texts = [render(model.tokenizer, c.render) for c in conversations]
+    texts = [
+        c.text if c.render is None else render(model.tokenizer, c.render) for c in conversations
+    ]
     return [list(tokens.ids) for tokens in encode_batch(model.tokenizer, texts)] if texts else []
 
 

@@ -10,6 +10,11 @@ repeated for the image's grid, the patch budget. An image's pair is never cut (i
 placeholder must match its image); a text document of the same request stays a text,
 rendered and cut as score_prompts.py does. A dual encoder or a vision-language embedder
 compares embeddings instead (the route's MediaJob), as vLLM scores an embedding model's pairs.
+
+A late-interaction retriever (ColQwen2) takes the same job but embeds each query and each
+document on its own, as its processor writes them (inline_images.py: a text a query, an image
+the visual prompt), and scores each pair by MaxSim of their token vectors, as vLLM scores a
+late-interaction model's multimodal documents.
 """
 
 from __future__ import annotations
@@ -18,7 +23,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from poolserve.frontend.client import EngineClient
-from poolserve.frontend.jobs import ScoreJob
+from poolserve.frontend.inline_images import (
+    Conversation,
+    InlineRequest,
+    inline_prompts,
+    retrieval_document,
+)
+from poolserve.frontend.jobs import MediaItem, ScoreJob
 from poolserve.frontend.media import Budgets, MediaLimits
 from poolserve.frontend.pairs import PairTruncation
 from poolserve.frontend.prompt_images import (
@@ -30,6 +41,7 @@ from poolserve.frontend.prompt_images import (
 )
 from poolserve.frontend.score_prompts import tokenize_templated
 from poolserve.frontend.state import ModelHandle
+from poolserve.frontend.texts import Truncation
 from poolserve.types.errors import InvalidRequestError
 from poolserve.types.scoring import PairMode, scorer_plan
 from poolserve.types.vision import InlineImages
@@ -44,10 +56,13 @@ class PairImages:
 
 
 def reads_images_in_pairs(engine: EngineClient, model: ModelHandle) -> bool:
-    """Whether the model scores an image document inside each pair's prompt (a vision-language
-    model read as a reranker), rather than by the cosine of two embeddings."""
+    """Whether the model scores image documents as a scoring job (a vision-language model read
+    as a reranker, inside each pair's prompt; a retriever, by MaxSim of each query's and
+    document's own token vectors), rather than by the cosine of two embeddings."""
     if model.card.inline_images is None:
         return False
+    if model.card.inline_images.retrieval is not None:
+        return True
     return scorer_plan(engine.pooling_info).mode is PairMode.JOINT
 
 
@@ -59,6 +74,12 @@ def check_image_pairs(job: ScoreJob, model: ModelHandle, joint: bool) -> InlineI
     field = job.document_field
     if inline is None:
         raise InvalidRequestError(f"model {model.served_name!r} takes no images: send text", field)
+    if inline.retrieval is not None:  # each text and image embedded on its own
+        check_image_count(
+            [ref for item in job.document_items for ref in _item_images(item)],
+            model.settings.max_images_per_request,
+        )
+        return inline
     if not joint:
         raise InvalidRequestError(
             f"model {model.served_name!r} compares embeddings: an image document is embedded "
@@ -89,7 +110,10 @@ async def image_pair_prompts(
     on_reject: Callable[[str], None],
 ) -> InlinePrompts:
     """Each pair's prompt, an image document rendered as the model's image text, tokenized
-    whole (score_prompts.py), then its image placed (prompt_images.py)."""
+    whole (score_prompts.py), then its image placed (prompt_images.py). A retriever's prompts
+    are each query's, then each document's, on its own."""
+    if inline.retrieval is not None:
+        return await _retrieval_prompts(job, model, inline, cuts, limits, budgets, on_reject)
     items = job.document_items
     images = frozenset(i for i, item in enumerate(items) if item.image is not None)
     texts = tuple(
@@ -113,3 +137,44 @@ def _pair_images(job: ScoreJob) -> list[PairImages]:
         refs = () if item.image is None else (ImageRef(item.image, item.where),)
         pairs.append(PairImages(refs, item.where))
     return pairs
+
+
+def _item_images(item: MediaItem) -> tuple[ImageRef, ...]:
+    """A document's image (none for a text)."""
+    return () if item.image is None else (ImageRef(item.image, item.where),)
+
+
+async def _retrieval_prompts(
+    job: ScoreJob,
+    model: ModelHandle,
+    inline: InlineImages,
+    cuts: PairTruncation,
+    limits: MediaLimits,
+    budgets: Budgets,
+    on_reject: Callable[[str], None],
+) -> InlinePrompts:
+    """A retriever's prompts, the queries' then the documents', each on its own: a text (query
+    or document) in the processor's query form, an image in its visual prompt, never cut."""
+    forms = inline.retrieval
+    assert forms is not None
+    prompts: list[str | Conversation] = list(job.queries)
+    for item, text in zip(job.document_items, job.documents, strict=True):
+        prompts.append(text if item.image is None else retrieval_document(item, forms))
+    for where, prompt in zip(_wheres(job), prompts, strict=True):
+        if isinstance(prompt, str) and not prompt:
+            raise InvalidRequestError(f"{where} is empty", where)
+    most, _ = cuts.limit or (model.max_model_len, "max_model_len")
+    keep = most if cuts.keep is None else min(cuts.keep, most)
+    request = InlineRequest(
+        tuple(prompts),
+        sum(p.num_chars for p in prompts if isinstance(p, Conversation)),
+        Truncation(cuts.keep, cuts.side, None if cuts.limit is None else cuts.limit[0]),
+        keep,
+    )
+    return await inline_prompts(request, model, inline, limits, budgets, on_reject)
+
+
+def _wheres(job: ScoreJob) -> list[str]:
+    """Where each query and document is in the body."""
+    queries = [f"{job.query_field}[{i}]" for i in range(len(job.queries))]
+    return queries + [item.where for item in job.document_items]
