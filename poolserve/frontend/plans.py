@@ -45,7 +45,7 @@ from poolserve.types.params import PoolingParams
 from poolserve.types.scoring import PairMode, job_scorer
 from poolserve.types.tasks import PoolingTask
 from poolserve.types.validation import check_public
-from poolserve.types.vision import InlineImages, PromptImages
+from poolserve.types.vision import InlineImages, PromptImages, RetrievalForms
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +113,10 @@ def plan_texts(job: TextJob, engine: EngineClient, model: ModelHandle, state: Se
         job = replace(job, late_chunking=joined)
     if job.late_chunking is not None:
         check_late(job, raw, model, engine.max_model_len, limit)
+    forms = _retrieval_forms(model)
+    if raw is not None and raw.texts is not None and forms is not None:
+        # a retriever's text is a query, as its processor writes any text (ColQwen2)
+        raw = RawInputs(tuple(forms.query(text) for text in raw.texts), None)
     prompt = None
     chosen = choose_adapter(job, model)
     if raw is not None:
@@ -187,11 +191,25 @@ async def _prompt_params(
     return replace(params, prompt_tokens=count)
 
 
+def _retrieval_forms(model: ModelHandle) -> RetrievalForms | None:
+    """A late-interaction retriever's prompt forms (ColQwen2's processor); None for others."""
+    inline = model.card.inline_images
+    return None if inline is None else inline.retrieval
+
+
 def plan_pairs(
     job: ScoreJob, engine: EngineClient, model: ModelHandle, state: ServiceState
 ) -> Plan:
     """One prompt per pair (laid out as the model was trained), or one per text to compare."""
     check_pairs(job, model.settings.max_client_batch_size)
+    forms = _retrieval_forms(model)
+    if forms is not None and not job.document_items:
+        # a retriever writes every text as a query (image documents: score_images.py)
+        job = replace(
+            job,
+            queries=tuple(forms.query(text) for text in job.queries),
+            documents=tuple(forms.query(text) for text in job.documents),
+        )
     task, joint = job.task, True
     if task is PoolingTask.SCORE:
         scorer = job_scorer(engine.pooling_info, job.mode_weights)

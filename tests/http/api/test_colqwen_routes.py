@@ -2,9 +2,9 @@
 checkpoint (tests/tiny_vl.py), in steps of 16 tokens so documents run chunked, an image across
 steps: /score and /v1/rerank score a text query against image (and text) documents by MaxSim
 of their token vectors, equal transformers' score_retrieval of each pair alone; /pooling's
-token_embed of an image document (vLLM's messages with one image_url part) and of a query sent
-as a multimodal input equals ColQwen2ForRetrieval's embeddings; a document with text beside
-its image is refused."""
+token_embed of an image document (vLLM's messages with one image_url part) and of a text (its
+query form) equals ColQwen2ForRetrieval's embeddings; a document with text beside its image is
+refused."""
 
 from __future__ import annotations
 
@@ -121,14 +121,17 @@ def test_a_document_is_one_image_alone(client: TestClient) -> None:
     assert "one image alone" in response.json()["error"]["message"]
 
 
-def test_pooling_token_embed_of_a_text_takes_it_as_given(
+def test_a_plain_text_is_a_query_on_every_route(
     client: TestClient, reference: ColQwenReference
 ) -> None:
-    """/pooling's texts are tokenized as given (vLLM's late-interaction wire): the query form
-    written by the client gives transformers' query vectors."""
-    written = "Query: " + QUERY + "<|endoftext|>" * 10 + "\n"
-    body = {"model": NAME, "task": "token_embed", "input": written}
+    """A text is written as the processor writes any text (its query form), whether it comes
+    alone to /pooling, beside an image document, or in a text-only /score pair."""
+    query = reference.query(QUERY)[1]
+    body = {"model": NAME, "task": "token_embed", "input": QUERY}
     data = np.asarray(_ok(client.post("/pooling", json=body))["data"][0]["data"])
-    want = reference.query(QUERY)[1].numpy()
-    assert data.shape == want.shape
-    assert float(np.abs(data - want).max()) <= 1e-4
+    assert data.shape == query.shape
+    assert float(np.abs(data - query.numpy()).max()) <= 1e-4
+    pair = {"model": NAME, "queries": QUERY, "documents": ["w6 w7", "w1"]}
+    got = [item["score"] for item in _ok(client.post("/score", json=pair))["data"]]
+    want = [reference.maxsim(query, reference.query(text)[1]) for text in ("w6 w7", "w1")]
+    assert np.allclose(got, want, rtol=1e-4, atol=0)
