@@ -9,13 +9,17 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
+from poolserve.engine import vision_rows
 from poolserve.engine.loop import Engine
+from poolserve.engine.sched.queues import image_runs
+from poolserve.engine.vision_rows import RequestImages
 from poolserve.models.loader import load_model
 from poolserve.models.spec import LoadedModel
 from poolserve.types.errors import InvalidRequestError, LoraAdapterError
@@ -261,3 +265,47 @@ def test_other_precisions_stay_close(
         want = family.reference.last_hidden(text, images).numpy()
         cosine = float(ours @ want / np.linalg.norm(ours) / np.linalg.norm(want))
         assert cosine >= 0.99
+
+
+def test_image_runs_are_the_placeholder_runs(family: Family) -> None:
+    _, _, ids, media = family.prompt(CONVERSATIONS[4], seed=2)
+    assert media is not None
+    inline = family.loaded.inline_images
+    assert inline is not None
+    runs = image_runs(RequestImages(media, ids, inline))
+    assert len(runs) == len(media.grids) == 2
+    for run, patches in zip(runs, media.patches, strict=True):
+        assert (ids[run.start : run.end] == inline.image_token_id).all()
+        assert ids[run.start - 1] == inline.vision_start_token_id
+        assert ids[run.end] != inline.image_token_id
+        assert run.num_patches == patches.shape[0]
+
+
+@pytest.mark.parametrize("budget", [24, 200])
+def test_a_steps_tower_work_stays_in_its_budget(
+    family: Family, budget: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each step runs images of at most `budget` patches through the tower, or one image alone
+    (one above the budget), and the outputs still equal transformers'."""
+    steps: list[list[int]] = []
+    run_tower = vision_rows._run_tower
+
+    def record(tower: Any, pending: list[tuple[RequestImages, int]], device: Any) -> None:
+        steps.append([images.media.patches[k].shape[0] for images, k in pending])
+        run_tower(tower, pending, device)
+
+    monkeypatch.setattr(vision_rows, "_run_tower", record)
+    built = [family.prompt(parts, seed=i) for i, parts in enumerate(CONVERSATIONS)]
+    outputs = _outputs(
+        family.loaded,
+        [ids for _, _, ids, _ in built],
+        [media for *_, media in built],
+        EMBED,
+        max_num_batched_tokens=budget,
+    )
+    ran = [step for step in steps if step]
+    assert sum(len(step) for step in ran) == 6  # every image once
+    assert all(sum(step) <= budget or len(step) == 1 for step in ran), ran
+    assert budget > 100 or any(len(step) == 1 and step[0] > budget for step in ran)
+    for (text, images, _, _), ours in zip(built, outputs, strict=True):
+        _assert_close(ours, family.reference.last_hidden(text, images))

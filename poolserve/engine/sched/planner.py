@@ -14,6 +14,11 @@ Rules, in order:
   that sit among the free blocks now use free blocks when it starts;
 - a waiting prompt that cannot run stops admission for those behind it (no overtaking),
   so a long prompt is never starved by a stream of short ones;
+- a vision-language prompt's image runs through the vision tower in the step whose chunk first
+  reaches its tokens, and its patches count in that step's token budget beside the tokens; a
+  chunk stops before an image that does not fit (a prompt that runs whole waits), except that
+  an image above the whole budget (or a whole prompt with its images) runs as a step's first
+  work and fills it, so none is refused;
 - background prompts (priority >= BACKGROUND_PRIORITY: batch lines) run only in steps without
   any other prompt waiting or running, and such a step takes at most 1/BACKGROUND_SHARE of the
   token budget (or one whole prompt above that, alone): an interactive prompt never shares a
@@ -34,6 +39,15 @@ QUEUE_ORDER = attrgetter("priority", "arrival_index")  # lower first; the planne
 
 
 @dataclass(frozen=True, slots=True)
+class ImageRun:
+    """One image inside a prompt: its placeholder tokens [start, end) and its tower's work."""
+
+    start: int
+    end: int
+    num_patches: int  # what the vision tower runs over: its cost in the step's tower budget
+
+
+@dataclass(frozen=True, slots=True)
 class PlannerSeq:
     """The planner's view of one request."""
 
@@ -46,6 +60,7 @@ class PlannerSeq:
     caches_prefix: bool = False  # stores every full block's KV, last chunk too, for later prompts
     # Of num_blocks_held, cached blocks not yet taken that sit among the free blocks now.
     num_reused_free_blocks: int = 0
+    images: tuple[ImageRun, ...] = ()  # in prompt order; () for a text
 
     def __post_init__(self) -> None:
         """Refuse states that no live request can be in."""
@@ -159,8 +174,9 @@ class _StepFill:
         """True when no further chunk can join the step."""
         return self.num_tokens == 0 or self.num_seqs == 0
 
-    def take(self, seq: PlannerSeq) -> bool:
-        """Add `seq`'s next chunk if it can run now; False when it must wait."""
+    def take(self, seq: PlannerSeq, started: bool) -> bool:
+        """Add `seq`'s next chunk if it can run now; False when it must wait. `started`: an
+        earlier chunk of it was planned (so did the tower work of the image it reached)."""
         num_remaining = seq.num_prompt_tokens - seq.num_computed_tokens
         cap = self.max_chunk_tokens
         if cap is None:
@@ -169,12 +185,15 @@ class _StepFill:
             num_tokens = num_remaining
         else:
             num_tokens = min(num_remaining, cap, self.num_tokens)
+        num_tokens, num_patches = self._with_images(seq, num_tokens, started)
+        if num_tokens == 0:
+            return False
         is_last = num_tokens == num_remaining
         kv = self._kv_blocks(seq, is_last)
         if kv is None:
             return False
         num_new_blocks, num_kv_blocks = kv
-        self.num_tokens -= num_tokens
+        self.num_tokens -= num_tokens + num_patches
         self.num_seqs -= 1
         self.num_free_blocks -= num_new_blocks + seq.num_reused_free_blocks
         kv_end = num_kv_blocks * self.block_size  # a last chunk stores KV below this position
@@ -190,6 +209,41 @@ class _StepFill:
             )
         )
         return True
+
+    def _with_images(self, seq: PlannerSeq, num_tokens: int, started: bool) -> tuple[int, int]:
+        """(tokens seq's chunk may take, patches of the images it runs through the tower), the
+        two together within what is left of the step's budget: the chunk stops before the first
+        image that does not fit (0 tokens: it waits). An image above the whole budget, or a whole
+        prompt's images, may run only as the step's first work, and then fill the step."""
+        start = seq.num_computed_tokens
+        end = start + num_tokens
+        left = self.num_tokens
+        fresh = not self.chunks
+        pending = [
+            image
+            for image in seq.images
+            # a chunk's images: not before it, and not reached (so run) by an earlier chunk; a
+            # prompt that has not started after cache hits inside an image runs that image
+            if start < image.end and image.start < end and not (started and image.start < start)
+        ]
+        num_patches = sum(image.num_patches for image in pending)
+        if not pending or num_tokens + num_patches <= left:
+            return num_tokens, num_patches
+        if self.max_chunk_tokens is None:  # a whole prompt: alone, or it waits
+            return (num_tokens, left - num_tokens) if fresh else (0, 0)
+        num_patches = 0
+        for image in pending:
+            reach = max(image.start, start) + 1 - start  # tokens up to the image's first
+            if reach + num_patches + image.num_patches <= left:
+                num_patches += image.num_patches
+                continue
+            if fresh and num_patches == 0 and image.start <= start:
+                # above the whole budget: the image (and its tokens in this chunk) alone
+                taken = min(num_tokens, image.end - start)
+                return taken, max(0, left - taken)
+            end = image.start  # the chunk stops before it
+            break
+        return max(0, min(end - start, left - num_patches)), num_patches
 
     def _kv_blocks(self, seq: PlannerSeq, is_last: bool) -> tuple[int, int] | None:
         """(blocks to allocate, blocks the chunk may write up to) for seq's chunk; None: wait."""
@@ -239,10 +293,11 @@ def plan_step(
         if fill.is_full:
             break
         # a running prompt holds its reservation: failing to take it only means "not this step"
-        fill.take(seq)
+        fill.take(seq, started=True)
     if waiting and not fill.is_full:
         _admit_waiting(fill, waiting, max_prompt_tokens(config))
-    return BatchPlan(tuple(fill.chunks), budget - fill.num_tokens, background)
+    num_tokens = sum(chunk.num_tokens for chunk in fill.chunks)  # the prompts' (no patches)
+    return BatchPlan(tuple(fill.chunks), num_tokens, background)
 
 
 def _background_budget(
@@ -264,5 +319,5 @@ def _admit_waiting(fill: _StepFill, waiting: Sequence[PlannerSeq], limit: int) -
             return
         if seq.num_prompt_tokens > limit:
             raise PromptTooLongError(seq.num_prompt_tokens, limit, seq.request_id)
-        if not fill.take(seq):
+        if not fill.take(seq, started=False):
             return  # no overtaking: those behind wait too, so this prompt is not starved

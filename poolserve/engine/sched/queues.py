@@ -5,11 +5,15 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from poolserve.engine.runner import ChunkWork
 from poolserve.engine.sched.planner import (
     QUEUE_ORDER,
     BatchPlan,
+    ImageRun,
     PlannerSeq,
     ScheduledChunk,
     max_hit_blocks,
@@ -19,6 +23,9 @@ from poolserve.engine.sched.request import PoolingRequest, RequestStatus
 from poolserve.types.admission import AdmissionControl
 from poolserve.types.limits import SchedulerConfig
 from poolserve.types.outputs import PoolingOutput
+
+if TYPE_CHECKING:
+    from poolserve.engine.vision_rows import RequestImages
 
 
 class RequestQueues:
@@ -63,6 +70,7 @@ class RequestQueues:
             priority=request.priority,
             arrival_index=request.arrival_index,
             caches_prefix=request.cache_use is CacheUse.SHARE,
+            images=image_runs(request.images),
         )
 
     def planner_inputs(self) -> tuple[list[PlannerSeq], list[PlannerSeq]]:
@@ -268,3 +276,16 @@ class RequestQueues:
     def num_running(self) -> int:
         """Requests that have started and not finished."""
         return sum(1 for r in self.by_id.values() if r.status is RequestStatus.RUNNING)
+
+
+def image_runs(images: RequestImages | None) -> tuple[ImageRun, ...]:
+    """Where each image of a prompt sits ([start, end) of its placeholder tokens, found from the
+    image rows before each position) and the patches its tower runs over."""
+    if images is None:
+        return ()
+    row_starts = np.concatenate([[0], images.row_ends[:-1]])
+    # an image's first token: the first position with its first row among the rows before it
+    starts = np.searchsorted(images.before, row_starts + 1, side="left") - 1
+    ends = np.searchsorted(images.before, images.row_ends, side="left")
+    patches = [p.shape[0] for p in images.media.patches]
+    return tuple(ImageRun(int(a), int(b), n) for a, b, n in zip(starts, ends, patches, strict=True))

@@ -8,6 +8,7 @@ import pytest
 
 from poolserve.engine.sched.planner import (
     BatchPlan,
+    ImageRun,
     PlannerSeq,
     ScheduledChunk,
     blocks_needed,
@@ -384,3 +385,73 @@ def test_background_prompts_take_only_what_interactive_work_leaves(name: str) ->
     plan = plan_step(waiting, running, config, config.num_kv_blocks)
     assert plan.chunks == tuple(expected)
     assert plan.background == all(seq.priority == BACKGROUND_PRIORITY for seq in waiting + running)
+
+
+# ---- the vision tower's work: the patches of the images a step first reaches count in its budget
+
+
+def _vl(rid: int, tokens: int, images: tuple[ImageRun, ...], computed: int = 0) -> PlannerSeq:
+    return PlannerSeq(rid, tokens, computed, 0, arrival_index=rid, images=images)
+
+
+def test_a_chunk_stops_before_an_image_the_budget_cannot_take() -> None:
+    # two images of 60 patches (15 tokens each) in a 64-token prompt; budget 100 a step
+    seq = _vl(0, 64, (ImageRun(4, 19, 60), ImageRun(30, 45, 60)))
+    plan = plan_step([seq], [], _cfg(max_num_batched_tokens=100), 64)
+    assert plan.chunks == (C(0, 0, 30, False, 4),)  # 30 tokens + 60 patches; not the second
+    assert plan.num_tokens == 30  # the prompts' tokens, not the patches
+    # the next step starts at that image: it runs now (34 tokens + 60 patches)
+    later = _vl(0, 64, seq.images, computed=30)
+    plan = plan_step([], [later], _cfg(max_num_batched_tokens=100), 64)
+    assert plan.chunks == (C(0, 30, 34, True, 0),)
+
+
+def test_a_chunk_takes_fewer_tokens_to_make_room_for_its_image() -> None:
+    seq = _vl(0, 64, (ImageRun(2, 10, 32),))
+    plan = plan_step([seq], [], _cfg(max_num_batched_tokens=48), 64)
+    assert plan.chunks == (C(0, 0, 16, False, 4),)  # 16 tokens + 32 patches
+
+
+def test_an_image_above_the_whole_budget_runs_alone_and_fills_its_step() -> None:
+    config = _cfg(max_num_batched_tokens=64)
+    big = _vl(0, 40, (ImageRun(2, 30, 400),))  # 400 patches against a budget of 64
+    other = _vl(1, 20, (ImageRun(1, 5, 16),))
+    text = _vl(2, 8, ())
+    plan = plan_step([big, other, text], [], config, 64)
+    # the text before the big image first, beside the others; the image waits for its own step
+    assert plan.chunks == (C(0, 0, 2, False, 3), C(1, 0, 20, True, 0), C(2, 0, 8, True, 0))
+    plan = plan_step([text], [_vl(0, 40, big.images, computed=2)], config, 64)
+    assert plan.chunks == (C(0, 2, 28, False, 3),)  # its tokens, alone: the text waits
+    plan = plan_step([text], [_vl(0, 40, big.images, computed=30)], config, 64)
+    assert plan.chunks == (C(0, 30, 10, True, 0), C(2, 0, 8, True, 0))
+
+
+def test_a_running_prompt_inside_an_image_charges_nothing_for_it() -> None:
+    started = _vl(0, 40, (ImageRun(0, 32, 128),), computed=16)  # its first chunk ran the image
+    beside = _vl(1, 20, (ImageRun(2, 10, 32),))
+    plan = plan_step([beside], [started], _cfg(max_num_batched_tokens=40), 64)
+    assert plan.chunks == (C(0, 16, 24, True, 0), C(1, 0, 2, False, 2))  # up to its image
+
+
+def test_a_prompt_starting_inside_an_image_after_cache_hits_runs_that_image() -> None:
+    hits = _vl(0, 40, (ImageRun(0, 32, 128),), computed=16)  # waiting: cached up to 16
+    beside = _vl(1, 20, (ImageRun(2, 10, 32),))
+    plan = plan_step([hits, beside], [], _cfg(max_num_batched_tokens=200), 64)
+    # 24 tokens + 128 patches, then 16 tokens + 32 patches: 200
+    assert plan.chunks == (C(0, 16, 24, True, 0), C(1, 0, 16, False, 2))
+    plan = plan_step([hits, beside], [], _cfg(max_num_batched_tokens=150), 64)
+    assert plan.chunks == (C(0, 16, 22, False, 3),)  # 22 tokens + 128 patches: full
+
+
+def test_a_whole_prompt_with_its_images_runs_if_they_fit_or_alone() -> None:
+    config = _cfg(max_num_batched_tokens=200, enable_chunked_prefill=False)
+    first = _vl(0, 30, (ImageRun(1, 20, 76),))
+    second = _vl(1, 30, (ImageRun(1, 20, 76),))
+    text = _vl(2, 30, ())
+    plan = plan_step([first, second, text], [], config, 64)
+    assert plan.chunks == (C(0, 0, 30, True, 0),)  # 106; the second (106) waits, the text too
+    plan = plan_step([second, text], [], config, 64)
+    assert plan.chunks == (C(1, 0, 30, True, 0), C(2, 0, 30, True, 0))
+    small = _cfg(max_num_batched_tokens=100, enable_chunked_prefill=False)
+    plan = plan_step([second, text], [], small, 64)
+    assert plan.chunks == (C(1, 0, 30, True, 0),)  # 106 > 100: alone, and the step is full
