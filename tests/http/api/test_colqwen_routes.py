@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -135,3 +136,17 @@ def test_a_plain_text_is_a_query_on_every_route(
     got = [item["score"] for item in _ok(client.post("/score", json=pair))["data"]]
     want = [reference.maxsim(query, reference.query(text)[1]) for text in ("w6 w7", "w1")]
     assert np.allclose(got, want, rtol=1e-4, atol=0)
+
+
+def test_token_embed_streams_as_for_texts(client: TestClient, reference: ColQwenReference) -> None:
+    """`stream: true` on /pooling: one ndjson line per input as it finishes, an image document's
+    vectors equal to the reference's, then the usage line."""
+    messages = [{"role": "user", "content": [_part(1)]}]
+    body = {"model": NAME, "task": "token_embed", "messages": messages, "stream": True}
+    response = client.post("/pooling", json=body)
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("application/x-ndjson")
+    lines = [json.loads(line) for line in response.text.splitlines()]
+    assert [line.get("object") for line in lines] == ["pooling", "usage"]
+    want = _embeddings(reference, 1).numpy()
+    assert float(np.abs(np.asarray(lines[0]["data"]) - want).max()) <= 1e-4
