@@ -6,6 +6,7 @@ pool."""
 
 from __future__ import annotations
 
+import string
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -331,6 +332,94 @@ class ColQwenReference:
         patches = inputs["pixel_values"][0][: grid[0] * grid[1] * grid[2]]
         media = {"patches": patches.float().numpy(), "grid": grid}
         return inputs["input_ids"][0].tolist(), embeddings, media
+
+    def maxsim(self, query: torch.Tensor, document: torch.Tensor) -> float:
+        """score_retrieval of one query against one document, unpadded."""
+        return float(self.processor.score_retrieval([query], [document])[0, 0])
+
+
+# ColPali's tiny tokenizer: Gemma's (BPE over single characters, no merges), its BOS added by
+# default as Gemma checkpoints ship it; ColPaliProcessor turns it off and writes its own
+COLPALI_SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<image>")
+COLPALI_CHARS = ("▁", "\n", ".", ":", "?", *string.ascii_letters, *string.digits)
+COLPALI_IMAGE = 28  # pixels a side: 2x2 patches of 14
+
+
+def save_tiny_colpali(directory: Path, seed: int = 0) -> Path:
+    """A tiny random ColPaliForRetrieval (a PaliGemma model inside: a 2-layer SigLIP tower of
+    28-pixel images, a 2-layer Gemma decoder; a 24-wide projection with a bias) with its
+    ColPaliProcessor saved as transformers saves it (processor_config.json holding SigLIP's
+    image processor, the query prefix and the visual prompt), the tokenizer saved afterwards
+    with its BOS on, as a Gemma checkpoint's is."""
+    directory.mkdir(parents=True, exist_ok=True)
+    vocab = {token: i for i, token in enumerate((*COLPALI_SPECIALS, *COLPALI_CHARS))}
+    tokenizer = transformers.GemmaTokenizer(vocab=vocab, merges=[], add_bos_token=True)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    side = {"height": COLPALI_IMAGE, "width": COLPALI_IMAGE}
+    images = transformers.SiglipImageProcessorPil(size=side, image_seq_length=4)
+    processor = transformers.ColPaliProcessor(image_processor=images, tokenizer=tokenizer)
+    vocab_size = len(tokenizer)  # the processor's location and segment tokens included
+    vlm = transformers.PaliGemmaConfig(
+        vision_config={
+            "hidden_size": 32,
+            "intermediate_size": 48,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "patch_size": 14,
+            "image_size": COLPALI_IMAGE,
+            "vision_use_head": False,
+        },
+        text_config={
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 1,
+            "head_dim": 16,
+            "vocab_size": vocab_size,
+        },
+        image_token_index=processor.image_token_id,
+        vocab_size=vocab_size,
+        projection_dim=64,
+        hidden_size=64,
+    )
+    config = transformers.ColPaliConfig(vlm_config=vlm.to_dict(), embedding_dim=24)
+    torch.manual_seed(seed)
+    model = transformers.ColPaliForRetrieval(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.2)
+    model.save_pretrained(directory)
+    processor.save_pretrained(directory)
+    tokenizer.add_bos_token = True
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+class ColPaliReference:
+    """transformers' ColPaliProcessor and ColPaliForRetrieval: each query's and image
+    document's per-token embeddings, computed alone (a batch of one, nothing padded), with
+    everything the processor gives (its token type ids: PaliGemma's mask over the prompt)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.processor = transformers.ColPaliProcessor.from_pretrained(directory)
+        self.model = transformers.ColPaliForRetrieval.from_pretrained(
+            directory, dtype=torch.float32
+        ).eval()
+
+    @torch.no_grad()
+    def query(self, text: str) -> tuple[list[int], torch.Tensor]:
+        """The processor's query ids and their `[num_tokens, dim]` embeddings."""
+        inputs = self.processor.process_queries([text])
+        return inputs["input_ids"][0].tolist(), self.model(**inputs).embeddings[0]
+
+    @torch.no_grad()
+    def document(self, picture: Image.Image) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """The processor's ids of an image document (placeholders expanded), their embeddings,
+        and its pixel values `[3, height, width]`."""
+        inputs = self.processor.process_images([picture])
+        embeddings = self.model(**inputs).embeddings[0]
+        return inputs["input_ids"][0].tolist(), embeddings, inputs["pixel_values"][0]
 
     def maxsim(self, query: torch.Tensor, document: torch.Tensor) -> float:
         """score_retrieval of one query against one document, unpadded."""

@@ -1,12 +1,15 @@
-"""A decoded image as a Qwen-VL vision tower's patches, equal to transformers' processor's.
+"""A decoded image as a Qwen-VL vision tower's patches, equal to transformers' processor's (or a
+fixed-size tower's: SigLIP's processor for PaliGemma, every image resized to one size).
 
 The steps and their number types are those of `Qwen2VLImageProcessorPil` (transformers 5.x,
 Qwen2-VL, Qwen2.5-VL and Qwen3-VL checkpoints alike): RGB with transparency composited onto
 white, `smart_resize` of the size (whole merged patches, the pixel count within bounds, the
 aspect kept), PIL's resize of the uint8 image with the processor's filter, the rescale computed
 in float64 then stored as float32, the normalization in float32, and the patches flattened in
-the tower's order, the one frame repeated `temporal_patch_size` times. Numpy and Pillow only: a
-front end never loads torch. Runs in a worker thread.
+the tower's order, the one frame repeated `temporal_patch_size` times. A fixed-size processor
+(`resize_to`: `SiglipImageProcessorPil`'s steps, which are the same but for the size) takes any
+aspect; its patches, one frame and none merged, are the tower's patch embedding's input in
+order. Numpy and Pillow only: a front end never loads torch. Runs in a worker thread.
 """
 
 from __future__ import annotations
@@ -48,10 +51,13 @@ def grid_size(
     height: int, width: int, steps: GridProcessing, what: str = "image"
 ) -> tuple[int, int]:
     """(height, width) the image is resized to: transformers' `smart_resize`, step for step (its
-    Python floats and rounding), its aspect-ratio refusal a 400 naming `what`."""
+    Python floats and rounding), its aspect-ratio refusal a 400 naming `what`; a fixed-size
+    processor's one size."""
     factor = steps.factor
     if min(height, width) < 1:
         raise InvalidImageError(f"{what}: an image of {width}x{height} pixels holds none", what)
+    if steps.resize_to is not None:
+        return steps.resize_to
     if max(height, width) / min(height, width) > MAX_ASPECT:
         raise InvalidImageError(
             f"{what}: an image of {width}x{height} pixels; this model takes images at most "

@@ -158,7 +158,8 @@ def check_placeholders(
     prompt: HoldsImages, ids: Sequence[int], inline: InlineImages, template: str
 ) -> None:
     """One placeholder per image, each right after the token that opens an image (which the
-    model's positions count images by): else 400, before any image is loaded."""
+    model's positions count images by), or, for a model with none (PaliGemma), opening the
+    prompt: else 400, before any image is loaded."""
     token = inline.image_token_id
     found = [i for i, token_id in enumerate(ids) if token_id == token]
     count = len(prompt.images)
@@ -169,7 +170,8 @@ def check_placeholders(
             "needs its one placeholder, and a text may not write one",
             prompt.where,
         )
-    if any(i == 0 or ids[i - 1] != inline.vision_start_token_id for i in found):
+    start = inline.vision_start_token_id
+    if any(i != 0 if start is None else i == 0 or ids[i - 1] != start for i in found):
         raise InvalidRequestError(
             f"{prompt.where}: an image placeholder ({inline.image_token}) the {template} "
             "did not open as an image; a text may not write one",

@@ -34,6 +34,7 @@ from poolserve.models.dual_encoder import (
 from poolserve.models.encoder import EncoderModel
 from poolserve.models.encoder_config import encoder_max_len
 from poolserve.models.families.nomic import adopt_remote_nomic_fields
+from poolserve.models.families.records import PatchTower, VisionFamily
 from poolserve.models.float_kernels import TORCH, pack_linears
 from poolserve.models.heads import (
     HeadFactory,
@@ -45,6 +46,7 @@ from poolserve.models.heads import (
 )
 from poolserve.models.late_interaction import check_plain_prompts
 from poolserve.models.packed import PackedModel
+from poolserve.models.paligemma import PaliGemmaModel, paligemma_inline
 from poolserve.models.peft import PeftAdapter, ServedAdapters, make_room, read_peft_adapter
 from poolserve.models.quantization import INT_MM, check_quantization, quantize_linears
 from poolserve.models.registry import (
@@ -52,6 +54,7 @@ from poolserve.models.registry import (
     DECODER_FAMILIES,
     ENCODER_FAMILIES,
     REMOTE_CONFIGS,
+    WRAPPED,
     ArchitectureEntry,
     Backbone,
     supported_architectures,
@@ -65,6 +68,7 @@ from poolserve.models.vision_language import (
 from poolserve.models.vision_language import (
     VisionLanguageModel,
     inline_images,
+    retrieval_tokenizer,
     vision_language,
 )
 from poolserve.models.weights import load_state_dict, strip_prefix
@@ -78,6 +82,7 @@ from poolserve.types.errors import (
 from poolserve.types.lora import LoraModule, LoraServing
 from poolserve.types.model import SentenceTransformersConfig
 from poolserve.types.tasks import CLASSIFIER_HEADS, HeadKind
+from poolserve.types.vision import InlineImages
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +165,8 @@ def load_model(
     pack_linears(packed, kernels.float_kernel)
     served_lora = None if lora is None else _install_lora(packed, lora, placement)
     tokenizer = _load_tokenizer(path)
+    if entry.backbone is Backbone.VISION_DECODER:
+        retrieval_tokenizer(full_config, tokenizer)
     head_factory: HeadFactory | None = None  # a labelled head, to build again for an adapter
     if entry.head_kind is HeadKind.BGE_M3:
         head: torch.nn.Module | None = load_m3_heads(path, config, device)
@@ -191,7 +198,7 @@ def load_model(
         sentence_transformers=st_config,
         lora=served_lora,
         head_factory=head_factory if lora is not None else None,
-        inline_images=inline_images(path, full_config, tokenizer)
+        inline_images=_inline_images(path, full_config, tokenizer)
         if entry.backbone is Backbone.VISION_DECODER
         else None,
     )
@@ -446,13 +453,24 @@ def _lower_case_first(tokenizer: PreTrainedTokenizerBase) -> None:
         backend.normalizer = NormalizerSequence([Lowercase(), *parts])
 
 
+# where a patch tower's model (PaliGemma) keeps its decoder
+_PATCH_TEXT_PREFIXES = tuple(
+    prefix
+    for wrapped in WRAPPED.values()
+    for family in wrapped.families.values()
+    if isinstance(family.tower, PatchTower)
+    for prefix in family.tower.text_prefixes
+)
+
+
 def _backbone_prefix(entry: ArchitectureEntry, state: dict[str, torch.Tensor]) -> str:
     """The first candidate prefix under which the backbone's embeddings are stored."""
     markers = {
         Backbone.DECODER: ("embed_tokens.weight",),
         Backbone.ENCODER: ("embeddings.word_embeddings.weight", "embeddings.tok_embeddings.weight"),
         Backbone.VISION_DECODER: tuple(
-            f"{prefix}embed_tokens.weight" for prefix in VISION_TEXT_PREFIXES
+            f"{prefix}embed_tokens.weight"
+            for prefix in (*VISION_TEXT_PREFIXES, *_PATCH_TEXT_PREFIXES)
         ),
     }
     for prefix in entry.backbone_prefixes:
@@ -497,8 +515,12 @@ def _encoder(
 def _decoder_config(config: PretrainedConfig) -> PretrainedConfig:
     """A vision-language model's decoder config, whose sizes, limits and heads are the model's;
     with the whole model's reading of its LM head (tied to the embeddings or not) and its
-    reranker fields (--hf-overrides set them on the whole config)."""
+    reranker fields (--hf-overrides set them on the whole config); a family that attends both
+    ways over the whole prompt (ColPali's) marked `is_causal: false`."""
+    family, _ = vision_language(config)
     text = config.get_text_config()
+    if family.bidirectional:
+        text.is_causal = False
     text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
     for key in ("method", "classifier_from_token", "is_original_qwen3_reranker"):
         value = getattr(config, key, None)
@@ -516,7 +538,27 @@ def _vision_decoder(
     """The packed decoder and vision tower of a Qwen-VL checkpoint (the whole state; a
     wrapping class's model config under its field)."""
     family, model_config = vision_language(config)
-    return VisionLanguageModel(model_config, state, family, backend, placement).eval()
+    build = _VISION_MODELS[type(family.tower)]
+    return build(model_config, state, family, backend, placement).eval()
+
+
+# the packed model of each kind of vision tower: Qwen-VL's, or a tower of fixed-size images
+# whose patches are the image tokens (PaliGemma's)
+_VISION_MODELS: dict[type, Callable[..., PackedModel]] = {
+    VisionFamily: VisionLanguageModel,
+    PatchTower: PaliGemmaModel,
+}
+
+
+def _inline_images(
+    path: Path, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase
+) -> InlineImages:
+    """How the front ends place images in this model's prompts, by its kind of tower."""
+    family, model_config = vision_language(config)
+    if isinstance(family.tower, PatchTower):
+        architecture = str((config.architectures or [""])[0])
+        return paligemma_inline(path, architecture, family, model_config, tokenizer)
+    return inline_images(path, config, tokenizer)
 
 
 _BACKBONES: dict[Backbone, Callable[..., PackedModel]] = {

@@ -24,6 +24,7 @@ from poolserve.models.families import (
     modernbert,
     mpnet,
     nomic,
+    paligemma,
     phi3,
     qwen,
     qwen_vl,
@@ -38,6 +39,7 @@ from poolserve.models.families.records import (
     EncoderNames,
     MaskedLMHead,
     PerToken,
+    WrappedVisionLanguage,
     encoder_entry,
 )
 from poolserve.types.tasks import HeadKind
@@ -100,7 +102,11 @@ _EXTRA: dict[str, ArchitectureEntry] = {
     **jina_v3.ARCHITECTURES,
     **eurobert.ARCHITECTURES,
     **qwen_vl.ARCHITECTURES,
+    **paligemma.ARCHITECTURES,
 }
+# Classes holding a vision-language model under a config field (the retrievers): the families
+# they take and their processors' prompts.
+WRAPPED: dict[str, WrappedVisionLanguage] = {**qwen_vl.WRAPPED, **paligemma.WRAPPED}
 # config.json model_types (or, where the model_type is a native one, architectures) written for
 # Hub remote code -> the reader that builds a native config.
 REMOTE_CONFIGS: dict[str, Callable[[dict[str, Any]], PretrainedConfig]] = {

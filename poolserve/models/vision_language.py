@@ -21,8 +21,10 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from poolserve.models.attention import AttentionBackend
 from poolserve.models.decoder import DecoderModel
-from poolserve.models.families.qwen_vl import VISION_LANGUAGE, WRAPPED, VisionLanguageFamily
+from poolserve.models.families.qwen_vl import VISION_LANGUAGE
+from poolserve.models.families.records import VisionFamily, VisionLanguageFamily
 from poolserve.models.qwen_vision import QwenVision, VisionOutput
+from poolserve.models.registry import WRAPPED
 from poolserve.models.weights import strip_prefix
 from poolserve.types.errors import ModelLoadError, UnsupportedArchitectureError
 from poolserve.types.vision import InlineImages, RetrievalForms, read_grid_processing
@@ -34,7 +36,7 @@ TEXT_PREFIXES = ("model.language_model.", "language_model.", "model.")
 VISION_PREFIXES = ("model.visual.", "visual.")
 
 
-def _part(state: dict[str, torch.Tensor], prefixes: tuple[str, ...], marker: str) -> str:
+def part(state: dict[str, torch.Tensor], prefixes: tuple[str, ...], marker: str) -> str:
     """The first prefix under which `marker` is stored."""
     for prefix in prefixes:
         if f"{prefix}{marker}" in state:
@@ -72,9 +74,10 @@ class VisionLanguageModel(DecoderModel):
         backend: AttentionBackend,
         placement: tuple[torch.device, torch.dtype],
     ) -> None:
-        text_state = strip_prefix(state, _part(state, TEXT_PREFIXES, "embed_tokens.weight"))
+        text_state = strip_prefix(state, part(state, TEXT_PREFIXES, "embed_tokens.weight"))
         super().__init__(config.text_config, text_state, family.decoder, backend, placement)
-        vision_prefix = _part(state, VISION_PREFIXES, "patch_embed.proj.weight")
+        vision_prefix = part(state, VISION_PREFIXES, "patch_embed.proj.weight")
+        assert isinstance(family.tower, VisionFamily)
         self.visual = QwenVision(
             family.tower, config.vision_config, strip_prefix(state, vision_prefix), placement
         )
@@ -95,7 +98,7 @@ def inline_images(
     template's image documents; a retriever's positions and prompt forms."""
     architecture = str((config.architectures or [""])[0])
     family, config = vision_language(config)
-    processing = read_grid_processing(_image_processor(path))
+    processing = read_grid_processing(image_processor(path))
     merge = int(config.vision_config.spatial_merge_size)
     patch = int(config.vision_config.patch_size)
     if (processing.merge_size, processing.patch_size) != (merge, patch):
@@ -120,11 +123,17 @@ def inline_images(
         ids["vision_start_token_id"],
         placeholder="".join(tokens.values()),  # start, placeholder, end: vLLM's image text
         mrope=family.mrope,
-        retrieval=_retrieval_forms(path, architecture, tokenizer, tokens),
+        retrieval=retrieval_forms(
+            path,
+            architecture,
+            tokenizer,
+            tokens["image_token_id"],
+            tokens["vision_start_token_id"] + tokens["image_token_id"],
+        ),
     )
 
 
-def _image_processor(path: Path) -> dict[str, Any]:
+def image_processor(path: Path) -> dict[str, Any]:
     """The image processor's fields: preprocessor_config.json, else processor_config.json's
     `image_processor` (how transformers 5 saves a processor's parts)."""
     file = path / "preprocessor_config.json"
@@ -141,27 +150,57 @@ def _image_processor(path: Path) -> dict[str, Any]:
     )
 
 
-def _retrieval_forms(
-    path: Path, architecture: str, tokenizer: PreTrainedTokenizerBase, tokens: dict[str, str]
+def retrieval_tokenizer(config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+    """A retriever's tokenizer as its processor sets it: ColPaliProcessor turns the tokenizer's
+    BOS and EOS off (its prompt forms write the BOS); refused at load where they stay on."""
+    wrapped = WRAPPED.get(str((config.architectures or [""])[0]))
+    if wrapped is None or not wrapped.prompts.no_tokenizer_specials:
+        return
+    for name in ("add_bos_token", "add_eos_token"):
+        if hasattr(tokenizer, name):
+            setattr(tokenizer, name, False)
+    probe = "a"
+    if tokenizer(probe)["input_ids"] != tokenizer(probe, add_special_tokens=False)["input_ids"]:
+        raise ModelLoadError(
+            "the tokenizer adds special tokens its retrieval processor turns off, and they "
+            "cannot be turned off here"
+        )
+
+
+def retrieval_forms(
+    path: Path,
+    architecture: str,
+    tokenizer: PreTrainedTokenizerBase,
+    image_token: str,
+    opening: str,
 ) -> RetrievalForms | None:
     """A retriever's prompts as its processor writes them: processor_config.json's
-    query_prefix and visual_prompt_prefix (the class's defaults where absent or empty), the
-    tokenizer's pad token as the query augmentation token; None for other classes."""
+    query_prefix and visual_prompt_prefix (the class's defaults where absent or empty) in the
+    class's forms around them, the tokenizer's pad token as the query augmentation token (and
+    its BOS where the forms write one); the document must hold one image placeholder, after
+    `opening`. None for other classes."""
     wrapped = WRAPPED.get(architecture)
     if wrapped is None:
         return None
     file = path / "processor_config.json"
     saved: dict[str, Any] = json.loads(file.read_text()) if file.is_file() else {}
     defaults = wrapped.prompts
-    prefix = saved.get("query_prefix") or defaults.query_prefix
-    document = saved.get("visual_prompt_prefix") or defaults.document
-    pad = tokenizer.pad_token
+    pad, bos = tokenizer.pad_token, tokenizer.bos_token
     if not isinstance(pad, str):
         raise ModelLoadError(
             f"{architecture}: the tokenizer has no pad token, its query augmentation token"
         )
-    opening = tokens["vision_start_token_id"] + tokens["image_token_id"]
-    if document.count(tokens["image_token_id"]) != 1 or opening not in document:
+    if "{bos}" in defaults.query_opening + defaults.document_form and not isinstance(bos, str):
+        raise ModelLoadError(
+            f"{architecture}: the tokenizer has no BOS token, which its prompts open"
+        )
+    prefix = defaults.query_opening.format(
+        bos=bos, prefix=saved.get("query_prefix") or defaults.query_prefix
+    )
+    document = defaults.document_form.format(
+        image=image_token, bos=bos, prompt=saved.get("visual_prompt_prefix") or defaults.document
+    )
+    if document.count(image_token) != 1 or opening not in document:
         raise ModelLoadError(
             f"{architecture}: visual_prompt_prefix {document!r} must hold one image "
             f"placeholder {opening!r}"

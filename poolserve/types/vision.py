@@ -1,10 +1,12 @@
-"""What a vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) needs of the images inside
-its prompts: its processor's steps, the placeholder token an image's merged patches stand on,
-and one prompt's images as they travel from a front end to the engine.
+"""What a vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, PaliGemma) needs of the images
+inside its prompts: its processor's steps, the placeholder token an image's merged patches stand
+on, and one prompt's images as they travel from a front end to the engine.
 
 Read once by the engine from the checkpoint (`preprocessor_config.json`, the config's token
 ids) and carried on the model card, so a front end turns each image into the vision tower's
-patches exactly as transformers' Qwen2-VL image processor does, without torch. Torch-free.
+patches exactly as transformers' Qwen2-VL image processor does (or, for a tower of fixed-size
+images, SigLIP's: every image resized to one size, its patches one frame, none merged), without
+torch. Torch-free.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any, TypeGuard
 import numpy as np
 
 from poolserve.types.errors import ModelLoadError
-from poolserve.types.images import RESAMPLING
+from poolserve.types.images import RESAMPLING, ImageProcessing
 
 # Qwen2VLImageProcessorPil's class defaults, where preprocessor_config.json is silent.
 GRID_DEFAULTS: dict[str, Any] = {
@@ -50,6 +52,9 @@ class GridProcessing:
     std: tuple[float, ...] | None
     convert_rgb: bool
     channels: int = 3
+    # every image resized to this (height, width), aspect not kept (SigLIP's processor, for
+    # PaliGemma); None: smart_resize's size within the pixel bounds
+    resize_to: tuple[int, int] | None = None
 
     @property
     def factor(self) -> int:
@@ -73,9 +78,10 @@ QWEN_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 
 @dataclass(frozen=True)
 class RetrievalForms:
-    """How a late-interaction retriever (ColQwen2) writes its prompts, as its processor does:
-    a text as `query_prefix + text + query_suffix`; an image as `document`, whose one
-    placeholder stands for the image's merged patches. A conversation's own text is no part of
+    """How a late-interaction retriever (ColQwen2, ColPali) writes its prompts, as its processor
+    does: a text as `query_prefix + text + query_suffix` (ColPali's prefix opens with the BOS
+    token, its tokenizer adding none); an image as `document`, whose one placeholder stands for
+    the image's merged patches. A conversation's own text is no part of
     either: a document is an image alone."""
 
     query_prefix: str
@@ -95,7 +101,9 @@ class InlineImages:
     processing: GridProcessing
     image_token: str  # the placeholder's text, as the chat template writes it ("<|image_pad|>")
     image_token_id: int
-    vision_start_token_id: int  # the token before every image's placeholders
+    # the token before every image's placeholders; None: an image's placeholders open the
+    # prompt (PaliGemma's processor writes the image first)
+    vision_start_token_id: int | None
     # an image as text: the tokens of vision start, the placeholder and vision end, as vLLM
     # renders an image document in a score template (the checkpoint's tokens at load)
     placeholder: str = QWEN_PLACEHOLDER
@@ -123,6 +131,12 @@ class InlineImages:
         frames, rows, cols = grid
         merge, patch = self.processing.merge_size, self.processing.patch_size
         pixels = rows * cols * patch * patch
+        fixed = self.processing.resize_to
+        if fixed is not None and (rows * patch, cols * patch) != fixed:
+            raise ValueError(
+                f"an image of {frames}x{rows}x{cols} patches; the model takes "
+                f"{fixed[0] // patch}x{fixed[1] // patch}"
+            )
         if (
             frames != 1
             or rows < merge
@@ -191,6 +205,37 @@ def read_grid_processing(config: Mapping[str, Any]) -> GridProcessing:
         mean=_channels(config, "image_mean") if normalize else None,
         std=_channels(config, "image_std") if normalize else None,
         convert_rgb=_flag(config, "do_convert_rgb"),
+    )
+
+
+def fixed_processing(steps: ImageProcessing, patch_size: int) -> GridProcessing:
+    """A fixed-size image processor (SigLIP's, read by types/images.py) as a tower's patches:
+    every image resized to `steps.resize_to`, one frame, cut into `patch_size` patches that are
+    each a token (none merged). Refused at load where the size is no whole number of patches,
+    or the processor crops or keeps the aspect."""
+    size = steps.resize_to
+    if size is None or steps.crop_to is not None or steps.naflex is not None:
+        raise ModelLoadError(
+            "the image processor must resize every image to one size ({height, width}), "
+            "without a crop"
+        )
+    if patch_size < 1 or size[0] % patch_size or size[1] % patch_size or min(size) < 1:
+        raise ModelLoadError(
+            f"the image processor's size {size[0]}x{size[1]} is no whole number of the "
+            f"tower's {patch_size}-pixel patches"
+        )
+    return GridProcessing(
+        patch_size=patch_size,
+        temporal_patch_size=1,
+        merge_size=1,
+        min_pixels=size[0] * size[1],
+        max_pixels=size[0] * size[1],
+        resample=steps.resample,
+        rescale_factor=steps.rescale_factor,
+        mean=steps.mean,
+        std=steps.std,
+        convert_rgb=steps.convert_rgb,
+        resize_to=size,
     )
 
 

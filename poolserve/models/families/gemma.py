@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from poolserve.models.families.records import DecoderFamily, family_classes
 
+# Gemma 1's row (PaliGemma's decoder: families/paligemma.py)
+GEMMA = DecoderFamily(
+    family_classes("Gemma"), norm_offset=True, embed_scale=True, bidirectional_flag=True
+)
 FAMILIES: dict[str, DecoderFamily] = {
-    "gemma": DecoderFamily(
-        family_classes("Gemma"), norm_offset=True, embed_scale=True, bidirectional_flag=True
-    ),
+    "gemma": GEMMA,
     "gemma2": DecoderFamily(
         family_classes("Gemma2"),
         norm_offset=True,

@@ -6,8 +6,6 @@ retrieval class with a per-token projection."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from poolserve.models.families.records import (
     ArchitectureEntry,
     Backbone,
@@ -15,44 +13,12 @@ from poolserve.models.families.records import (
     MergerKeys,
     MlpKeys,
     PerToken,
+    RetrievalPrompts,
     VisionFamily,
+    VisionLanguageFamily,
+    WrappedVisionLanguage,
 )
 from poolserve.types.tasks import HeadKind
-
-
-@dataclass(frozen=True)
-class VisionLanguageFamily:
-    """One family: its decoder's switch row and its vision tower's."""
-
-    decoder: DecoderFamily
-    tower: VisionFamily
-    # M-RoPE positions for a prompt's images (transformers' get_rope_index); False: every token
-    # at its index on all three rows, as ColQwen2ForRetrieval runs its model (inputs_embeds
-    # without image_grid_thw)
-    mrope: bool = True
-
-
-@dataclass(frozen=True)
-class RetrievalPrompts:
-    """How a retrieval processor (ColQwen2Processor) writes its prompts, where
-    processor_config.json is silent: a text as `query_prefix + text + the pad token x
-    augmentation + query_end`, an image as `document` with its placeholder expanded."""
-
-    query_prefix: str
-    augmentation: int  # query augmentation tokens (the tokenizer's pad token) after the text
-    query_end: str
-    document: str
-
-
-@dataclass(frozen=True)
-class WrappedVisionLanguage:
-    """A class holding a Qwen-VL model under a config field: the families it takes, by that
-    config's model_type, its head entry and its processor's prompts."""
-
-    config_field: str
-    families: dict[str, VisionLanguageFamily]
-    prompts: RetrievalPrompts
-
 
 # The decoders, by the text config's model_type (no class of their own).
 FAMILIES: dict[str, DecoderFamily] = {

@@ -239,3 +239,63 @@ class VisionFamily:
     windows: bool  # Qwen2.5-VL: window attention except at fullatt_block_indexes
     learned_positions: bool  # Qwen3-VL: pos_embed resized to each grid, added to the patches
     deepstack: bool  # Qwen3-VL: mergers of the states after deepstack_visual_indexes
+
+
+@dataclass(frozen=True)
+class PatchTower:
+    """A vision tower whose every patch becomes one token of the decoder through a Linear
+    projector (PaliGemma's SigLIP tower and multi_modal_projector; models/paligemma.py): where
+    a checkpoint keeps each part (the first prefix holding it wins), and the image processor's
+    class defaults where its config is silent."""
+
+    text_prefixes: tuple[str, ...]
+    tower_prefixes: tuple[str, ...]
+    projector_prefixes: tuple[str, ...]
+    processor_defaults: tuple[tuple[str, object], ...]  # (field, value) pairs
+
+
+@dataclass(frozen=True)
+class VisionLanguageFamily:
+    """One family: its decoder's switch row and its vision tower's (a Qwen-VL tower, or a tower
+    of fixed-size images whose patches are the decoder's image tokens)."""
+
+    decoder: DecoderFamily
+    tower: VisionFamily | PatchTower
+    # M-RoPE positions for a prompt's images (transformers' get_rope_index); False: every token
+    # at its index on all three rows, as ColQwen2ForRetrieval runs its model (inputs_embeds
+    # without image_grid_thw), and as a one-row decoder reads its positions
+    mrope: bool = True
+    # the position of a prompt's first token (PaliGemma counts from 1)
+    first_position: int = 0
+    # attends both ways over the whole prompt, whatever its text config says (ColPali's
+    # processor gives every token the one token type PaliGemma's mask makes a block of)
+    bidirectional: bool = False
+
+
+@dataclass(frozen=True)
+class RetrievalPrompts:
+    """How a retrieval processor (ColQwen2Processor, ColPaliProcessor) writes its prompts,
+    where processor_config.json is silent: a text as `query_opening` (its `query_prefix`) +
+    text + the pad token x augmentation + query_end, an image as `document_form` around the
+    visual prompt (`document`), its one placeholder expanded."""
+
+    query_prefix: str
+    augmentation: int  # query augmentation tokens (the tokenizer's pad token) after the text
+    query_end: str
+    document: str
+    # around the saved strings: {bos} the tokenizer's BOS token, {prefix} the query prefix,
+    # {image} the image placeholder, {prompt} the visual prompt
+    query_opening: str = "{prefix}"
+    document_form: str = "{prompt}"
+    # the processor turns the tokenizer's own BOS and EOS off (its forms write the BOS)
+    no_tokenizer_specials: bool = False
+
+
+@dataclass(frozen=True)
+class WrappedVisionLanguage:
+    """A class holding a vision-language model under a config field: the families it takes,
+    by that config's model_type, and its processor's prompts."""
+
+    config_field: str
+    families: dict[str, VisionLanguageFamily]
+    prompts: RetrievalPrompts
