@@ -24,11 +24,13 @@ from poolserve.engine.server import EngineCore
 from poolserve.engine.turns import DeviceTurns, Seat
 from poolserve.models.loader import load_model, resolve_dtype
 from poolserve.models.quantization import check_quantization
+from poolserve.models.spec import LoadedModel
 from poolserve.types.errors import (
     ModelStartError,
     UnsupportedDtypeError,
     UnsupportedQuantizationError,
 )
+from poolserve.types.limits import SchedulerConfig
 from poolserve.types.observer import EngineObserver
 from poolserve.types.params import LogitCalibration
 from poolserve.types.process import socket_path
@@ -146,8 +148,7 @@ def _load_and_build(
         allow_slower_precision=load.allow_slower_precision,
         lora=load.lora,
     )
-    limit = loaded.spec.max_model_len
-    max_model_len = min(load.max_model_len or limit, limit)
+    max_model_len = served_length(load.max_model_len, loaded, config.scheduler)
     calibration = config.pooler.calibration
     if calibration != LogitCalibration() and loaded.spec.head_kind not in CLASSIFIER_HEADS:
         logger.warning("logit_mean/logit_sigma have no effect: the model has no classifier head")
@@ -162,6 +163,26 @@ def _load_and_build(
         calibration=calibration,
         turns_seat=turns_seat,
     )
+
+
+def served_length(asked: int | None, loaded: LoadedModel, scheduler: SchedulerConfig) -> int:
+    """The longest prompt served: --max-model-len (refused later if a whole prompt cannot fit
+    a step), else the model's own; a model whose prompts run whole (bidirectional attention)
+    and that is left to its own length is served up to one step's budget, said in one line."""
+    limit = loaded.spec.max_model_len
+    if asked is not None:
+        return min(asked, limit)
+    budget = scheduler.max_num_batched_tokens
+    if loaded.spec.is_causal or limit <= budget:
+        return limit
+    logger.warning(
+        "model %s attends both ways, so each prompt runs whole in one step: its %d positions "
+        "are served up to --max-num-batched-tokens %d; raise it to serve longer prompts",
+        loaded.spec.architecture,
+        limit,
+        budget,
+    )
+    return budget
 
 
 class LocalCore:

@@ -352,3 +352,19 @@ def test_the_core_process_serves_every_model_on_its_socket(
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_a_whole_prompt_model_left_to_its_length_is_served_up_to_one_step(
+    tiny_model_dir: Callable[[str], Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """An encoder's prompts run whole: without --max-model-len, its positions beyond the step
+    budget are not served (one warning line says so); asked for them, it refuses to start."""
+    bert = str(tiny_model_dir("bert"))  # 512 positions
+    with caplog.at_level(logging.WARNING, logger="poolserve.engine.host"):
+        engine = build_engine(CoreConfig.of(model=bert, max_num_batched_tokens=64))
+    assert engine.max_model_len == 64
+    (line,) = [r.getMessage() for r in caplog.records if "attends both ways" in r.getMessage()]
+    assert "512 positions" in line and "--max-num-batched-tokens 64" in line
+    assert build_engine(CoreConfig.of(model=bert)).max_model_len == 512  # they fit a step
+    with pytest.raises(ValueError, match="encoder prompts cannot be chunked"):
+        build_engine(CoreConfig.of(model=bert, max_num_batched_tokens=64, max_model_len=128))
