@@ -306,21 +306,33 @@ def save_tiny_colqwen2(directory: Path, family: str = "qwen2_vl", seed: int = 0)
     return directory
 
 
-class ColQwenReference:
-    """transformers' ColQwen2Processor and ColQwen2ForRetrieval: each query's and image
+class RetrieverReference:
+    """A transformers retriever and its processor (`PROCESSOR`, `MODEL`): each query's and image
     document's per-token embeddings, computed alone (a batch of one, nothing padded)."""
 
+    PROCESSOR: Any
+    MODEL: Any
+
     def __init__(self, directory: Path) -> None:
-        self.processor = transformers.ColQwen2Processor.from_pretrained(directory)
-        self.model = transformers.ColQwen2ForRetrieval.from_pretrained(
-            directory, dtype=torch.float32
-        ).eval()
+        self.processor = self.PROCESSOR.from_pretrained(directory)
+        self.model = self.MODEL.from_pretrained(directory, dtype=torch.float32).eval()
 
     @torch.no_grad()
     def query(self, text: str) -> tuple[list[int], torch.Tensor]:
         """The processor's query ids and their `[num_tokens, dim]` embeddings."""
         inputs = self.processor.process_queries([text])
         return inputs["input_ids"][0].tolist(), self.model(**inputs).embeddings[0]
+
+    def maxsim(self, query: torch.Tensor, document: torch.Tensor) -> float:
+        """score_retrieval of one query against one document, unpadded."""
+        return float(self.processor.score_retrieval([query], [document])[0, 0])
+
+
+class ColQwenReference(RetrieverReference):
+    """transformers' ColQwen2Processor and ColQwen2ForRetrieval."""
+
+    PROCESSOR = transformers.ColQwen2Processor
+    MODEL = transformers.ColQwen2ForRetrieval
 
     @torch.no_grad()
     def document(self, picture: Image.Image) -> tuple[list[int], torch.Tensor, dict[str, Any]]:
@@ -332,10 +344,6 @@ class ColQwenReference:
         patches = inputs["pixel_values"][0][: grid[0] * grid[1] * grid[2]]
         media = {"patches": patches.float().numpy(), "grid": grid}
         return inputs["input_ids"][0].tolist(), embeddings, media
-
-    def maxsim(self, query: torch.Tensor, document: torch.Tensor) -> float:
-        """score_retrieval of one query against one document, unpadded."""
-        return float(self.processor.score_retrieval([query], [document])[0, 0])
 
 
 # ColPali's tiny tokenizer: Gemma's (BPE over single characters, no merges), its BOS added by
@@ -396,22 +404,12 @@ def save_tiny_colpali(directory: Path, seed: int = 0) -> Path:
     return directory
 
 
-class ColPaliReference:
-    """transformers' ColPaliProcessor and ColPaliForRetrieval: each query's and image
-    document's per-token embeddings, computed alone (a batch of one, nothing padded), with
-    everything the processor gives (its token type ids: PaliGemma's mask over the prompt)."""
+class ColPaliReference(RetrieverReference):
+    """transformers' ColPaliProcessor and ColPaliForRetrieval, with everything the processor
+    gives (its token type ids: PaliGemma's mask over the prompt)."""
 
-    def __init__(self, directory: Path) -> None:
-        self.processor = transformers.ColPaliProcessor.from_pretrained(directory)
-        self.model = transformers.ColPaliForRetrieval.from_pretrained(
-            directory, dtype=torch.float32
-        ).eval()
-
-    @torch.no_grad()
-    def query(self, text: str) -> tuple[list[int], torch.Tensor]:
-        """The processor's query ids and their `[num_tokens, dim]` embeddings."""
-        inputs = self.processor.process_queries([text])
-        return inputs["input_ids"][0].tolist(), self.model(**inputs).embeddings[0]
+    PROCESSOR = transformers.ColPaliProcessor
+    MODEL = transformers.ColPaliForRetrieval
 
     @torch.no_grad()
     def document(self, picture: Image.Image) -> tuple[list[int], torch.Tensor, torch.Tensor]:
@@ -420,7 +418,3 @@ class ColPaliReference:
         inputs = self.processor.process_images([picture])
         embeddings = self.model(**inputs).embeddings[0]
         return inputs["input_ids"][0].tolist(), embeddings, inputs["pixel_values"][0]
-
-    def maxsim(self, query: torch.Tensor, document: torch.Tensor) -> float:
-        """score_retrieval of one query against one document, unpadded."""
-        return float(self.processor.score_retrieval([query], [document])[0, 0])
