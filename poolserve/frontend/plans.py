@@ -23,7 +23,13 @@ from poolserve.frontend.inline_images import check_request, dual_item, image_ref
 from poolserve.frontend.jobs import MediaJob, Requested, ScoreJob, TextJob, merge
 from poolserve.frontend.joined import join_inputs, with_ends
 from poolserve.frontend.media import Budgets, MediaLimits, load_image
-from poolserve.frontend.pairs import PairTruncation, PromptMode, check_pairs, tokenize_job
+from poolserve.frontend.pairs import (
+    PairTruncation,
+    PromptMode,
+    check_pairs,
+    check_texts,
+    tokenize_job,
+)
 from poolserve.frontend.prompt_images import InlinePrompts, check_image_count
 from poolserve.frontend.prompts import prepend, prompt_length
 from poolserve.frontend.score_images import check_image_pairs, image_pair_prompts
@@ -33,6 +39,7 @@ from poolserve.frontend.state import ModelHandle, ServiceState
 from poolserve.frontend.texts import (
     RawInputs,
     check_batch_size,
+    check_encodable,
     check_prompt,
     run_budgeted,
     split_input,
@@ -115,6 +122,7 @@ def plan_texts(job: TextJob, engine: EngineClient, model: ModelHandle, state: Se
         check_late(job, raw, model, engine.max_model_len, limit)
     forms = _retrieval_forms(model)
     if raw is not None and raw.texts is not None and forms is not None:
+        check_encodable(raw.texts, "input")  # the client's text, its positions its own
         # a retriever's text is a query, as its processor writes any text (ColQwen2)
         raw = RawInputs(tuple(forms.query(text) for text in raw.texts), None)
     prompt = None
@@ -202,14 +210,6 @@ def plan_pairs(
 ) -> Plan:
     """One prompt per pair (laid out as the model was trained), or one per text to compare."""
     check_pairs(job, model.settings.max_client_batch_size)
-    forms = _retrieval_forms(model)
-    if forms is not None and not job.document_items:
-        # a retriever writes every text as a query (image documents: score_images.py)
-        job = replace(
-            job,
-            queries=tuple(forms.query(text) for text in job.queries),
-            documents=tuple(forms.query(text) for text in job.documents),
-        )
     task, joint = job.task, True
     if task is PoolingTask.SCORE:
         scorer = job_scorer(engine.pooling_info, job.mode_weights)
@@ -226,6 +226,19 @@ def plan_pairs(
         job.max_tokens_per_query,
         truncation.most(model),
     )
+    forms = _retrieval_forms(model)
+    if forms is not None and not job.document_items:
+        # the client's texts checked as any model's (empty, too long, not Unicode), then
+        # written as queries, as the retriever's processor writes every text (image
+        # documents: score_images.py)
+        check_texts(job, model, cuts)
+        check_encodable(job.queries, job.query_field)
+        check_encodable(job.documents, job.document_field)
+        job = replace(
+            job,
+            queries=tuple(forms.query(text) for text in job.queries),
+            documents=tuple(forms.query(text) for text in job.documents),
+        )
     mode = _joint_mode(model, engine.pooling_info.is_decoder) if joint else PromptMode.SEPARATE
     # a yes/no LLM (or a model declaring one) renders each pair by its score template
     templated = joint and model.score_template is not None

@@ -41,7 +41,7 @@ from poolserve.frontend.prompt_images import (
 )
 from poolserve.frontend.score_prompts import tokenize_templated
 from poolserve.frontend.state import ModelHandle
-from poolserve.frontend.texts import Truncation
+from poolserve.frontend.texts import Truncation, check_encodable
 from poolserve.types.errors import InvalidRequestError
 from poolserve.types.scoring import PairMode, scorer_plan
 from poolserve.types.vision import InlineImages
@@ -134,8 +134,7 @@ def _pair_images(job: ScoreJob) -> list[PairImages]:
     pairs = []
     for _, document in job.pairs:
         item = job.document_items[document]
-        refs = () if item.image is None else (ImageRef(item.image, item.where),)
-        pairs.append(PairImages(refs, item.where))
+        pairs.append(PairImages(_item_images(item), item.where))
     return pairs
 
 
@@ -163,6 +162,8 @@ async def _retrieval_prompts(
     for where, prompt in zip(_wheres(job), prompts, strict=True):
         if isinstance(prompt, str) and not prompt:
             raise InvalidRequestError(f"{where} is empty", where)
+        if isinstance(prompt, str):
+            check_encodable((prompt,), where)  # before its query form shifts its positions
     most, _ = cuts.limit or (model.max_model_len, "max_model_len")
     keep = most if cuts.keep is None else min(cuts.keep, most)
     request = InlineRequest(

@@ -176,3 +176,22 @@ def test_token_embed_streams_as_for_texts(served: Served) -> None:
     lines = [json.loads(line) for line in response.text.splitlines()]
     assert [line.get("object") for line in lines] == ["pooling", "usage"]
     _close(lines[0]["data"], served.vectors(1))
+
+
+@pytest.mark.parametrize("route", ["/score", "/score images", "/pooling"])
+def test_the_clients_texts_are_checked_before_their_query_form(served: Served, route: str) -> None:
+    """An empty text is refused as on any model (its query form is not empty), and a lone
+    surrogate is reported at its place in the client's own text."""
+    documents: Any = {"content": [_part(0)]} if route.endswith("images") else ["a b"]
+    for text, words in (("", "empty"), ("ab\ud800", "surrogate U+D800 at character 2")):
+        if route == "/pooling":
+            body = {"task": "token_embed", "input": text}
+        else:
+            body = {"queries": [text], "documents": documents}
+        response = served.client.post(
+            route.split()[0],
+            content=json.dumps({"model": served.name, **body}),
+            headers={"content-type": "application/json"},
+        )
+        assert response.status_code == 400, response.text
+        assert words in response.json()["error"]["message"]
