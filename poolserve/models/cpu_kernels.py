@@ -30,7 +30,13 @@ from poolserve.models.float_kernels import TORCH, FloatKernel, is_close
 from poolserve.models.int8_kernels import Int8Kernel, is_exact
 from poolserve.models.int8_kernels import kernels as int8_kernels
 from poolserve.models.layers import linear
-from poolserve.models.quantization import PROJECTION_WEIGHTS, QUANTIZED_WEIGHTS, Int8Linear
+from poolserve.models.quantization import (
+    PROJECTION_WEIGHTS,
+    QUANTIZED_WEIGHTS,
+    SMOOTHED_ONLY,
+    Int8Linear,
+)
+from poolserve.models.smoothing import SMOOTHED_WEIGHTS, smooths
 from poolserve.types.errors import SlowerPrecisionError
 
 logger = logging.getLogger(__name__)
@@ -192,7 +198,9 @@ def _measure(shapes: tuple[tuple[str, int, int], ...], dtype: torch.dtype, int8:
         half = dataclasses.replace(half, float32_seconds=float32.seconds)
     if not int8:
         return Measured(float32, half, None, None)
-    slots = {slot: w for slot, w in weights.items() if slot in QUANTIZED_WEIGHTS["int8"]}
+    # the slots int8 takes in this dtype: qkv only where it is smoothed
+    taken = set(QUANTIZED_WEIGHTS["int8"]) - set(() if smooths(dtype) else SMOOTHED_ONLY["int8"])
+    slots = {slot: w for slot, w in weights.items() if slot in taken}
     exact = {kernel.name: kernel for kernel in int8_kernels() if is_exact(kernel)}
     tiers = [
         {name: _time_int8(slots, inputs, dtype, k) for name, k in exact.items() if k.levels == n}
@@ -281,8 +289,16 @@ def _time_int8(
     dtype: torch.dtype,
     kernel: Int8Kernel,
 ) -> float:
-    """The projections as Int8Linear on `kernel`, their input in the compute dtype."""
-    linears = [(inputs[w.shape[1]].to(dtype), Int8Linear(w, kernel)) for w in weights.values()]
+    """The projections as Int8Linear on `kernel`, their input in the compute dtype, smoothed
+    where the model's are (by ones: the work is the same)."""
+
+    def smoothing(slot: str, width: int) -> torch.Tensor | None:
+        return torch.ones(width) if smooths(dtype) and slot in SMOOTHED_WEIGHTS else None
+
+    linears = [
+        (inputs[w.shape[1]].to(dtype), Int8Linear(w, kernel, smoothing(slot, w.shape[1])))
+        for slot, w in weights.items()
+    ]
     return _seconds(lambda: [linear(x, None) for x, linear in linears])
 
 

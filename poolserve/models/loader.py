@@ -60,6 +60,7 @@ from poolserve.models.registry import (
     supported_architectures,
 )
 from poolserve.models.sentence_transformers import read_sentence_transformers
+from poolserve.models.smoothing import measure_smoothing, smooths
 from poolserve.models.spec import LoadedModel, ModelSpec
 from poolserve.models.static import find_static, load_static
 from poolserve.models.vision_language import (
@@ -159,9 +160,15 @@ def load_model(
     if entry.backbone is Backbone.VISION_DECODER:
         config = _decoder_config(config)
     kernels = CpuKernels(TORCH, None)
+    smoothing = None
     if device.type == "cpu":
         kernels = choose_kernels(packed, dtype, quantization, allow_slower_precision)
-    quantized = quantize_linears(packed, quantization, device, kernel=kernels.int8_kernel or INT_MM)
+        if quantization == "int8" and smooths(dtype):
+            causal = entry.backbone.is_decoder and decoder_is_causal(config)
+            smoothing = measure_smoothing(packed, causal)
+    quantized = quantize_linears(
+        packed, quantization, device, kernel=kernels.int8_kernel or INT_MM, smoothing=smoothing
+    )
     pack_linears(packed, kernels.float_kernel)
     served_lora = None if lora is None else _install_lora(packed, lora, placement)
     tokenizer = _load_tokenizer(path)

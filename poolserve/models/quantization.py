@@ -1,11 +1,11 @@
 """int8 and fp8 weights for the layers' projections.
 
-`--quantization int8` stores the layers' output, MLP up (or gate/up) and down projection weights
-as int8 with one float32 scale per output channel, and quantizes their inputs per token at run
-time (symmetric, the scheme of torchao's Int8DynamicActivationInt8WeightConfig); qkv stays in the
-compute dtype (QUANTIZED_WEIGHTS says why). On the CPU the scaling around the GEMM is written
-here and the GEMM is the fastest exact one of int8_kernels.py, chosen at load by timing them on
-the model's own projections (cpu_kernels.py); on CUDA,
+`--quantization int8` stores the layers' projection weights as int8 with one float32 scale per
+output channel, and quantizes their inputs per token at run time (the scheme of torchao's
+Int8DynamicActivationInt8WeightConfig). On the CPU the inputs of the projections a norm feeds
+(qkv, MLP up) are smoothed first, with ranges measured at load (smoothing.py); the scaling
+around the GEMM is written here and the GEMM is the fastest exact one of int8_kernels.py, chosen
+at load by timing them on the model's own projections (cpu_kernels.py); on CUDA,
 int8 and fp8 (per-row scales, Ada and Hopper) are torchao's tensor subclasses, which `F.linear`
 dispatches. Embeddings, norms, attention and heads keep the compute dtype. Fidelity and speed:
 docs/models.md, Precision.
@@ -13,7 +13,7 @@ docs/models.md, Precision.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -26,15 +26,17 @@ INT_MM = Int8Kernel(None, INT8_LEVELS)
 
 
 # The projections each scheme quantizes, by the buffer names the decoder and encoder layers give
-# them. int8 keeps qkv in the compute dtype: its input is a norm's output, whose few outlier
-# channels leave the other channels of a per-token int8 scale a handful of levels (measured on
-# MiniLM: qkv alone in int8 brings the worst text's cosine to float32 down to 0.990, the other
-# three together to 0.994). fp8 keeps a per-element exponent and takes every projection, as vLLM.
+# them: every one (fp8 keeps a per-element exponent, as vLLM's).
 PROJECTION_WEIGHTS = ("qkv_weight", "o_weight", "gate_up_weight", "up_weight", "down_weight")
 QUANTIZED_WEIGHTS: dict[str, tuple[str, ...]] = {
-    "int8": PROJECTION_WEIGHTS[1:],
+    "int8": PROJECTION_WEIGHTS,
     "fp8": PROJECTION_WEIGHTS,
 }
+# ... but int8 quantizes qkv only with its input smoothed (smoothing.py; the CPU path): a norm's
+# few wide channels leave the others of a per-token int8 scale a handful of levels (MiniLM: qkv in
+# int8 unsmoothed, worst cosine to float32 0.992; smoothed, 0.998). Unsmoothed it keeps the
+# compute dtype: torchao's int8 on CUDA, a slot without a measured range.
+SMOOTHED_ONLY: dict[str, tuple[str, ...]] = {"int8": ("qkv_weight",), "fp8": ()}
 FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper have fp8 tensor cores
 INT8_MAX = INT8_LEVELS
 INSTALL_HINT = "install torchao (pip install 'poolserve[quantization]')"
@@ -101,9 +103,17 @@ class Int8Linear(torch.nn.Module):
     qweight: torch.Tensor
     scale: torch.Tensor
     weight_sums: torch.Tensor
+    inverse_smoothing: torch.Tensor | None
 
-    def __init__(self, weight: torch.Tensor, kernel: Int8Kernel = INT_MM) -> None:  # [out, in]
+    def __init__(
+        self,
+        weight: torch.Tensor,  # [out, in]
+        kernel: Int8Kernel = INT_MM,
+        smooth: torch.Tensor | None = None,  # [in] s: x / s times W * s (smoothing.py)
+    ) -> None:
         super().__init__()
+        if smooth is not None:
+            weight = weight.float() * smooth
         scale = weight.float().abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).eps)
         scale = scale / INT8_MAX  # [out]
         qweight = torch.round(weight.float() / scale[:, None]).to(torch.int8)  # [out, in]
@@ -116,6 +126,8 @@ class Int8Linear(torch.nn.Module):
         self.register_buffer("scale", scale.contiguous())
         # an asymmetric kernel's shift adds offset * sum(qweight) per channel back, weight-scaled
         self.register_buffer("weight_sums", qweight.float().sum(1).mul_(scale).contiguous())
+        inverse = None if smooth is None else smooth.float().reciprocal().contiguous()
+        self.register_buffer("inverse_smoothing", inverse)
 
     def forward(
         self,
@@ -124,6 +136,8 @@ class Int8Linear(torch.nn.Module):
     ) -> torch.Tensor:  # [num_tokens, out] in the compute dtype
         """x @ W.T + bias with x quantized per token: int8 GEMM, exact sums, float32 scaling."""
         dtype, x = x.dtype, x.float()
+        if self.inverse_smoothing is not None:
+            x = x * self.inverse_smoothing  # a new tensor: the caller's x may be a residual
         levels = self.kernel.levels
         high, low = x.amax(-1, keepdim=True), x.amin(-1, keepdim=True)  # [num_tokens, 1] each
         if self.kernel.asymmetric:
@@ -146,7 +160,11 @@ class Int8Linear(torch.nn.Module):
     def extra_repr(self) -> str:
         """Shape, as nn.Linear prints it, and the GEMM."""
         out_features, in_features = self.qweight.shape
-        return f"in_features={in_features}, out_features={out_features}, int8 {self.kernel.name}"
+        smoothed = ", smoothed" if self.inverse_smoothing is not None else ""
+        return (
+            f"in_features={in_features}, out_features={out_features}, "
+            f"int8 {self.kernel.name}{smoothed}"
+        )
 
 
 def _torchao_config(name: str) -> Any:
@@ -185,21 +203,26 @@ def quantize_linears(
     device: torch.device,
     use_torchao: bool | None = None,
     kernel: Int8Kernel = INT_MM,
+    smoothing: Mapping[str, torch.Tensor] | None = None,  # smoothing.measure_smoothing's
 ) -> int:
     """Replaces every projection weight in place; returns how many were quantized.
 
     `use_torchao` None: torchao on CUDA, Int8Linear on `kernel` on the CPU (True compares them).
+    An Int8Linear whose buffer name ('layers.0.qkv_weight') is in `smoothing` is smoothed by it;
+    torchao's weights are not.
     """
     if name is None:
         return 0
     with_torchao = (device.type == "cuda" or name == "fp8") if use_torchao is None else use_torchao
     config = _torchao_config(name) if with_torchao else None
+    factors = {} if smoothing is None or config is not None else smoothing
     count = 0
-    for module in list(model.modules()):
+    for prefix, module in list(model.named_modules()):
         buffers = dict(module.named_buffers(recurse=False))
         for slot in QUANTIZED_WEIGHTS[name]:
             weight = buffers.get(slot)
-            if weight is None:
+            smooth = factors.get(f"{prefix}.{slot}" if prefix else slot)
+            if weight is None or (smooth is None and slot in SMOOTHED_ONLY[name]):
                 continue
             if config is not None:
                 quantized = torchao_weight(weight, config)
@@ -207,6 +230,6 @@ def quantize_linears(
                 count += int(type(quantized) is not torch.Tensor)  # a kept weight is plain
             else:
                 delattr(module, slot)  # the slot becomes a submodule of the same name
-                module.add_module(slot, Int8Linear(weight, kernel))
+                module.add_module(slot, Int8Linear(weight, kernel, smooth))
                 count += 1
     return count
