@@ -6,15 +6,17 @@ others a handful of levels: on MiniLM, qkv in int8 alone brings the worst text's
 down to 0.992. Dividing input channel j by s_j and multiplying the weight's column j by s_j leaves
 x @ W.T unchanged and moves the range into the weight, whose scale is per output channel and
 whose columns are narrow: s_j = max|x_j|^ALPHA / max|W_j|^(1 - ALPHA) (Xiao et al., SmoothQuant).
-With it, qkv runs in int8 too, and MiniLM's worst cosine with every projection in int8 is 0.9977
-(0.9971 before, with qkv in float32; with 7-bit activations 0.9975 against 0.9960).
+With it, qkv runs in int8 too, and MiniLM's worst cosine with every projection in int8 is 0.9967
+(0.9971 before, with qkv in float32; with 7-bit activations 0.9972 against 0.9960), for 1.5x
+float32's speed instead of 1.25x (docs/models.md, Precision). The strength is SmoothQuant's
+default: 0.7 gave MiniLM 0.9974 but a tiny random Qwen2's last token 0.995 against 0.999.
 
 max|x_j| is measured once, at load: the backbone runs CALIBRATION random token ids of its
-vocabulary (fixed seed: two loads quantize alike) in its compute dtype, each smoothed slot's input
-range recorded. A norm's wide channels are a property of the weights, not of the text: on MiniLM
-random ids gave the ranges real texts gave (worst cosine 0.9977 both). The activation's outputs
-(the down projection's input) and attention's (o's) are not smoothed: there it did not help
-(o: 0.9972) or hurt (down: 0.988).
+vocabulary (fixed seed: two loads quantize alike), each smoothed slot's input range recorded. A
+norm's wide channels are a property of the weights, not of the text: on MiniLM random ids gave
+the ranges real texts gave (worst cosine 0.9974 both), and 64 to 512 ids gave 0.9966 to 0.9976.
+The activation's outputs (the down projection's input) and attention's (o's) are not smoothed:
+there it did not help (o: 0.9972) or hurt (down: 0.988).
 
 Only a float32 model is smoothed (`smooths`). In bfloat16 compute the int8 qkv's error
 adds to bfloat16's own (a tiny random Llama's last token: 0.992 against 0.998 in float32) for
@@ -39,9 +41,8 @@ logger = logging.getLogger(__name__)
 
 # The projections fed by a norm's output (buffer names of the decoder and encoder layers).
 SMOOTHED_WEIGHTS = ("qkv_weight", "gate_up_weight", "up_weight")
-# SmoothQuant's migration strength, measured on MiniLM: 0.5 gave 0.9966, 0.7 0.9977, 0.85 0.9963.
-ALPHA = 0.5
-CALIBRATION = (4, 64)  # sequences x tokens: MiniLM in ~0.03 s, Qwen3-0.6B's geometry in ~1.5 s
+ALPHA = 0.5  # SmoothQuant's migration strength (the docstring: why not 0.7)
+CALIBRATION = (2, 64)  # sequences x tokens: MiniLM in 0.04 s, Qwen3-0.6B's geometry in 1.6 s
 _SEED = 0
 _BLOCK_SIZE = 16  # attention metadata's page size; nothing is cached
 _TINY = 1e-5  # floor of a range or column max: a dead channel keeps s_j finite
