@@ -165,7 +165,8 @@ class ServerSettings(BaseSettings):
     quantization: Literal["int8", "fp8"] | None = Field(
         None,
         description="Quantize the layers' linear projections (vLLM's flag): int8 = int8 weights "
-        "and per-token int8 activations (CPU and CUDA; attention's qkv stays in --dtype), fp8 = "
+        "and per-token int8 activations (CPU and CUDA; qkv too on the CPU in float32, its input "
+        "smoothed at load, else it stays in --dtype), fp8 = "
         "fp8 weights and activations on GPUs with fp8 units (compute capability 8.9+, --dtype "
         "bfloat16). Embeddings, norms, attention and heads keep --dtype; refused at startup where "
         "the device cannot run it. Fidelity and speed: docs/models.md, Precision.",
