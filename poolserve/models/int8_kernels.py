@@ -10,8 +10,9 @@ which GEMM computes `sum(q_x * q_w)` fastest, or at all:
   weights, 2.2x float32 on those same AVX2 CPUs. It quantizes its input per tensor, at scale 1
   and zero point `levels + 1`: the identity on our integers, so the per-token scheme, and so
   batch invariance, is kept (fbgemm and x86 take that quantization as given; for the others two
-  sentinel rows holding the level range's two ends make their dynamic linear measure it). Without dot-product units these kernels add u8 x s8 products in int16 pairs, which
-  saturate at 8 bits: the reduced-range variants keep 7 (levels 63), where a pair cannot overflow.
+  sentinel rows holding the level range's two ends make their dynamic linear measure it).
+  Without dot-product units these kernels add u8 x s8 products in int16 pairs, which saturate at
+  8 bits: the reduced-range variants keep 7 (levels 63), where a pair cannot overflow.
   Their 128 levels span each token's own [min, max] (`asymmetric`), not [-max|x|, max|x|]: on
   MiniLM with AVX2 only, the worst text's cosine to float32 rose from 0.988 to 0.992-0.994.
 
