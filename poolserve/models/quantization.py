@@ -34,7 +34,7 @@ QUANTIZED_WEIGHTS: dict[str, tuple[str, ...]] = {
 }
 # ... but int8 quantizes qkv only with its input smoothed (smoothing.py; the CPU path): a norm's
 # few wide channels leave the others of a per-token int8 scale a handful of levels (MiniLM: qkv in
-# int8 unsmoothed, worst cosine to float32 0.992; smoothed, 0.998). Unsmoothed it keeps the
+# int8 unsmoothed, worst cosine to float32 0.992; smoothed, 0.997). Unsmoothed it keeps the
 # compute dtype: torchao's int8 on CUDA, a slot without a measured range.
 SMOOTHED_ONLY: dict[str, tuple[str, ...]] = {"int8": ("qkv_weight",), "fp8": ()}
 FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper have fp8 tensor cores
@@ -167,6 +167,11 @@ class Int8Linear(torch.nn.Module):
         )
 
 
+def buffer_name(prefix: str, slot: str) -> str:
+    """A projection's buffer name in the model ('layers.0.qkv_weight'): smoothing's keys."""
+    return f"{prefix}.{slot}" if prefix else slot
+
+
 def _torchao_config(name: str) -> Any:
     """torchao's dynamic-activation config of a scheme (imported only when asked for)."""
     from torchao.quantization import (
@@ -221,7 +226,7 @@ def quantize_linears(
         buffers = dict(module.named_buffers(recurse=False))
         for slot in QUANTIZED_WEIGHTS[name]:
             weight = buffers.get(slot)
-            smooth = factors.get(f"{prefix}.{slot}" if prefix else slot)
+            smooth = factors.get(buffer_name(prefix, slot))
             if weight is None or (smooth is None and slot in SMOOTHED_ONLY[name]):
                 continue
             if config is not None:

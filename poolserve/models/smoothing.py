@@ -7,9 +7,10 @@ down to 0.992. Dividing input channel j by s_j and multiplying the weight's colu
 x @ W.T unchanged and moves the range into the weight, whose scale is per output channel and
 whose columns are narrow: s_j = max|x_j|^ALPHA / max|W_j|^(1 - ALPHA) (Xiao et al., SmoothQuant).
 With it, qkv runs in int8 too, and MiniLM's worst cosine with every projection in int8 is 0.9967
-(0.9971 before, with qkv in float32; with 7-bit activations 0.9972 against 0.9960), for 1.5x
-float32's speed instead of 1.25x (docs/models.md, Precision). The strength is SmoothQuant's
-default: 0.7 gave MiniLM 0.9974 but a tiny random Qwen2's last token 0.995 against 0.999.
+(0.9971 before, with qkv in float32; with 7-bit activations 0.9972 against 0.9960), for 1.5-1.7x
+float32's speed instead of 1.25x (MiniLM, AVX-512; docs/models.md, Precision). The strength is
+SmoothQuant's default: 0.7 gave MiniLM 0.9974 but a tiny random Qwen2's last token 0.995 against
+0.999.
 
 max|x_j| is measured once, at load: the backbone runs CALIBRATION random token ids of its
 vocabulary (fixed seed: two loads quantize alike), each smoothed slot's input range recorded. A
@@ -36,13 +37,14 @@ import torch.nn.functional as F
 
 from poolserve.models.attention import build_attention_metadata
 from poolserve.models.packed import PackedModel
+from poolserve.models.quantization import buffer_name
 
 logger = logging.getLogger(__name__)
 
 # The projections fed by a norm's output (buffer names of the decoder and encoder layers).
 SMOOTHED_WEIGHTS = ("qkv_weight", "gate_up_weight", "up_weight")
 ALPHA = 0.5  # SmoothQuant's migration strength (the docstring: why not 0.7)
-CALIBRATION = (2, 64)  # sequences x tokens: MiniLM in 0.04 s, Qwen3-0.6B's geometry in 1.6 s
+CALIBRATION = (2, 64)  # sequences x tokens: MiniLM in 0.05 s, Qwen3-0.6B's geometry in 1.7 s
 _SEED = 0
 _BLOCK_SIZE = 16  # attention metadata's page size; nothing is cached
 _TINY = 1e-5  # floor of a range or column max: a dead channel keeps s_j finite
@@ -134,16 +136,11 @@ def _recorders(model: torch.nn.Module) -> Iterator[dict[str, _RangeRecorder]]:
         recorder = _RangeRecorder(module._buffers[slot])
         delattr(module, slot)  # the slot becomes a submodule of the same name while measuring
         module.add_module(slot, recorder)
-        recorders[_qualified(prefix, slot)] = recorder
+        recorders[buffer_name(prefix, slot)] = recorder
     try:
         yield recorders
     finally:
         for prefix, module, slot in slots:
-            weight = recorders[_qualified(prefix, slot)].weight
+            weight = recorders[buffer_name(prefix, slot)].weight
             delattr(module, slot)
             module.register_buffer(slot, weight)
-
-
-def _qualified(prefix: str, slot: str) -> str:
-    """A buffer's name in the model: 'layers.0.qkv_weight'."""
-    return f"{prefix}.{slot}" if prefix else slot
