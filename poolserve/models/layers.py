@@ -45,16 +45,32 @@ FUSED_POST_OPS: dict[Callable[[torch.Tensor], torch.Tensor], tuple[str, str]] = 
 }
 
 
+# The same activations computed in place: an int8 GEMM's output (its own new tensor, scaled per
+# token after the GEMM, so no epilogue can take the activation) is overwritten rather than the
+# MLP's widest tensor allocated and faulted in again.
+IN_PLACE: dict[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]] = {
+    ACTIVATIONS["silu"]: functools.partial(F.silu, inplace=True),
+    ACTIVATIONS["gelu"]: torch.ops.aten.gelu_,
+    ACTIVATIONS["gelu_new"]: functools.partial(torch.ops.aten.gelu_, approximate="tanh"),
+    ACTIVATIONS["gelu_pytorch_tanh"]: functools.partial(torch.ops.aten.gelu_, approximate="tanh"),
+    ACTIVATIONS["relu"]: functools.partial(F.relu, inplace=True),
+}
+
+
 def linear_act(
     x: torch.Tensor,
     weight: Weight,
     bias: torch.Tensor | None,
     act: Callable[[torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
-    """act(x @ weight.T + bias), fused where the weight is oneDNN-packed and oneDNN has it."""
+    """act(x @ weight.T + bias), fused where the weight is oneDNN-packed and oneDNN has it, in
+    place on an int8 projection's output."""
     post_op = FUSED_POST_OPS.get(act)
     if post_op is not None and isinstance(weight, PackedLinear):
         return weight(x, bias, post_op)
+    in_place = IN_PLACE.get(act)
+    if in_place is not None and isinstance(weight, Int8Linear):
+        return in_place(weight(x, bias))
     return act(linear(x, weight, bias))
 
 
