@@ -90,16 +90,18 @@ class Int8Kernel:
         x_scale: torch.Tensor,  # [num_tokens, 1] float32: each token's step
         packed: Any,
         offset: torch.Tensor | None = None,  # [num_tokens, 1]: asymmetric kernels' shift
+        in_place: bool = False,  # x is the caller's scratch: the symmetric kernels overwrite it
     ) -> torch.Tensor:  # [num_tokens, out] float32
         """sum over `in` of round(x / x_scale - offset) * qweight, times the weight's scale per
         channel (offset None: 0)."""
+        if self.engine is None or self.engine == QLINEAR:
+            # one [num_tokens, in] float32 tensor fewer to allocate (and fault in) when in place
+            q = (x.div_(x_scale) if in_place else torch.div(x, x_scale)).round_().to(torch.int8)
         if self.engine is None:
             weight, scale = packed
-            q = torch.div(x, x_scale).round_().to(torch.int8)  # [num_tokens, in]
             return torch.mul(torch._int_mm(q, weight), scale)  # int32 -> float32 in one pass
         if self.engine == QLINEAR:
             weight, scale, zeros = packed
-            q = torch.div(x, x_scale).round_().to(torch.int8)  # [num_tokens, in]
             # s8 activations at scale 1, zero point 0: the op returns the sums weight-scaled
             return torch.ops.onednn.qlinear_pointwise(
                 q, 1.0, 0, weight, scale, zeros, None, 1.0, 0, torch.float32, "none", [], ""

@@ -136,6 +136,7 @@ class Int8Linear(torch.nn.Module):
     ) -> torch.Tensor:  # [num_tokens, out] in the compute dtype
         """x @ W.T + bias with x quantized per token: int8 GEMM, exact sums, float32 scaling."""
         dtype, x = x.dtype, x.float()
+        own = self.inverse_smoothing is not None  # x is this call's own tensor: scaled in place
         if self.inverse_smoothing is not None:
             x = x * self.inverse_smoothing  # a new tensor: the caller's x may be a residual
         levels = self.kernel.levels
@@ -152,7 +153,7 @@ class Int8Linear(torch.nn.Module):
             x_scale = torch.maximum(high, low.neg_())
             x_scale = x_scale.clamp_min_(torch.finfo(torch.float32).eps).div_(levels)
             # |x / x_scale| <= levels by construction: no clamp is needed before the GEMM rounds
-            y = self.kernel.matmul(x, x_scale, self.packed)  # [num_tokens, out], weight-scaled
+            y = self.kernel.matmul(x, x_scale, self.packed, in_place=own)  # weight-scaled
         if bias is None:
             return y.mul_(x_scale).to(dtype)
         return torch.addcmul(bias, y, x_scale, out=y).to(dtype)  # one pass: bias + y * x_scale
