@@ -33,7 +33,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from poolserve.memory import fix_mmap_threshold
+from poolserve.memory import core_environment, fix_mmap_threshold
 from poolserve.observability.logs import LogFormat, configure_logging, report_start_failure
 from poolserve.types.errors import ModelStartError
 from poolserve.types.process import CORE_LOST_SIGNAL, MULTIPROCESS_DIR
@@ -111,7 +111,7 @@ def run_processes(plan: Plan, workdir: Path) -> int:
     # app has started and handles it
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
-        supervisor.core = _spawn(["core", str(settings_file), address], env)
+        supervisor.core = _spawn(["core", str(settings_file), address], core_environment(env))
         supervisor.front_ends = [
             _spawn(["api", str(settings_file), address, str(listener.fileno())], env, listener)
             for listener in listeners

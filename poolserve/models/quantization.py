@@ -135,10 +135,10 @@ class Int8Linear(torch.nn.Module):
         bias: torch.Tensor | None,  # [out]
     ) -> torch.Tensor:  # [num_tokens, out] in the compute dtype
         """x @ W.T + bias with x quantized per token: int8 GEMM, exact sums, float32 scaling."""
-        dtype, x = x.dtype, x.float()
-        own = self.inverse_smoothing is not None  # x is this call's own tensor: scaled in place
+        given, x = x, x.float()
         if self.inverse_smoothing is not None:
             x = x * self.inverse_smoothing  # a new tensor: the caller's x may be a residual
+        own = x is not given  # a cast or smoothed copy is this call's own: scaled in place
         levels = self.kernel.levels
         high, low = x.amax(-1, keepdim=True), x.amin(-1, keepdim=True)  # [num_tokens, 1] each
         if self.kernel.asymmetric:
@@ -155,8 +155,10 @@ class Int8Linear(torch.nn.Module):
             # |x / x_scale| <= levels by construction: no clamp is needed before the GEMM rounds
             y = self.kernel.matmul(x, x_scale, self.packed, in_place=own)  # weight-scaled
         if bias is None:
-            return y.mul_(x_scale).to(dtype)
-        return torch.addcmul(bias, y, x_scale, out=y).to(dtype)  # one pass: bias + y * x_scale
+            return y.mul_(x_scale).to(given.dtype)
+        return torch.addcmul(bias, y, x_scale, out=y).to(
+            given.dtype
+        )  # one pass: bias + y * x_scale
 
     def extra_repr(self) -> str:
         """Shape, as nn.Linear prints it, and the GEMM."""

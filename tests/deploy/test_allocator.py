@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
@@ -10,10 +11,13 @@ import pytest
 
 from poolserve.memory import (
     ALLOCATOR_VARIABLES,
+    HUGE_PAGES_TUNABLE,
     MMAP_THRESHOLD_BYTES,
+    MMAP_TUNABLE,
+    core_environment,
     fix_mmap_threshold,
 )
-from tests.deploy.tools import REPO_ROOT
+from tests.deploy.tools import REPO_ROOT, thp_mode
 
 TUNABLE = f"glibc.malloc.mmap_threshold={MMAP_THRESHOLD_BYTES}"
 
@@ -43,3 +47,53 @@ def test_threshold_is_fixed_in_process_without_such_variables() -> None:
         check=False,
     )
     assert completed.stdout.strip() == "True", completed.stderr
+
+
+GLIBC = platform.libc_ver()[0] == "glibc"
+
+
+@pytest.mark.skipif(not GLIBC, reason="the tunables are glibc's")
+@pytest.mark.parametrize(
+    ("given", "wanted"),
+    [
+        ({}, f"{MMAP_TUNABLE}:{HUGE_PAGES_TUNABLE}"),  # what fix_mmap_threshold sets, plus pages
+        ({"GLIBC_TUNABLES": MMAP_TUNABLE}, f"{MMAP_TUNABLE}:{HUGE_PAGES_TUNABLE}"),  # the image's
+        ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, "glibc.malloc.hugetlb=0"),  # opted out
+        ({"MALLOC_MMAP_THRESHOLD_": "65536"}, HUGE_PAGES_TUNABLE),  # their threshold stays theirs
+        ({"LD_PRELOAD": "libjemalloc.so.2"}, None),  # not glibc's malloc: nothing to tune
+    ],
+)
+def test_the_core_adds_huge_pages_to_what_the_operator_set(
+    given: dict[str, str], wanted: str | None
+) -> None:
+    env = core_environment({"PATH": "/bin", **given})
+    assert env.get("GLIBC_TUNABLES") == wanted and env["PATH"] == "/bin"
+
+
+@pytest.mark.skipif(not GLIBC, reason="the tunables are glibc's")
+@pytest.mark.skipif(thp_mode() != "madvise", reason="THP mode is not madvise: nothing to advise")
+def test_the_cores_tunables_put_a_large_buffer_on_huge_pages() -> None:
+    # a step-sized activation (64 MiB, its own mapping above the threshold) in a child process
+    # started as the supervisor starts the core; without the tunable it gets 4 KiB pages
+    code = (
+        "import os, torch\n"
+        "from tests.deploy.tools import huge_pages_mib\n"
+        "x = torch.ones(16 << 20)\n"
+        "print(huge_pages_mib(os.getpid()))"
+    )
+
+    def huge_mib(env: dict[str, str]) -> int:
+        completed = subprocess.run(
+            [sys.executable, "-c", code],
+            env=env,
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert completed.returncode == 0, completed.stderr
+        return int(completed.stdout)
+
+    base = {k: v for k, v in os.environ.items() if k not in ALLOCATOR_VARIABLES}
+    assert huge_mib(core_environment(base)) >= 32
+    assert huge_mib({**base, "GLIBC_TUNABLES": MMAP_TUNABLE}) < 32

@@ -203,3 +203,16 @@ def running_stub() -> Iterator[StubServer]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def thp_mode() -> str:
+    """The kernel's transparent huge page mode (always, madvise, never), or "" without THP."""
+    path = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    text = path.read_text() if path.is_file() else ""
+    return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else ""
+
+
+def huge_pages_mib(pid: int) -> int:
+    """How much of a process's anonymous memory lies on transparent huge pages, in MiB."""
+    rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    return int(rollup.split("AnonHugePages:", 1)[1].split()[0]) // 1024

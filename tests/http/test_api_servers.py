@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sentence_transformers import SentenceTransformer
 from transformers import AutoModel
 
+from tests.deploy.tools import huge_pages_mib, thp_mode
 from tests.http.test_server_process import free_port, start_server
 from tests.tiny_models import MINILM_DIR
 
@@ -78,6 +79,9 @@ def test_two_front_ends_and_one_core_run(
 ) -> None:
     core, front_ends = _children(two_front_ends[1])
     assert len(front_ends) == 2 and core.is_running()
+    if thp_mode() == "madvise":  # the core alone advises huge pages (poolserve/memory.py)
+        assert huge_pages_mib(core.pid) > 0
+        assert [huge_pages_mib(front_end.pid) for front_end in front_ends] == [0, 0]
 
 
 def test_connections_spread_over_the_front_ends(
