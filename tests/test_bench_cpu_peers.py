@@ -45,3 +45,12 @@ def test_the_start_column_and_the_table() -> None:
     lines = table(rows, 1000).splitlines()
     assert lines[2] == "| poolserve float32 | 500 | 1.00x | 1.00000 | torch |"
     assert lines[3] == "| peer | 1,000 | 2.00x | 0.99000 |  |"
+
+    # without poolserve's float32 row, the ratios are to the reference
+    alone = [
+        Row("poolserve int8", "x86", 1.0, 0.99),
+        Row("sentence-transformers (torch)", "", 2.0, 1),
+    ]
+    lines = table(alone, 1000).splitlines()
+    assert lines[0].startswith("| runtime | tokens/s | vs sentence-transformers (torch) |")
+    assert lines[2] == "| poolserve int8 | 1,000 | 2.00x | 0.99000 | x86 |"

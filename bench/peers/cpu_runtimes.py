@@ -36,8 +36,11 @@ class Runtime:
     embed: Callable[[list[str]], np.ndarray]
 
 
-def peer_runtimes(model_dir: Path, pooling: str, tmp: Path) -> list[Runtime]:
-    """sentence-transformers (torch), then the ONNX runtimes that are installed and take it."""
+def peer_runtimes(
+    model_dir: Path, pooling: str, tmp: Path, keep: Callable[[str], bool] = lambda label: True
+) -> list[Runtime]:
+    """sentence-transformers (torch), then the ONNX runtimes that are installed and take it;
+    only those whose label `keep` keeps are built (the reference always)."""
     from sentence_transformers import SentenceTransformer
 
     st = SentenceTransformer(str(model_dir), device="cpu")
@@ -57,7 +60,7 @@ def peer_runtimes(model_dir: Path, pooling: str, tmp: Path) -> list[Runtime]:
     except Exception as exc:  # an exporter gap is a result to report, not a crash
         logger.warning("no ONNX export of %s: %s", model_dir, exc)
         return rows
-    for label, start, forward in _onnx_forwards(onnx_path, tmp):
+    for label, start, forward in _onnx_forwards(onnx_path, tmp, keep):
         rows.append(Runtime(label, start, padded(model_dir, forward, pooling)))
     return rows
 
@@ -91,8 +94,10 @@ def export_onnx(model_dir: Path, path: Path) -> Path:
     return path
 
 
-def _onnx_forwards(onnx_path: Path, tmp: Path) -> list[tuple[str, str, Forward]]:
-    """ONNX Runtime float32 and int8, OpenVINO default and float32: those installed."""
+def _onnx_forwards(
+    onnx_path: Path, tmp: Path, keep: Callable[[str], bool]
+) -> list[tuple[str, str, Forward]]:
+    """ONNX Runtime float32 and int8, OpenVINO default and float32: those installed and kept."""
     forwards: list[tuple[str, str, Forward]] = []
     try:
         import onnxruntime as ort
@@ -103,16 +108,20 @@ def _onnx_forwards(onnx_path: Path, tmp: Path) -> list[tuple[str, str, Forward]]
         # optimum's AVX-512 VNNI configuration keeps the full range; its AVX2 one reduces it
         reduce_range = "VNNI" not in cpu_class().units
         int8_path = tmp / f"{onnx_path.stem}-int8.onnx"
-        quantize_dynamic(
-            onnx_path,
-            int8_path,
-            weight_type=QuantType.QInt8,
-            per_channel=True,
-            reduce_range=reduce_range,
-        )
         for label, path in (("float32", onnx_path), ("dynamic int8", int8_path)):
+            name = f"ONNX Runtime {ort.__version__} {label}"
+            if not keep(name):
+                continue
+            if path == int8_path:
+                quantize_dynamic(
+                    onnx_path,
+                    int8_path,
+                    weight_type=QuantType.QInt8,
+                    per_channel=True,
+                    reduce_range=reduce_range,
+                )
             session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-            forwards.append((f"ONNX Runtime {ort.__version__} {label}", "", _ort(session)))
+            forwards.append((name, "", _ort(session)))
     try:
         import openvino as ov
     except ImportError:
@@ -124,6 +133,8 @@ def _onnx_forwards(onnx_path: Path, tmp: Path) -> list[tuple[str, str, Forward]]
     for label, hint in (("default", {}), ("float32", {"INFERENCE_PRECISION_HINT": "f32"})):
         if label == "float32" and any(f[1] == "runs f32" for f in forwards):
             break  # the default already runs float32
+        if not keep(f"OpenVINO {version} {label}"):
+            continue
         try:
             compiled = core.compile_model(core.read_model(str(onnx_path)), "CPU", hint)
         except RuntimeError as exc:  # e.g. bfloat16 under ONEDNN_MAX_CPU_ISA=AVX2

@@ -30,6 +30,11 @@ each keeping its fastest round, so ratios come from the same stretch of a shared
 
 Every table names the CPU class (poolserve/models/cpu_class.py) and the load average. Fidelity:
 each row's worst cosine to sentence-transformers' float32 embedding. Prints markdown.
+
+`--runtimes` keeps the rows whose label contains one of its comma-separated words (and
+sentence-transformers, the reference): run poolserve's rows and a peer's in separate processes,
+where no other runtime's threads and heap share theirs (one process measured poolserve's first
+pass after ONNX Runtime's or OpenVINO's at 0.6-0.7x of its next, with 1.6x the page faults).
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import os
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,6 +68,7 @@ from poolserve.types.errors import SlowerPrecisionError
 logger = logging.getLogger(__name__)
 
 CPU = torch.device("cpu")
+REFERENCE = "sentence-transformers"  # the row every other row's cosine is taken against
 
 
 @dataclass(frozen=True)
@@ -157,11 +163,16 @@ PRECISIONS = {
 
 
 def poolserve_runtimes(
-    model_dir: Path, loop: asyncio.AbstractEventLoop, engines: list[Engine]
+    model_dir: Path,
+    loop: asyncio.AbstractEventLoop,
+    engines: list[Engine],
+    keep: Callable[[str], bool],
 ) -> list[Runtime]:
-    """One runtime per precision, each started as the server would start it."""
+    """One runtime per kept precision, each started as the server would start it."""
     runtimes = []
     for label, (dtype, quantization) in PRECISIONS.items():
+        if not keep(f"poolserve {label}"):
+            continue
         with _captured_choice() as (said, spent):
             try:
                 loaded = load_model(
@@ -222,14 +233,21 @@ def _captured_choice() -> Iterator[tuple[list[str], list[float]]]:
         chosen.removeHandler(handler)
 
 
-def measure(case: ModelCase, texts: list[str], rounds: int, tmp: Path) -> list[Row]:
-    """Every runtime on one model, once per round in turn."""
+def measure(
+    case: ModelCase, texts: list[str], rounds: int, tmp: Path, words: Sequence[str] = ()
+) -> list[Row]:
+    """Every runtime (those whose label has one of `words`, when given, and the reference) on
+    one model, once per round in turn."""
+
+    def keep(label: str) -> bool:
+        return not words or label.startswith(REFERENCE) or any(w in label for w in words)
+
     model_dir = case.build(tmp / case.name.split()[0])
     loop = asyncio.new_event_loop()
     engines: list[Engine] = []
-    runtimes = poolserve_runtimes(model_dir, loop, engines)
-    runtimes += peer_runtimes(model_dir, case.pooling, tmp)
-    reference = next(r for r in runtimes if r.label.startswith("sentence-transformers"))
+    runtimes = poolserve_runtimes(model_dir, loop, engines, keep)
+    runtimes += peer_runtimes(model_dir, case.pooling, tmp, keep)
+    reference = next(r for r in runtimes if r.label.startswith(REFERENCE))
     outputs = {r.label: r.embed(texts[:8]) for r in runtimes}  # warm-up
     best = dict.fromkeys(outputs, float("inf"))
     for round_index in range(rounds):
@@ -256,10 +274,12 @@ def _worst_cosine(got: np.ndarray, want: np.ndarray) -> float:
 
 
 def table(rows: list[Row], num_tokens: int) -> str:
-    """Markdown: tokens/s, the ratio to poolserve float32 and to the best peer, fidelity, start."""
-    base = next(r for r in rows if r.runtime == "poolserve float32")
+    """Markdown: tokens/s, the ratio to poolserve float32 (to the reference where that row was
+    left out), fidelity, start."""
+    bases = [r for r in rows if r.runtime == "poolserve float32"]
+    base = (bases or [r for r in rows if r.runtime.startswith(REFERENCE)])[0]
     lines = [
-        "| runtime | tokens/s | vs poolserve float32 | worst cosine | start |",
+        f"| runtime | tokens/s | vs {base.runtime} | worst cosine | start |",
         "|---|---:|---:|---:|---|",
     ]
     for row in rows:
@@ -288,6 +308,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--models", default=",".join(CASES), help="comma-separated: " + ", ".join(CASES)
     )
+    parser.add_argument(
+        "--runtimes",
+        default="",
+        help="comma-separated words: only the rows whose label has one (and the reference)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     warnings.simplefilter("ignore")  # exporters' and quantizers' deprecation notices
@@ -298,7 +323,8 @@ def main(argv: list[str] | None = None) -> None:
             case = CASES[key]
             corpus = build_texts(minilm, max(8, num_texts // case.share), 2, case.max_tokens)
             print(f"before: {machine()}\n")
-            rows = measure(case, list(corpus.texts), rounds, Path(tmp))
+            words = [w for w in args.runtimes.split(",") if w]
+            rows = measure(case, list(corpus.texts), rounds, Path(tmp), words)
             print(
                 f"{case.name}, {len(corpus.texts)} texts, {sum(corpus.lengths)} tokens, "
                 f"fastest of {rounds} rounds; after: {machine()}\n"

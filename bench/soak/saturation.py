@@ -10,8 +10,9 @@ other than 429, p50/p99 latency of the first and last minute after warm-up, and 
 prints markdown and writes bench/results/soak_<malloc>.json and .md. Asserts nothing.
 
 `--malloc` picks the server's allocator setup: `default` is what `make serve` and the image start
-the server with (a fixed glibc mmap threshold through GLIBC_TUNABLES); `inproc` sets it from
-inside the process (poolserve/memory.py) instead; `glibc` (glibc's defaults),
+the server with (a fixed glibc mmap threshold through GLIBC_TUNABLES, the engine core's large
+buffers on huge pages); `inproc` sets it from inside the process (poolserve/memory.py) instead;
+`small-pages` keeps the threshold but opts the core out of huge pages; `glibc` (glibc's defaults),
 `arena2` (at most two arenas) and `jemalloc` (Debian's libjemalloc2 preloaded) are the
 alternatives measured against it in docs/benchmarks.md.
 """
@@ -64,6 +65,8 @@ def jemalloc_path() -> str:
 
 # The environment `make serve` and the image give the server (the why: service/edge/memory.py).
 PROJECT_MALLOC_ENV = {"GLIBC_TUNABLES": f"glibc.malloc.mmap_threshold={MMAP_THRESHOLD_BYTES}"}
+MMAP_TUNABLE = PROJECT_MALLOC_ENV["GLIBC_TUNABLES"]
+NO_THP = "glibc.malloc.hugetlb=0"  # the core then keeps 4 KiB pages (poolserve/memory.py)
 # Starts the server the way `poolserve serve` runs when no allocator variable is set: it fixes
 # the threshold itself before loading anything.
 IN_PROCESS_PREFIX = (
@@ -78,6 +81,7 @@ def malloc_env(variant: str) -> dict[str, str]:
     table = {
         "default": lambda: dict(PROJECT_MALLOC_ENV),
         "inproc": dict,
+        "small-pages": lambda: {"GLIBC_TUNABLES": f"{MMAP_TUNABLE}:{NO_THP}"},
         # Set but empty: glibc's own defaults, which service/edge/memory.py leaves alone.
         "glibc": lambda: {"GLIBC_TUNABLES": ""},
         "arena2": lambda: {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"},
@@ -262,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--malloc",
         default="default",
-        choices=["default", "inproc", "glibc", "arena2", "jemalloc"],
+        choices=["default", "inproc", "small-pages", "glibc", "arena2", "jemalloc"],
         help="server allocator setup (default: the project's)",
     )
     parser.add_argument("--server-args", default="", help="extra `poolserve serve` flags")
