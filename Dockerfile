@@ -70,7 +70,8 @@ RUN groupadd --system --gid 10001 poolserve \
     && chown poolserve:poolserve /data
 COPY --from=builder /opt/venv /opt/venv
 # GLIBC_TUNABLES: a fixed 128 KiB mmap threshold, so that buffers freed under load go back to
-# the system instead of staying in malloc's arenas (docs/benchmarks.md, "Memory under load").
+# the system instead of staying in malloc's arenas (docs/benchmarks.md, "Memory under load");
+# the supervisor adds huge pages for the engine core alone (poolserve/memory.py).
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from poolserve.models.int8_kernels import INT8_LEVELS, Int8Kernel
+from poolserve.models.int8_kernels import INT8_LEVELS, Int8Kernel, scratch
 from poolserve.types.errors import UnsupportedQuantizationError
 
 # The GEMM an Int8Linear runs without a start-up choice (tests, benchmarks): torch's own.
@@ -135,10 +135,15 @@ class Int8Linear(torch.nn.Module):
         bias: torch.Tensor | None,  # [out]
     ) -> torch.Tensor:  # [num_tokens, out] in the compute dtype
         """x @ W.T + bias with x quantized per token: int8 GEMM, exact sums, float32 scaling."""
-        given, x = x, x.float()
-        if self.inverse_smoothing is not None:
-            x = x * self.inverse_smoothing  # a new tensor: the caller's x may be a residual
-        own = x is not given  # a cast or smoothed copy is this call's own: scaled in place
+        given = x
+        if x.dtype != torch.float32 or self.inverse_smoothing is not None:
+            # the float32 (or smoothed) copy on a reusable buffer: the caller's x stays as it is
+            x = scratch(x.shape, torch.float32, "input")
+            if self.inverse_smoothing is None:
+                x.copy_(given)
+            else:
+                torch.mul(given, self.inverse_smoothing, out=x)
+        own = x is not given  # this call's own copy: the kernel scales it in place
         levels = self.kernel.levels
         high, low = x.amax(-1, keepdim=True), x.amin(-1, keepdim=True)  # [num_tokens, 1] each
         if self.kernel.asymmetric:
