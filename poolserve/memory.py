@@ -1,5 +1,5 @@
 """Allocator set-up at start: a fixed glibc mmap threshold, so freed buffers leave the process;
-the engine core apart: its step buffers reused from the heap, on huge pages, trimmed each second."""
+the engine core's large buffers on transparent huge pages."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ import ctypes
 import logging
 import os
 import platform
-import threading
-import time
 from collections.abc import Mapping
 
 logger = logging.getLogger(__name__)
@@ -23,17 +21,14 @@ MMAP_THRESHOLD_BYTES = 128 * 1024
 # Set by an operator (or by the image): the allocator is configured already, leave it alone.
 ALLOCATOR_VARIABLES = ("GLIBC_TUNABLES", "LD_PRELOAD", "MALLOC_MMAP_THRESHOLD_")
 MMAP_TUNABLE = f"glibc.malloc.mmap_threshold={MMAP_THRESHOLD_BYTES}"
-# The engine core is set up apart. Its forward allocates each activation anew (torch keeps no
-# cache of CPU memory), so under the fixed threshold every step-sized tensor is a fresh mapping
-# faulted in page by page on every step: a Qwen3-0.6B int8 step of 2,048 tokens took 4.88 s
-# against 2.03 s on glibc's dynamic threshold. So the core runs on glibc's dynamic threshold
-# (its step buffers reused from the heap), with transparent huge pages advised for regions of
-# 2 MiB and more (glibc 2.35+; where the kernel's THP mode is `madvise`), and its heap's free
-# pages are handed back every TRIM_INTERVAL_S (malloc_trim), which keeps its memory flat: the
-# MiniLM soak at 1.40x the tokens/s of the fixed threshold, RSS +2.2% after warm-up against
-# +19.4% untrimmed (docs/benchmarks.md, "The engine core's allocator").
+# The engine core's forward allocates each activation anew (torch keeps no CPU cache), and under
+# the fixed threshold each one above 128 KiB is a fresh mapping faulted in 4 KiB page by page on
+# every step. glibc 2.35+ then advises transparent huge pages for mappings of 2 MiB and more
+# (where the kernel's THP mode is `madvise`; a no-op under `always` or `never`): a 512th of the
+# faults. A MiniLM step of 4,096 tokens, AMX Xeon, 2 threads: float32 601 -> 513 ms, int8 542 ->
+# 335 ms (docs/benchmarks.md, "Huge pages for the engine core"). Only the core: its buffers are
+# unmapped when freed as before, where the front ends' small ones would round heaps up to 2 MiB.
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
-TRIM_INTERVAL_S = 1.0
 
 
 def fix_mmap_threshold(environ: Mapping[str, str] = os.environ) -> bool:
@@ -53,45 +48,20 @@ def fix_mmap_threshold(environ: Mapping[str, str] = os.environ) -> bool:
 
 
 def core_environment(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """The engine core's environment: `environ` with its glibc tunables for the core.
+    """The engine core's environment: `environ`, its glibc tunables plus huge pages.
 
-    The project's own tunable (MMAP_TUNABLE, which the image and `make serve` set for every
-    process) or none gives the core glibc's dynamic threshold and huge pages. An operator's other
-    tunables are kept, huge pages added unless they name them (a `glibc.malloc.hugetlb=0`
-    stays); MALLOC_MMAP_THRESHOLD_ keeps its threshold; a preloaded allocator is left alone.
+    An operator's tunables are kept, the huge-page one added unless they name it (a
+    `glibc.malloc.hugetlb=0` of theirs stays); a preloaded allocator is left alone. Without
+    tunables the core gets the fixed threshold too (fix_mmap_threshold would set it, but
+    skips a process whose environment sets GLIBC_TUNABLES), unless MALLOC_MMAP_THRESHOLD_ sets one.
     """
     env = dict(environ)
     if "LD_PRELOAD" in env or platform.libc_ver()[0] != "glibc":
         return env
     given = env.get("GLIBC_TUNABLES")
-    if given is None or given == MMAP_TUNABLE:
-        env["GLIBC_TUNABLES"] = HUGE_PAGES_TUNABLE
+    if given is None:
+        own = () if "MALLOC_MMAP_THRESHOLD_" in env else (MMAP_TUNABLE,)
+        env["GLIBC_TUNABLES"] = ":".join((*own, HUGE_PAGES_TUNABLE))
     elif "glibc.malloc.hugetlb" not in given:
         env["GLIBC_TUNABLES"] = ":".join(part for part in (given, HUGE_PAGES_TUNABLE) if part)
     return env
-
-
-def trim() -> bool:
-    """Hand the heaps' free pages back to the system (glibc's malloc_trim); True if any was."""
-    return bool(ctypes.CDLL(None).malloc_trim(0))
-
-
-def start_trimming(
-    environ: Mapping[str, str] = os.environ, interval_s: float = TRIM_INTERVAL_S
-) -> bool:
-    """In the engine core: trim every `interval_s` on a daemon thread, unless another allocator
-    is preloaded or the C library is not glibc; True if started.
-
-    A trim holds each arena's lock while it walks it; the pages it drops are faulted in again
-    by the next steps that reuse them, once a second rather than on every step.
-    """
-    if "LD_PRELOAD" in environ or platform.libc_ver()[0] != "glibc":
-        return False
-
-    def run() -> None:
-        while True:
-            time.sleep(interval_s)
-            trim()
-
-    threading.Thread(target=run, name="poolserve-malloc-trim", daemon=True).start()
-    return True

@@ -33,7 +33,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from poolserve.memory import core_environment, fix_mmap_threshold, start_trimming
+from poolserve.memory import core_environment, fix_mmap_threshold
 from poolserve.observability.logs import LogFormat, configure_logging, report_start_failure
 from poolserve.types.errors import ModelStartError
 from poolserve.types.process import CORE_LOST_SIGNAL, MULTIPROCESS_DIR
@@ -329,7 +329,7 @@ def _core_main(settings: ServerSettings, address: str) -> None:
     """The engine-core process: load every model, serve each on its socket in `address`, exit
     with the core's code."""
     configure_logging(settings.log_level, settings.log_format)
-    start_trimming()  # its tunables came from core_environment
+    fix_mmap_threshold()
     from poolserve.config.core import core_configs
     from poolserve.config.models_file import served_models
     from poolserve.engine.process import serve_core_process  # torch, in this process only

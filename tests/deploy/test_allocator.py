@@ -16,7 +16,6 @@ from poolserve.memory import (
     MMAP_TUNABLE,
     core_environment,
     fix_mmap_threshold,
-    start_trimming,
 )
 from tests.deploy.tools import REPO_ROOT, thp_mode
 
@@ -57,58 +56,18 @@ GLIBC = platform.libc_ver()[0] == "glibc"
 @pytest.mark.parametrize(
     ("given", "wanted"),
     [
-        ({}, HUGE_PAGES_TUNABLE),  # glibc's dynamic threshold, on huge pages
-        ({"GLIBC_TUNABLES": MMAP_TUNABLE}, HUGE_PAGES_TUNABLE),  # the image's and make serve's
+        ({}, f"{MMAP_TUNABLE}:{HUGE_PAGES_TUNABLE}"),  # what fix_mmap_threshold sets, plus pages
+        ({"GLIBC_TUNABLES": MMAP_TUNABLE}, f"{MMAP_TUNABLE}:{HUGE_PAGES_TUNABLE}"),  # the image's
         ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, "glibc.malloc.hugetlb=0"),  # opted out
-        (  # an operator's own tunables are kept
-            {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"},
-            f"glibc.malloc.arena_max=2:{HUGE_PAGES_TUNABLE}",
-        ),
         ({"MALLOC_MMAP_THRESHOLD_": "65536"}, HUGE_PAGES_TUNABLE),  # their threshold stays theirs
         ({"LD_PRELOAD": "libjemalloc.so.2"}, None),  # not glibc's malloc: nothing to tune
     ],
 )
-def test_the_cores_tunables(given: dict[str, str], wanted: str | None) -> None:
+def test_the_core_adds_huge_pages_to_what_the_operator_set(
+    given: dict[str, str], wanted: str | None
+) -> None:
     env = core_environment({"PATH": "/bin", **given})
     assert env.get("GLIBC_TUNABLES") == wanted and env["PATH"] == "/bin"
-    assert env.get("MALLOC_MMAP_THRESHOLD_") == given.get("MALLOC_MMAP_THRESHOLD_")
-
-
-@pytest.mark.skipif(not GLIBC, reason="malloc_trim is glibc's")
-def test_a_trim_hands_a_fragmented_heaps_free_pages_back() -> None:
-    # in a child on the core's tunables: 400 MiB of 64 KiB blocks on the heap (under any mmap
-    # threshold), all freed but one in eight, so the heap's top cannot shrink: only a trim
-    # returns the holes' pages
-    code = (
-        "import ctypes, os\n"
-        "from poolserve.memory import trim\n"
-        "libc = ctypes.CDLL(None)\n"
-        "libc.malloc.restype = ctypes.c_void_p\n"
-        "libc.free.argtypes = [ctypes.c_void_p]\n"
-        "blocks = [libc.malloc(64 << 10) for _ in range(6400)]\n"
-        "for block in blocks: ctypes.memset(block, 1, 64 << 10)\n"
-        "for i, block in enumerate(blocks):\n"
-        "    if i % 8: libc.free(block)\n"
-        "page = os.sysconf('SC_PAGESIZE')\n"
-        "rss = lambda: int(open('/proc/self/statm').read().split()[1]) * page\n"
-        "before = rss()\n"
-        "print(trim(), (before - rss()) >> 20)"
-    )
-    completed = subprocess.run(
-        [sys.executable, "-c", code],
-        env=core_environment({k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}),
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert completed.returncode == 0, completed.stderr
-    released, freed_mib = completed.stdout.split()
-    assert released == "True" and int(freed_mib) >= 200  # of the 350 MiB freed
-
-
-def test_the_core_trims_only_on_glibcs_own_malloc() -> None:
-    assert not start_trimming({"LD_PRELOAD": "libjemalloc.so.2"})
 
 
 @pytest.mark.skipif(not GLIBC, reason="the tunables are glibc's")
