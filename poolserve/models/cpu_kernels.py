@@ -27,7 +27,7 @@ import torch
 from poolserve.models.cpu_class import NATIVE_CPU_FLAGS, CpuClass, cpu_class, cpu_lacks_native
 from poolserve.models.float_kernels import KERNELS as FLOAT_KERNELS
 from poolserve.models.float_kernels import TORCH, FloatKernel, is_close
-from poolserve.models.int8_kernels import Int8Kernel, is_exact
+from poolserve.models.int8_kernels import Int8Kernel, Scratch, is_exact
 from poolserve.models.int8_kernels import kernels as int8_kernels
 from poolserve.models.layers import linear
 from poolserve.models.quantization import (
@@ -295,8 +295,9 @@ def _time_int8(
     def smoothing(slot: str, width: int) -> torch.Tensor | None:
         return torch.ones(width) if smooths(dtype) and slot in SMOOTHED_WEIGHTS else None
 
+    scratch = Scratch()  # shared, as a loaded model's projections share theirs
     linears = [
-        (inputs[w.shape[1]].to(dtype), Int8Linear(w, kernel, smoothing(slot, w.shape[1])))
+        (inputs[w.shape[1]].to(dtype), Int8Linear(w, kernel, smoothing(slot, w.shape[1]), scratch))
         for slot, w in weights.items()
     ]
     return _seconds(lambda: [linear(x, None) for x, linear in linears])

@@ -93,14 +93,16 @@ class Int8Kernel:
         packed: Any,
         offset: torch.Tensor | None = None,  # [num_tokens, 1]: asymmetric kernels' shift
         in_place: bool = False,  # x is the caller's scratch: the symmetric kernels overwrite it
+        scratch: Scratch | None = None,  # the buffers for the scaled input (None: new ones)
     ) -> torch.Tensor:  # [num_tokens, out] float32
         """sum over `in` of round(x / x_scale - offset) * qweight, times the weight's scale per
         channel (offset None: 0)."""
+        scratch = Scratch() if scratch is None else scratch
         if self.engine is None or self.engine == QLINEAR:
             # the rounded integers in this thread's reusable buffers, not in new tensors
-            scaled = x if in_place else scratch(x.shape, torch.float32, "scaled")
+            scaled = x if in_place else scratch.get(x.shape, torch.float32, "scaled")
             torch.div(x, x_scale, out=scaled).round_()
-            q = scratch(x.shape, torch.int8, "integers").copy_(scaled)  # [num_tokens, in]
+            q = scratch.get(x.shape, torch.int8, "integers").copy_(scaled)  # [num_tokens, in]
         if self.engine is None:
             weight, scale = packed
             return torch.mul(torch._int_mm(q, weight), scale)  # int32 -> float32 in one pass
@@ -116,7 +118,7 @@ class Int8Kernel:
         # the others' dynamic linear measures it, so two sentinel rows hold the range's ends.
         num_tokens = x.shape[0]
         sentinels = 0 if self.engine in _GIVEN_QUANTIZATION else 2
-        scaled = scratch((num_tokens + sentinels, x.shape[1]), torch.float32, "scaled")
+        scaled = scratch.get((num_tokens + sentinels, x.shape[1]), torch.float32, "scaled")
         if offset is None:
             torch.div(x, x_scale, out=scaled[:num_tokens])
         else:  # x / x_scale - offset in one pass
@@ -129,34 +131,31 @@ class Int8Kernel:
         return torch.ops.quantized.linear_dynamic(scaled, packed, reduce_range)[:num_tokens]
 
 
-class _Scratch(threading.local):
-    """This thread's buffers for the int8 GEMMs' inputs, by purpose, each grown to the largest
-    asked for and kept: a projection's scaled and rounded input is used once, within the call.
+class Scratch(threading.local):
+    """Reusable buffers for the int8 GEMMs' inputs, by purpose, each grown to the largest asked
+    for and kept: a projection's scaled and rounded input is used once, within the call.
 
     A new tensor of a step's size is a fresh mapping under the server's fixed mmap threshold
     (docs/deploy.md, Memory), faulted in page by page on every step: for Qwen3-0.6B's geometry,
-    about 2 GB a 2,048-token step for int8's inputs alone. Per thread, so a forward and a
-    load-time measurement on another thread never share one.
+    about 2 GB a 2,048-token step for int8's inputs alone. One is shared by a model's
+    projections (quantize_linears), which run one after another; its buffers are per thread,
+    so two threads running one model never write the same memory.
     """
 
     def __init__(self) -> None:
         self.buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
 
-
-_SCRATCH = _Scratch()
-
-
-def scratch(shape: Sequence[int], dtype: torch.dtype, purpose: str) -> torch.Tensor:
-    """A tensor of `shape` on this thread's buffer for `purpose` (contents undefined; it holds
-    until this thread's next request for the same purpose)."""
-    rows, cols = shape
-    key = (purpose, dtype)
-    buffer = _SCRATCH.buffers.get(key)
-    if buffer is None or buffer.numel() < rows * cols:
-        with torch.inference_mode(False):  # a plain tensor: written inside inference mode or out
-            buffer = torch.empty(rows * cols, dtype=dtype)
-        _SCRATCH.buffers[key] = buffer
-    return buffer[: rows * cols].view(rows, cols)
+    def get(self, shape: Sequence[int], dtype: torch.dtype, purpose: str) -> torch.Tensor:
+        """A tensor of `shape` on this thread's buffer for `purpose` (contents undefined; it
+        holds until this thread's next request for the same purpose)."""
+        rows, cols = shape
+        key = (purpose, dtype)
+        buffer = self.buffers.get(key)
+        if buffer is None or buffer.numel() < rows * cols:
+            with torch.inference_mode(False):  # a plain tensor, written in inference mode or out
+                buffer = torch.empty(rows * cols, dtype=dtype)
+            self.buffers[key] = buffer
+        return buffer[: rows * cols].view(rows, cols)
 
 
 def kernels() -> tuple[Int8Kernel, ...]:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from poolserve.models.int8_kernels import INT8_LEVELS, Int8Kernel, scratch
+from poolserve.models.int8_kernels import INT8_LEVELS, Int8Kernel, Scratch
 from poolserve.types.errors import UnsupportedQuantizationError
 
 # The GEMM an Int8Linear runs without a start-up choice (tests, benchmarks): torch's own.
@@ -110,8 +110,10 @@ class Int8Linear(torch.nn.Module):
         weight: torch.Tensor,  # [out, in]
         kernel: Int8Kernel = INT_MM,
         smooth: torch.Tensor | None = None,  # [in] s: x / s times W * s (smoothing.py)
+        scratch: Scratch | None = None,  # shared by a model's projections (None: its own)
     ) -> None:
         super().__init__()
+        self.scratch = Scratch() if scratch is None else scratch
         if smooth is not None:
             weight = weight.float() * smooth
         scale = weight.float().abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).eps)
@@ -138,7 +140,7 @@ class Int8Linear(torch.nn.Module):
         given = x
         if x.dtype != torch.float32 or self.inverse_smoothing is not None:
             # the float32 (or smoothed) copy on a reusable buffer: the caller's x stays as it is
-            x = scratch(x.shape, torch.float32, "input")
+            x = self.scratch.get(x.shape, torch.float32, "input")
             if self.inverse_smoothing is None:
                 x.copy_(given)
             else:
@@ -151,14 +153,14 @@ class Int8Linear(torch.nn.Module):
             # [-levels - 1, levels], the range the engine's sentinel rows fix
             x_scale = (high - low).clamp_min_(torch.finfo(torch.float32).eps).div_(2 * levels + 1)
             offset = low.div(x_scale).add_(levels + 1)
-            y = self.kernel.matmul(x, x_scale, self.packed, offset)  # [num_tokens, out]
+            y = self.kernel.matmul(x, x_scale, self.packed, offset, scratch=self.scratch)
             y.addcmul_(offset, self.weight_sums)  # the shift's share, weight-scaled
         else:
             # max |x| per token from the two extremes: no |x| tensor is written
             x_scale = torch.maximum(high, low.neg_())
             x_scale = x_scale.clamp_min_(torch.finfo(torch.float32).eps).div_(levels)
             # |x / x_scale| <= levels by construction: no clamp is needed before the GEMM rounds
-            y = self.kernel.matmul(x, x_scale, self.packed, in_place=own)  # weight-scaled
+            y = self.kernel.matmul(x, x_scale, self.packed, in_place=own, scratch=self.scratch)
         if bias is None:
             return y.mul_(x_scale).to(given.dtype)
         return torch.addcmul(bias, y, x_scale, out=y).to(
@@ -229,6 +231,7 @@ def quantize_linears(
     with_torchao = (device.type == "cuda" or name == "fp8") if use_torchao is None else use_torchao
     config = _torchao_config(name) if with_torchao else None
     factors = {} if smoothing is None or config is not None else smoothing
+    scratch = Scratch()  # the projections run one after another: one set of input buffers
     count = 0
     for prefix, module in list(model.named_modules()):
         buffers = dict(module.named_buffers(recurse=False))
@@ -243,6 +246,6 @@ def quantize_linears(
                 count += int(type(quantized) is not torch.Tensor)  # a kept weight is plain
             else:
                 delattr(module, slot)  # the slot becomes a submodule of the same name
-                module.add_module(slot, Int8Linear(weight, kernel, smooth))
+                module.add_module(slot, Int8Linear(weight, kernel, smooth, scratch))
                 count += 1
     return count
