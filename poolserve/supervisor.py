@@ -33,7 +33,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from poolserve.memory import core_environment, fix_mmap_threshold
+from poolserve.memory import CoreMalloc, core_environment, fix_mmap_threshold
 from poolserve.observability.logs import LogFormat, configure_logging, report_start_failure
 from poolserve.types.errors import ModelStartError
 from poolserve.types.process import CORE_LOST_SIGNAL, MULTIPROCESS_DIR
@@ -75,6 +75,7 @@ class Plan:
     shutdown_timeout: float
     log_level: str
     log_format: LogFormat
+    core_malloc: CoreMalloc
 
     @classmethod
     def of(cls, settings: dict[str, Any]) -> Plan:
@@ -111,7 +112,9 @@ def run_processes(plan: Plan, workdir: Path) -> int:
     # app has started and handles it
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
-        supervisor.core = _spawn(["core", str(settings_file), address], core_environment(env))
+        core_env, malloc = core_environment(env, plan.core_malloc)
+        logger.info("engine core's malloc: %s", malloc)
+        supervisor.core = _spawn(["core", str(settings_file), address], core_env)
         supervisor.front_ends = [
             _spawn(["api", str(settings_file), address, str(listener.fileno())], env, listener)
             for listener in listeners

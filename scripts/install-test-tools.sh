@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs the external tools the deployment tests run, from Debian/Ubuntu apt: promtool and
 # prometheus (package prometheus), docker-compose (package docker-compose), haproxy, kubectl
-# (package kubernetes-client) and openssl (the TLS tests' self-signed certificates).
+# (package kubernetes-client) and openssl (the TLS tests' self-signed certificates); and the
+# library the engine core preloads where it can, tcmalloc (libtcmalloc-minimal4), so the tests'
+# servers run the core as the image does.
 # Idempotent: installs only what is missing, and prints nothing when nothing is.
 # Needs root or passwordless sudo. Without either (or without apt) it prints what to install and
 # exits 0, and the tests that need a missing tool skip saying so; under CI (CI=true) a missing
@@ -17,10 +19,21 @@ declare -A PACKAGE_FOR_COMMAND=(
     [openssl]=openssl
 )
 
+# Shared libraries, by the name the dynamic loader's cache lists them under.
+declare -A PACKAGE_FOR_LIBRARY=(
+    [libtcmalloc_minimal.so.4]=libtcmalloc-minimal4
+)
+
 missing=()
 for command in "${!PACKAGE_FOR_COMMAND[@]}"; do
     if ! command -v "$command" >/dev/null 2>&1; then
         missing+=("${PACKAGE_FOR_COMMAND[$command]}")
+    fi
+done
+ldconfig=$(command -v ldconfig || echo /sbin/ldconfig) # /sbin is not on every user's PATH
+for library in "${!PACKAGE_FOR_LIBRARY[@]}"; do
+    if ! "$ldconfig" -p 2>/dev/null | grep -q -F "$library "; then
+        missing+=("${PACKAGE_FOR_LIBRARY[$library]}")
     fi
 done
 if [ "${#missing[@]}" -eq 0 ]; then

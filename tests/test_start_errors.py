@@ -115,6 +115,11 @@ def _cases(tmp: Path) -> dict[str, Case]:
             "greater than 0",
             True,
         ),
+        "core allocator without a core process": Case(
+            ("--core-malloc", "tcmalloc", "--api-server-count", "0"),
+            "--core-malloc tcmalloc: --api-server-count 0 runs the engine core in this process",
+            True,
+        ),
         "unsupported architecture": Case(
             (str(unsupported),),
             f"model {str(unsupported)!r}: unsupported architecture 'FooForBar'; supported: ",

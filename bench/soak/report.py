@@ -26,6 +26,8 @@ class RssSample:
     t_s: float
     rss_mib: float
     cpu_s: float
+    # the same RSS per process role (engine core, front end, supervisor), which says who grows
+    by_role: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,18 @@ def _rss_near(samples: Sequence[RssSample], t_s: float) -> float:
     """Median RSS of the samples within RSS_SMOOTHING_S / 2 of a time."""
     near = [s.rss_mib for s in samples if abs(s.t_s - t_s) <= RSS_SMOOTHING_S / 2]
     return statistics.median(near) if near else float("nan")
+
+
+def _by_role(samples: Sequence[RssSample], warmup_s: float, end_s: float) -> dict[str, dict]:
+    """Each process role's RSS after warm-up and at the end (medians as `_rss_near`), growth."""
+    roles = sorted({role for s in samples for role, _ in s.by_role})
+    table: dict[str, dict] = {}
+    for role in roles:
+        mine = [RssSample(s.t_s, dict(s.by_role).get(role, 0.0), s.cpu_s) for s in samples]
+        warm, last = _rss_near(mine, warmup_s), _rss_near(mine, end_s - RSS_SMOOTHING_S / 2)
+        growth = 100.0 * (last - warm) / warm if warm else float("nan")
+        table[role] = {"after_warmup_mib": warm, "end_mib": last, "growth_pct": growth}
+    return table
 
 
 def _slope_mib_per_min(samples: Sequence[RssSample]) -> float:
@@ -142,7 +156,11 @@ def summarize(
             "peak_mib": max((s.rss_mib for s in rss), default=float("nan")),
             "growth_pct": growth,
             "slope_mib_per_min": _slope_mib_per_min(after),
-            "samples": [[round(s.t_s, 1), round(s.rss_mib, 1), round(s.cpu_s, 2)] for s in rss],
+            "by_role": _by_role(rss, facts.warmup_s, end),
+            "samples": [
+                [round(s.t_s, 1), round(s.rss_mib, 1), round(s.cpu_s, 2), dict(s.by_role)]
+                for s in rss
+            ],
         },
         "requests": dict(Counter(o.status.value for o in outcomes)),
         "errors": len(errors),
@@ -181,6 +199,17 @@ def markdown(report: dict[str, object]) -> str:
         f"| {rss['end_mib']:.0f} MiB | {rss['peak_mib']:.0f} MiB | {rss['growth_pct']:+.1f}% "
         f"| {rss['slope_mib_per_min']:+.1f} MiB/min |",
         "",
+    ]
+    by_role = rss.get("by_role") or {}
+    if by_role:
+        lines += ["| process | RSS after warm-up | end | growth |", "|---|---:|---:|---:|"]
+        lines += [
+            f"| {role} | {r['after_warmup_mib']:.0f} MiB | {r['end_mib']:.0f} MiB "
+            f"| {r['growth_pct']:+.1f}% |"
+            for role, r in by_role.items()
+        ]
+        lines.append("")
+    lines += [
         "| window | requests | req/s | tokens/s | p50 ms | p99 ms | server cores busy |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]

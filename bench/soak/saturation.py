@@ -10,10 +10,11 @@ other than 429, p50/p99 latency of the first and last minute after warm-up, and 
 prints markdown and writes bench/results/soak_<malloc>.json and .md. Asserts nothing.
 
 `--malloc` picks the server's allocator setup: `default` is what `make serve` and the image start
-the server with (a fixed glibc mmap threshold through GLIBC_TUNABLES, the engine core's large
-buffers on huge pages); `inproc` sets it from inside the process (poolserve/memory.py) instead;
-`small-pages` keeps the threshold but opts the core out of huge pages; `glibc` (glibc's defaults),
-`arena2` (at most two arenas) and `jemalloc` (Debian's libjemalloc2 preloaded) are the
+the server with (a fixed glibc mmap threshold through GLIBC_TUNABLES; the engine core on
+tcmalloc where the system has it, else on the same threshold with huge pages); `core-glibc` keeps
+the core on glibc (`--core-malloc glibc`), `small-pages` too without huge pages; `inproc` sets the
+threshold from inside one process (poolserve/memory.py); `glibc` (glibc's defaults), `arena2` (at
+most two arenas) and `jemalloc` (Debian's libjemalloc2 preloaded, the core included) are the
 alternatives measured against it in docs/benchmarks.md.
 """
 
@@ -49,8 +50,14 @@ logger = logging.getLogger(__name__)
 READY_TIMEOUT_S = 600.0
 MAX_PROMPT_TOKENS = 4096  # cap on corpus prompt length for models with long limits
 JEMALLOC_NAME = "libjemalloc.so.2"
-# Variables beyond service/edge/memory.py's through which a parent environment could change malloc.
-OTHER_MALLOC_VARIABLES = ("MALLOC_ARENA_MAX", "MALLOC_CONF", "MALLOC_TRIM_THRESHOLD_")
+# Variables beyond poolserve/memory.py's through which a parent environment could change malloc.
+OTHER_MALLOC_VARIABLES = (
+    "MALLOC_ARENA_MAX",
+    "MALLOC_CONF",
+    "MALLOC_TRIM_THRESHOLD_",
+    "POOLSERVE_CORE_MALLOC",
+    "TCMALLOC_RELEASE_RATE",
+)
 
 
 def jemalloc_path() -> str:
@@ -63,10 +70,11 @@ def jemalloc_path() -> str:
     raise SystemExit(f"{JEMALLOC_NAME} not found: apt-get install libjemalloc2")
 
 
-# The environment `make serve` and the image give the server (the why: service/edge/memory.py).
+# The environment `make serve` and the image give the server (the why: poolserve/memory.py).
 PROJECT_MALLOC_ENV = {"GLIBC_TUNABLES": f"glibc.malloc.mmap_threshold={MMAP_THRESHOLD_BYTES}"}
 MMAP_TUNABLE = PROJECT_MALLOC_ENV["GLIBC_TUNABLES"]
 NO_THP = "glibc.malloc.hugetlb=0"  # the core then keeps 4 KiB pages (poolserve/memory.py)
+CORE_ON_GLIBC = {"POOLSERVE_CORE_MALLOC": "glibc"}  # --core-malloc glibc
 # Starts the server the way `poolserve serve` runs when no allocator variable is set: it fixes
 # the threshold itself before loading anything.
 IN_PROCESS_PREFIX = (
@@ -81,10 +89,11 @@ def malloc_env(variant: str) -> dict[str, str]:
     table = {
         "default": lambda: dict(PROJECT_MALLOC_ENV),
         "inproc": dict,
-        "small-pages": lambda: {"GLIBC_TUNABLES": f"{MMAP_TUNABLE}:{NO_THP}"},
-        # Set but empty: glibc's own defaults, which service/edge/memory.py leaves alone.
-        "glibc": lambda: {"GLIBC_TUNABLES": ""},
-        "arena2": lambda: {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"},
+        "core-glibc": lambda: {**PROJECT_MALLOC_ENV, **CORE_ON_GLIBC},
+        "small-pages": lambda: {"GLIBC_TUNABLES": f"{MMAP_TUNABLE}:{NO_THP}", **CORE_ON_GLIBC},
+        # Set but empty: glibc's own defaults, which poolserve/memory.py leaves alone.
+        "glibc": lambda: {"GLIBC_TUNABLES": "", **CORE_ON_GLIBC},
+        "arena2": lambda: {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", **CORE_ON_GLIBC},
         "jemalloc": lambda: {"LD_PRELOAD": jemalloc_path()},
     }
     return table[variant]()
@@ -123,9 +132,25 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
-def rss_mib(pid: int) -> float:
-    """VmRSS of the server's processes together, in MiB (0 once they are gone)."""
-    total = 0.0
+# A process's role, from its command line (poolserve/supervisor.py's subcommands).
+ROLES = {"supervise": "supervisor", "core": "engine core", "api": "front end"}
+
+
+def _role(pid: int, server: int) -> str:
+    """What a process of the server's tree is, read from /proc/PID/cmdline: a supervisor
+    subcommand's role, else "server" (the root: an in-process server) or "other"."""
+    try:
+        words = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        words = []
+    if "poolserve.supervisor" in words[:-1]:
+        return ROLES.get(words[words.index("poolserve.supervisor") + 1], "other")
+    return "server" if pid == server else "other"
+
+
+def rss_by_role(pid: int) -> dict[str, float]:
+    """VmRSS of the server's processes in MiB, summed per role (empty once they are gone)."""
+    totals: dict[str, float] = {}
     for member in _tree(pid):
         try:
             status = Path(f"/proc/{member}/status").read_text()
@@ -133,8 +158,14 @@ def rss_mib(pid: int) -> float:
             continue
         for line in status.splitlines():
             if line.startswith("VmRSS:"):
-                total += int(line.split()[1]) / 1024
-    return total
+                role = _role(member, pid)
+                totals[role] = totals.get(role, 0.0) + int(line.split()[1]) / 1024
+    return totals
+
+
+def rss_mib(pid: int) -> float:
+    """VmRSS of the server's processes together, in MiB (0 once they are gone)."""
+    return sum(rss_by_role(pid).values())
 
 
 @contextlib.contextmanager
@@ -167,7 +198,9 @@ def sample_rss(
 ) -> None:
     """Append the server's RSS and CPU time every interval until stopped (runs in a thread)."""
     while not stop.is_set():
-        samples.append(RssSample(time.perf_counter() - origin, rss_mib(pid), cpu_seconds(pid)))
+        roles = rss_by_role(pid)
+        at = time.perf_counter() - origin
+        samples.append(RssSample(at, sum(roles.values()), cpu_seconds(pid), tuple(roles.items())))
         stop.wait(interval_s)
 
 
@@ -266,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--malloc",
         default="default",
-        choices=["default", "inproc", "small-pages", "glibc", "arena2", "jemalloc"],
+        choices=["default", "core-glibc", "small-pages", "inproc", "glibc", "arena2", "jemalloc"],
         help="server allocator setup (default: the project's)",
     )
     parser.add_argument("--server-args", default="", help="extra `poolserve serve` flags")

@@ -110,7 +110,13 @@ GROUPS: tuple[Group, ...] = (
     ),
     Group(
         "processes and shutdown",
-        ("api_server_count", "engine_core_timeout", "shutdown_timeout", "drain_delay"),
+        (
+            "api_server_count",
+            "core_malloc",
+            "engine_core_timeout",
+            "shutdown_timeout",
+            "drain_delay",
+        ),
         SERVE_ONLY,
     ),
     Group("security", ("api_key", "api_keys_file", "ssl_keyfile", "ssl_certfile"), SERVE_ONLY),

@@ -430,6 +430,15 @@ class ServerSettings(BaseSettings):
         "thread of one process (tests, small CPU installs).",
         json_schema_extra=SERVER,
     )
+    core_malloc: Literal["auto", "tcmalloc", "glibc"] = Field(
+        "auto",
+        description="The engine-core process's allocator: tcmalloc keeps freed step buffers "
+        "for the next step (gperftools' library, preloaded from the system: Debian/Ubuntu "
+        "libtcmalloc-minimal4, in the image), glibc maps and unmaps each large one on every "
+        "step (on huge pages); auto = tcmalloc where installed. Large steps run up to 2x faster "
+        "on tcmalloc (docs/deploy.md, Memory). Needs --api-server-count 1 or more.",
+        json_schema_extra=SERVER,
+    )
     engine_core_timeout: float = Field(
         10.0,
         gt=0,

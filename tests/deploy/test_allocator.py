@@ -1,4 +1,5 @@
-"""One allocator set-up wherever the server starts: the image, `make serve`, service/memory.py."""
+"""One allocator set-up wherever the server starts: the image, `make serve`, poolserve/memory.py;
+the engine core's own (--core-malloc): tcmalloc where installed, else glibc on huge pages."""
 
 from __future__ import annotations
 
@@ -9,15 +10,21 @@ import sys
 
 import pytest
 
+from poolserve import memory
+from poolserve.config import preflight
+from poolserve.config.settings import ServerSettings
 from poolserve.memory import (
     ALLOCATOR_VARIABLES,
     HUGE_PAGES_TUNABLE,
     MMAP_THRESHOLD_BYTES,
     MMAP_TUNABLE,
+    TCMALLOC_PACKAGE,
+    TCMALLOC_QUIET,
     core_environment,
     fix_mmap_threshold,
+    tcmalloc_missing,
 )
-from tests.deploy.tools import REPO_ROOT, thp_mode
+from tests.deploy.tools import REPO_ROOT, maps_library, require_tcmalloc, thp_mode
 
 TUNABLE = f"glibc.malloc.mmap_threshold={MMAP_THRESHOLD_BYTES}"
 
@@ -63,11 +70,97 @@ GLIBC = platform.libc_ver()[0] == "glibc"
         ({"LD_PRELOAD": "libjemalloc.so.2"}, None),  # not glibc's malloc: nothing to tune
     ],
 )
-def test_the_core_adds_huge_pages_to_what_the_operator_set(
+def test_a_core_on_glibc_adds_huge_pages_to_what_the_operator_set(
     given: dict[str, str], wanted: str | None
 ) -> None:
-    env = core_environment({"PATH": "/bin", **given})
+    env, _ = core_environment({"PATH": "/bin", **given}, "glibc")
     assert env.get("GLIBC_TUNABLES") == wanted and env["PATH"] == "/bin"
+    assert env.get("LD_PRELOAD") == given.get("LD_PRELOAD")
+
+
+TCMALLOC = "libtcmalloc_minimal.so.4"
+
+
+@pytest.mark.skipif(not GLIBC, reason="preloading replaces glibc's malloc")
+@pytest.mark.parametrize("malloc", ["auto", "tcmalloc"])
+def test_the_core_preloads_tcmalloc_where_installed(
+    malloc: memory.CoreMalloc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(memory, "find_tcmalloc", lambda: TCMALLOC)
+    given = {"PATH": "/bin", "GLIBC_TUNABLES": MMAP_TUNABLE}  # the image's, for the front ends
+    env, said = core_environment(given, malloc)
+    assert env == {**given, "LD_PRELOAD": TCMALLOC, **TCMALLOC_QUIET}
+    assert said == f"tcmalloc ({TCMALLOC})"
+    # an operator's tcmalloc setting stays theirs
+    report = "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"
+    env, _ = core_environment({report: "1024"}, malloc)
+    assert env[report] == "1024"
+
+
+@pytest.mark.skipif(not GLIBC, reason="preloading replaces glibc's malloc")
+def test_without_tcmalloc_auto_stays_on_glibc_and_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(memory, "find_tcmalloc", lambda: None)
+    env, said = core_environment({}, "auto")
+    assert "LD_PRELOAD" not in env
+    assert env["GLIBC_TUNABLES"] == f"{MMAP_TUNABLE}:{HUGE_PAGES_TUNABLE}"
+    assert said.startswith("glibc malloc") and TCMALLOC_PACKAGE in said
+    env, said = core_environment({}, "glibc")  # asked for: nothing to suggest
+    assert env["GLIBC_TUNABLES"] == f"{MMAP_TUNABLE}:{HUGE_PAGES_TUNABLE}"
+    assert TCMALLOC_PACKAGE not in said
+    with pytest.raises(RuntimeError, match="--core-malloc tcmalloc: no tcmalloc library"):
+        core_environment({}, "tcmalloc")
+
+
+@pytest.mark.parametrize("malloc", ["auto", "tcmalloc", "glibc"])
+def test_the_operators_preloaded_allocator_wins(
+    malloc: memory.CoreMalloc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(memory, "find_tcmalloc", lambda: TCMALLOC)
+    given = {"LD_PRELOAD": "libjemalloc.so.2"}
+    env, said = core_environment(given, malloc)
+    assert env == given and "libjemalloc.so.2" in said
+
+
+def test_preflight_refuses_tcmalloc_it_cannot_preload(monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = ServerSettings(core_malloc="tcmalloc")
+    monkeypatch.setattr(preflight, "find_tcmalloc", lambda: None)
+    with pytest.raises(ValueError) as refused:
+        preflight._check_core_malloc(settings)
+    assert str(refused.value) == tcmalloc_missing()
+    assert f"apt-get install {TCMALLOC_PACKAGE}" in tcmalloc_missing()
+    monkeypatch.setattr(preflight, "find_tcmalloc", lambda: TCMALLOC)
+    preflight._check_core_malloc(settings)  # found: nothing to say
+    monkeypatch.setattr(preflight, "find_tcmalloc", lambda: None)
+    preflight._check_core_malloc(ServerSettings())  # auto never refuses
+
+
+@pytest.mark.skipif(not GLIBC, reason="preloading replaces glibc's malloc")
+def test_a_child_started_the_cores_way_runs_on_tcmalloc() -> None:
+    require_tcmalloc()
+    # a torch buffer allocated, freed and allocated again in a child started as the supervisor
+    # starts the core: the library is mapped, and the buffer is served by it
+    code = (
+        "import os, torch\n"
+        "from tests.deploy.tools import maps_library\n"
+        "x = torch.ones(16 << 20); del x; y = torch.ones(16 << 20)\n"
+        "print(maps_library(os.getpid(), 'tcmalloc'), float(y.sum()))"
+    )
+    base = {k: v for k, v in os.environ.items() if k not in ALLOCATOR_VARIABLES}
+    for malloc, mapped in (("auto", "True"), ("tcmalloc", "True"), ("glibc", "False")):
+        completed = subprocess.run(
+            [sys.executable, "-c", code],
+            env=core_environment(base, malloc)[0],  # type: ignore[arg-type]
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert completed.returncode == 0, completed.stderr
+        assert completed.stdout.split() == [mapped, str(float(16 << 20))], malloc
+        assert completed.stderr == "", malloc
+    assert not maps_library(os.getpid(), "tcmalloc")  # the test process itself is not on it
 
 
 @pytest.mark.skipif(not GLIBC, reason="the tunables are glibc's")
@@ -95,5 +188,5 @@ def test_the_cores_tunables_put_a_large_buffer_on_huge_pages() -> None:
         return int(completed.stdout)
 
     base = {k: v for k, v in os.environ.items() if k not in ALLOCATOR_VARIABLES}
-    assert huge_mib(core_environment(base)) >= 32
+    assert huge_mib(core_environment(base, "glibc")[0]) >= 32
     assert huge_mib({**base, "GLIBC_TUNABLES": MMAP_TUNABLE}) < 32

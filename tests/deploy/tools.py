@@ -216,3 +216,23 @@ def huge_pages_mib(pid: int) -> int:
     """How much of a process's anonymous memory lies on transparent huge pages, in MiB."""
     rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
     return int(rollup.split("AnonHugePages:", 1)[1].split()[0]) // 1024
+
+
+def maps_library(pid: int, name: str) -> bool:
+    """Whether a shared library whose file name contains `name` is mapped into a process."""
+    lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    return any(name in line.rsplit("/", 1)[-1] for line in lines)
+
+
+def require_tcmalloc() -> str:
+    """tcmalloc's soname (poolserve/memory.py finds it so); skips saying what to install if
+    missing, and fails under CI, where `make test` installs it."""
+    from poolserve.memory import TCMALLOC_PACKAGE, find_tcmalloc
+
+    found = find_tcmalloc()
+    if found is None:
+        message = f"tcmalloc is not installed: install {TCMALLOC_PACKAGE}; {INSTALL_HINT}"
+        if in_ci():
+            pytest.fail(f"{message} (CI is set: a missing library is a failure)", pytrace=False)
+        pytest.skip(message)
+    return found

@@ -30,7 +30,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from sentence_transformers import SentenceTransformer
 from transformers import AutoModel
 
-from tests.deploy.tools import huge_pages_mib, thp_mode
+from poolserve.memory import find_tcmalloc
+from tests.deploy.tools import huge_pages_mib, maps_library, thp_mode
 from tests.http.test_server_process import free_port, start_server
 from tests.tiny_models import MINILM_DIR
 
@@ -79,7 +80,11 @@ def test_two_front_ends_and_one_core_run(
 ) -> None:
     core, front_ends = _children(two_front_ends[1])
     assert len(front_ends) == 2 and core.is_running()
-    if thp_mode() == "madvise":  # the core alone advises huge pages (poolserve/memory.py)
+    # the core alone gets its own allocator (poolserve/memory.py, --core-malloc auto)
+    assert [maps_library(front_end.pid, "tcmalloc") for front_end in front_ends] == [False] * 2
+    if find_tcmalloc() is not None:
+        assert maps_library(core.pid, "tcmalloc")
+    elif thp_mode() == "madvise":  # on glibc, the core alone advises huge pages
         assert huge_pages_mib(core.pid) > 0
         assert [huge_pages_mib(front_end.pid) for front_end in front_ends] == [0, 0]
 
