@@ -25,8 +25,8 @@ ENV TORCH_SPEC_DEFAULT=torch==2.13.0 \
 FROM base-${VARIANT} AS base
 # Apt versions follow the tagged base image's release: pinned versions would differ per variant
 # and break on every point release of the base.
-# libtcmalloc-minimal4: the engine core's allocator (poolserve/memory.py, --core-malloc; on 24.04
-# apt picks its 64-bit-time build, libtcmalloc-minimal4t64, which provides the name).
+# libtcmalloc-minimal4: the engine core's allocator with --core-malloc tcmalloc (poolserve/memory.py;
+# on 24.04 apt picks its 64-bit-time build, libtcmalloc-minimal4t64, which provides the name).
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 ca-certificates libtcmalloc-minimal4 \
@@ -73,7 +73,7 @@ RUN groupadd --system --gid 10001 poolserve \
 COPY --from=builder /opt/venv /opt/venv
 # GLIBC_TUNABLES: a fixed 128 KiB mmap threshold, so that buffers freed under load go back to
 # the system instead of staying in malloc's arenas (docs/benchmarks.md, "Memory under load");
-# the supervisor starts the engine core on tcmalloc instead (poolserve/memory.py).
+# the supervisor adds huge pages for the engine core alone (poolserve/memory.py).
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \

@@ -1,5 +1,5 @@
 """Allocator set-up at start: a fixed glibc mmap threshold, so freed buffers leave the process;
-the engine core on tcmalloc where the system has it, else its large buffers on huge pages."""
+the engine core's large buffers on huge pages, or the core on tcmalloc (--core-malloc)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import platform
 from collections.abc import Mapping
 from typing import Literal
 
-CoreMalloc = Literal["auto", "tcmalloc", "glibc"]  # --core-malloc
+CoreMalloc = Literal["glibc", "tcmalloc"]  # --core-malloc
 
 logger = logging.getLogger(__name__)
 
@@ -35,12 +35,13 @@ MMAP_TUNABLE = f"glibc.malloc.mmap_threshold={MMAP_THRESHOLD_BYTES}"
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
 
 
-# The engine core's forward allocates and frees every activation anew, step after step (torch
-# keeps no CPU cache). gperftools' tcmalloc keeps the freed pages for the next step's buffers of
-# the same sizes and hands back what stays unused: a MiniLM step of 4,096 tokens 325 ms against
-# 513 ms under the fixed threshold with huge pages, int8 on a Qwen3-0.6B geometry 2.3 s against
-# 3.5 s, and the soak's heap as flat as under the fixed threshold (docs/benchmarks.md, "The
-# engine core's allocator"). find_library's names, the build without the heap profiler first.
+# --core-malloc tcmalloc: gperftools' tcmalloc hands the pages a step frees to the next step's
+# buffers, where glibc under the fixed threshold maps and faults each one in again: a MiniLM step
+# of 4,096 tokens 325 ms against 399 ms with huge pages, int8 on a Qwen3-0.6B geometry 2.3 s
+# against 3.5 s, the soak's tokens/s 1.2x to 1.3x. But the core's resident memory then settles
+# anywhere from 530 MiB to 1 GiB and grew by 20% after warm-up in half the soak runs, so it is
+# not the default (docs/benchmarks.md, "The engine core's allocator"). find_library's names, the
+# build without the heap profiler first.
 TCMALLOC_NAMES = ("tcmalloc_minimal", "tcmalloc")
 TCMALLOC_PACKAGE = "libtcmalloc-minimal4"  # Debian/Ubuntu's, which the image installs
 # gperftools' full build (libtcmalloc.so.4) writes a line with a stack trace to stderr for every
@@ -75,45 +76,41 @@ def fix_mmap_threshold(environ: Mapping[str, str] = os.environ) -> bool:
 
 
 def core_environment(
-    environ: Mapping[str, str] = os.environ, malloc: CoreMalloc = "auto"
+    environ: Mapping[str, str] = os.environ, malloc: CoreMalloc = "glibc"
 ) -> tuple[dict[str, str], str]:
     """The engine core's environment, and one line that says which allocator it gets.
 
-    `tcmalloc` (and `auto` where it is installed) preloads tcmalloc. Otherwise glibc's: the
-    operator's tunables are kept, the huge-page one added unless they name it (a
-    `glibc.malloc.hugetlb=0` of theirs stays); without tunables the core gets the fixed threshold
-    too (fix_mmap_threshold would set it, but skips a process whose environment sets
-    GLIBC_TUNABLES), unless MALLOC_MMAP_THRESHOLD_ sets one. A preloaded allocator of the
-    operator's is left alone, whatever `malloc` says.
+    `tcmalloc` preloads tcmalloc. `glibc`: the operator's tunables are kept, the huge-page one
+    added unless they name it (a `glibc.malloc.hugetlb=0` of theirs stays); without tunables the
+    core gets the fixed threshold too (fix_mmap_threshold would set it, but skips a process whose
+    environment sets GLIBC_TUNABLES), unless MALLOC_MMAP_THRESHOLD_ sets one. A preloaded
+    allocator of the operator's is left alone, whatever `malloc` says.
     """
     env = dict(environ)
     if "LD_PRELOAD" in env:
         return env, f"the operator's LD_PRELOAD ({env['LD_PRELOAD']})"
     if platform.libc_ver()[0] != "glibc":
         return env, "the C library's own malloc"
-    tcmalloc = find_tcmalloc() if malloc != "glibc" else None
-    if tcmalloc is not None:
+    if malloc == "tcmalloc":
+        tcmalloc = find_tcmalloc()
+        if tcmalloc is None:  # preflight refused this already; a supervisor started by hand
+            raise RuntimeError(tcmalloc_missing())
         env["LD_PRELOAD"] = tcmalloc
         for name, value in TCMALLOC_QUIET.items():
             env.setdefault(name, value)
         return env, f"tcmalloc ({tcmalloc})"
-    if malloc == "tcmalloc":  # preflight refused this already; a supervisor started by hand
-        raise RuntimeError(tcmalloc_missing())
     given = env.get("GLIBC_TUNABLES")
     if given is None:
         own = () if "MALLOC_MMAP_THRESHOLD_" in env else (MMAP_TUNABLE,)
         env["GLIBC_TUNABLES"] = ":".join((*own, HUGE_PAGES_TUNABLE))
     elif "glibc.malloc.hugetlb" not in given:
         env["GLIBC_TUNABLES"] = ":".join(part for part in (given, HUGE_PAGES_TUNABLE) if part)
-    line = f"glibc malloc (GLIBC_TUNABLES={env['GLIBC_TUNABLES']})"
-    if malloc == "auto":
-        line += f"; large steps run faster on tcmalloc: install {TCMALLOC_PACKAGE}"
-    return env, line
+    return env, f"glibc malloc (GLIBC_TUNABLES={env['GLIBC_TUNABLES']})"
 
 
 def tcmalloc_missing() -> str:
     """The one line that refuses --core-malloc tcmalloc on a system without it."""
     return (
         "--core-malloc tcmalloc: no tcmalloc library on this system "
-        f"(Debian/Ubuntu: apt-get install {TCMALLOC_PACKAGE}; or --core-malloc auto)"
+        f"(Debian/Ubuntu: apt-get install {TCMALLOC_PACKAGE}; or --core-malloc glibc)"
     )

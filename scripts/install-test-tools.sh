@@ -2,8 +2,8 @@
 # Installs the external tools the deployment tests run, from Debian/Ubuntu apt: promtool and
 # prometheus (package prometheus), docker-compose (package docker-compose), haproxy, kubectl
 # (package kubernetes-client) and openssl (the TLS tests' self-signed certificates); and the
-# library the engine core preloads where it can, tcmalloc (libtcmalloc-minimal4), so the tests'
-# servers run the core as the image does.
+# library `--core-malloc tcmalloc` preloads into the engine core (libtcmalloc-minimal4), which the
+# image installs too.
 # Idempotent: installs only what is missing, and prints nothing when nothing is.
 # Needs root or passwordless sudo. Without either (or without apt) it prints what to install and
 # exits 0, and the tests that need a missing tool skip saying so; under CI (CI=true) a missing

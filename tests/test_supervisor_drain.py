@@ -46,7 +46,7 @@ def _failed() -> subprocess.Popen[bytes]:
 @pytest.fixture
 def supervisor() -> Iterator[_Supervisor]:
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    plan = Plan("127.0.0.1", 0, 2, 5.0, "info", "text", "auto")  # type: ignore[arg-type]
+    plan = Plan("127.0.0.1", 0, 2, 5.0, "info", "text", "glibc")  # type: ignore[arg-type]
     try:
         yield _Supervisor(plan)
     finally:

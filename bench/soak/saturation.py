@@ -10,12 +10,12 @@ other than 429, p50/p99 latency of the first and last minute after warm-up, and 
 prints markdown and writes bench/results/soak_<malloc>.json and .md. Asserts nothing.
 
 `--malloc` picks the server's allocator setup: `default` is what `make serve` and the image start
-the server with (a fixed glibc mmap threshold through GLIBC_TUNABLES; the engine core on
-tcmalloc where the system has it, else on the same threshold with huge pages); `core-glibc` keeps
-the core on glibc (`--core-malloc glibc`), `small-pages` too without huge pages; `inproc` sets the
-threshold from inside one process (poolserve/memory.py); `glibc` (glibc's defaults), `arena2` (at
-most two arenas) and `jemalloc` (Debian's libjemalloc2 preloaded, the core included) are the
-alternatives measured against it in docs/benchmarks.md.
+the server with (a fixed glibc mmap threshold through GLIBC_TUNABLES, the engine core's large
+buffers on huge pages); `core-tcmalloc` puts the core on tcmalloc (`--core-malloc tcmalloc`);
+`small-pages` keeps the threshold but opts the core out of huge pages; `inproc` sets it from
+inside one process (poolserve/memory.py); `glibc` (glibc's defaults), `arena2` (at most two
+arenas) and `jemalloc` (Debian's libjemalloc2 preloaded) are the alternatives measured against
+it in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -74,7 +74,7 @@ def jemalloc_path() -> str:
 PROJECT_MALLOC_ENV = {"GLIBC_TUNABLES": f"glibc.malloc.mmap_threshold={MMAP_THRESHOLD_BYTES}"}
 MMAP_TUNABLE = PROJECT_MALLOC_ENV["GLIBC_TUNABLES"]
 NO_THP = "glibc.malloc.hugetlb=0"  # the core then keeps 4 KiB pages (poolserve/memory.py)
-CORE_ON_GLIBC = {"POOLSERVE_CORE_MALLOC": "glibc"}  # --core-malloc glibc
+CORE_ON_TCMALLOC = {"POOLSERVE_CORE_MALLOC": "tcmalloc"}  # --core-malloc tcmalloc
 # Starts the server the way `poolserve serve` runs when no allocator variable is set: it fixes
 # the threshold itself before loading anything.
 IN_PROCESS_PREFIX = (
@@ -86,17 +86,19 @@ IN_PROCESS_PREFIX = (
 
 def malloc_env(variant: str) -> dict[str, str]:
     """The allocator variables of one variant (on top of an environment without any)."""
-    table = {
-        "default": lambda: dict(PROJECT_MALLOC_ENV),
-        "inproc": dict,
-        "core-glibc": lambda: {**PROJECT_MALLOC_ENV, **CORE_ON_GLIBC},
-        "small-pages": lambda: {"GLIBC_TUNABLES": f"{MMAP_TUNABLE}:{NO_THP}", **CORE_ON_GLIBC},
-        # Set but empty: glibc's own defaults, which poolserve/memory.py leaves alone.
-        "glibc": lambda: {"GLIBC_TUNABLES": "", **CORE_ON_GLIBC},
-        "arena2": lambda: {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", **CORE_ON_GLIBC},
-        "jemalloc": lambda: {"LD_PRELOAD": jemalloc_path()},
-    }
-    return table[variant]()
+    return MALLOC_VARIANTS[variant]()
+
+
+MALLOC_VARIANTS: dict[str, Callable[[], dict[str, str]]] = {
+    "default": lambda: dict(PROJECT_MALLOC_ENV),
+    "core-tcmalloc": lambda: {**PROJECT_MALLOC_ENV, **CORE_ON_TCMALLOC},
+    "small-pages": lambda: {"GLIBC_TUNABLES": f"{MMAP_TUNABLE}:{NO_THP}"},
+    "inproc": dict,
+    # Set but empty: glibc's own defaults, which poolserve/memory.py leaves alone.
+    "glibc": lambda: {"GLIBC_TUNABLES": ""},
+    "arena2": lambda: {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"},
+    "jemalloc": lambda: {"LD_PRELOAD": jemalloc_path()},
+}
 
 
 def _tree(pid: int) -> list[int]:
@@ -299,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--malloc",
         default="default",
-        choices=["default", "core-glibc", "small-pages", "inproc", "glibc", "arena2", "jemalloc"],
+        choices=[*MALLOC_VARIANTS],
         help="server allocator setup (default: the project's)",
     )
     parser.add_argument("--server-args", default="", help="extra `poolserve serve` flags")

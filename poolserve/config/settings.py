@@ -430,13 +430,14 @@ class ServerSettings(BaseSettings):
         "thread of one process (tests, small CPU installs).",
         json_schema_extra=SERVER,
     )
-    core_malloc: Literal["auto", "tcmalloc", "glibc"] = Field(
-        "auto",
-        description="The engine-core process's allocator: tcmalloc keeps freed step buffers "
-        "for the next step (gperftools' library, preloaded from the system: Debian/Ubuntu "
-        "libtcmalloc-minimal4, in the image), glibc maps and unmaps each large one on every "
-        "step (on huge pages); auto = tcmalloc where installed. Large steps run up to 2x faster "
-        "on tcmalloc (docs/deploy.md, Memory). Needs --api-server-count 1 or more.",
+    core_malloc: Literal["glibc", "tcmalloc"] = Field(
+        "glibc",
+        description="The engine-core process's allocator: glibc maps and unmaps each large "
+        "buffer on every step (on huge pages; memory flat under load); tcmalloc keeps freed "
+        "step buffers for the next step, 1.2x to 1.5x faster on large steps but its memory "
+        "less bounded (gperftools' library from the system, preloaded: Debian/Ubuntu "
+        "libtcmalloc-minimal4, in the image; docs/deploy.md, Memory). Needs "
+        "--api-server-count 1 or more.",
         json_schema_extra=SERVER,
     )
     engine_core_timeout: float = Field(

@@ -1,5 +1,5 @@
 """One allocator set-up wherever the server starts: the image, `make serve`, poolserve/memory.py;
-the engine core's own (--core-malloc): tcmalloc where installed, else glibc on huge pages."""
+the engine core's own (--core-malloc): glibc on huge pages, or tcmalloc."""
 
 from __future__ import annotations
 
@@ -82,38 +82,31 @@ TCMALLOC = "libtcmalloc_minimal.so.4"
 
 
 @pytest.mark.skipif(not GLIBC, reason="preloading replaces glibc's malloc")
-@pytest.mark.parametrize("malloc", ["auto", "tcmalloc"])
-def test_the_core_preloads_tcmalloc_where_installed(
-    malloc: memory.CoreMalloc, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_core_malloc_tcmalloc_preloads_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(memory, "find_tcmalloc", lambda: TCMALLOC)
     given = {"PATH": "/bin", "GLIBC_TUNABLES": MMAP_TUNABLE}  # the image's, for the front ends
-    env, said = core_environment(given, malloc)
+    env, said = core_environment(given, "tcmalloc")
     assert env == {**given, "LD_PRELOAD": TCMALLOC, **TCMALLOC_QUIET}
     assert said == f"tcmalloc ({TCMALLOC})"
     # an operator's tcmalloc setting stays theirs
     report = "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"
-    env, _ = core_environment({report: "1024"}, malloc)
+    env, _ = core_environment({report: "1024"}, "tcmalloc")
     assert env[report] == "1024"
+    # the default never preloads it, installed or not
+    env, said = core_environment(given)
+    assert "LD_PRELOAD" not in env and said.startswith("glibc malloc")
 
 
 @pytest.mark.skipif(not GLIBC, reason="preloading replaces glibc's malloc")
-def test_without_tcmalloc_auto_stays_on_glibc_and_says_what_to_install(
+def test_core_malloc_tcmalloc_without_the_library_is_an_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(memory, "find_tcmalloc", lambda: None)
-    env, said = core_environment({}, "auto")
-    assert "LD_PRELOAD" not in env
-    assert env["GLIBC_TUNABLES"] == f"{MMAP_TUNABLE}:{HUGE_PAGES_TUNABLE}"
-    assert said.startswith("glibc malloc") and TCMALLOC_PACKAGE in said
-    env, said = core_environment({}, "glibc")  # asked for: nothing to suggest
-    assert env["GLIBC_TUNABLES"] == f"{MMAP_TUNABLE}:{HUGE_PAGES_TUNABLE}"
-    assert TCMALLOC_PACKAGE not in said
     with pytest.raises(RuntimeError, match="--core-malloc tcmalloc: no tcmalloc library"):
         core_environment({}, "tcmalloc")
 
 
-@pytest.mark.parametrize("malloc", ["auto", "tcmalloc", "glibc"])
+@pytest.mark.parametrize("malloc", ["tcmalloc", "glibc"])
 def test_the_operators_preloaded_allocator_wins(
     malloc: memory.CoreMalloc, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -133,7 +126,7 @@ def test_preflight_refuses_tcmalloc_it_cannot_preload(monkeypatch: pytest.Monkey
     monkeypatch.setattr(preflight, "find_tcmalloc", lambda: TCMALLOC)
     preflight._check_core_malloc(settings)  # found: nothing to say
     monkeypatch.setattr(preflight, "find_tcmalloc", lambda: None)
-    preflight._check_core_malloc(ServerSettings())  # auto never refuses
+    preflight._check_core_malloc(ServerSettings())  # glibc, the default, never refuses
 
 
 @pytest.mark.skipif(not GLIBC, reason="preloading replaces glibc's malloc")
@@ -148,7 +141,7 @@ def test_a_child_started_the_cores_way_runs_on_tcmalloc() -> None:
         "print(maps_library(os.getpid(), 'tcmalloc'), float(y.sum()))"
     )
     base = {k: v for k, v in os.environ.items() if k not in ALLOCATOR_VARIABLES}
-    for malloc, mapped in (("auto", "True"), ("tcmalloc", "True"), ("glibc", "False")):
+    for malloc, mapped in (("tcmalloc", "True"), ("glibc", "False")):
         completed = subprocess.run(
             [sys.executable, "-c", code],
             env=core_environment(base, malloc)[0],  # type: ignore[arg-type]

@@ -30,8 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sentence_transformers import SentenceTransformer
 from transformers import AutoModel
 
-from poolserve.memory import find_tcmalloc
-from tests.deploy.tools import huge_pages_mib, maps_library, thp_mode
+from tests.deploy.tools import huge_pages_mib, maps_library, require_tcmalloc, thp_mode
 from tests.http.test_server_process import free_port, start_server
 from tests.tiny_models import MINILM_DIR
 
@@ -80,13 +79,34 @@ def test_two_front_ends_and_one_core_run(
 ) -> None:
     core, front_ends = _children(two_front_ends[1])
     assert len(front_ends) == 2 and core.is_running()
-    # the core alone gets its own allocator (poolserve/memory.py, --core-malloc auto)
-    assert [maps_library(front_end.pid, "tcmalloc") for front_end in front_ends] == [False] * 2
-    if find_tcmalloc() is not None:
-        assert maps_library(core.pid, "tcmalloc")
-    elif thp_mode() == "madvise":  # on glibc, the core alone advises huge pages
+    # glibc, tcmalloc only when asked for (--core-malloc); the core alone advises huge pages
+    assert not any(maps_library(child.pid, "tcmalloc") for child in (core, *front_ends))
+    if thp_mode() == "madvise":
         assert huge_pages_mib(core.pid) > 0
         assert [huge_pages_mib(front_end.pid) for front_end in front_ends] == [0, 0]
+
+
+def test_a_core_on_tcmalloc_answers_as_the_default_one(
+    two_front_ends: tuple[str, subprocess.Popen[bytes]],
+) -> None:
+    """--core-malloc tcmalloc: the core, and it alone, runs on the preloaded library, and the
+    allocator changes no output (the default server's embeddings, bit for bit)."""
+    require_tcmalloc()
+    port = free_port()
+    process = start_server(port, "--served-model-name", "minilm", "--core-malloc", "tcmalloc")
+    try:
+        core, front_ends = _children(process)
+        assert maps_library(core.pid, "tcmalloc")
+        assert not any(maps_library(front_end.pid, "tcmalloc") for front_end in front_ends)
+        body = {"input": ["a short one", "one sentence that is somewhat longer " * 8]}
+        answers = [
+            httpx.post(f"{url}/v1/embeddings", json=body, timeout=60).json()["data"]
+            for url in (two_front_ends[0], f"http://127.0.0.1:{port}")
+        ]
+        assert answers[0] == answers[1] and len(answers[0]) == 2
+    finally:
+        process.terminate()
+        process.wait(30)
 
 
 def test_connections_spread_over_the_front_ends(
