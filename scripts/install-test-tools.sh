@@ -31,8 +31,10 @@ for command in "${!PACKAGE_FOR_COMMAND[@]}"; do
     fi
 done
 ldconfig=$(command -v ldconfig || echo /sbin/ldconfig) # /sbin is not on every user's PATH
+# read whole first: `grep -q` leaving a pipe early could fail ldconfig under pipefail
+library_cache=$("$ldconfig" -p 2>/dev/null || true)
 for library in "${!PACKAGE_FOR_LIBRARY[@]}"; do
-    if ! "$ldconfig" -p 2>/dev/null | grep -q -F "$library "; then
+    if ! grep -q -F "$library " <<<"$library_cache"; then
         missing+=("${PACKAGE_FOR_LIBRARY[$library]}")
     fi
 done
