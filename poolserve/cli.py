@@ -25,7 +25,7 @@ from poolserve.config.preflight import preflight
 from poolserve.config.settings import ServerSettings
 from poolserve.jobs.corpus.command import add_embed_command
 from poolserve.jobs.run_batch import add_run_batch
-from poolserve.memory import fix_mmap_threshold
+from poolserve.memory import core_malloc_problem, fix_mmap_threshold
 from poolserve.observability.logs import OPERATOR_ERRORS, configure_logging, report_start_failure
 from poolserve.types.errors import command_error
 
@@ -75,6 +75,9 @@ def serve(settings: ServerSettings) -> None:
         if settings.grpc_port:  # --grpc-port too (0: the kernel picks one when it starts)
             _check_grpc_port(settings.host, settings.grpc_port)
         preflight(settings)
+        problem = core_malloc_problem(settings.core_malloc, settings.api_server_count)
+        if problem is not None:
+            raise ValueError(problem)
     except ListenError as exc:
         _exit(command_error("serve", str(exc.strerror)))
     except OPERATOR_ERRORS as exc:

@@ -114,3 +114,16 @@ def tcmalloc_missing() -> str:
         "--core-malloc tcmalloc: no tcmalloc library on this system "
         f"(Debian/Ubuntu: apt-get install {TCMALLOC_PACKAGE}; or --core-malloc glibc)"
     )
+
+
+def core_malloc_problem(malloc: CoreMalloc, api_server_count: int) -> str | None:
+    """Why --core-malloc cannot be had, in one line (checked before any process starts), or
+    None: tcmalloc needs an engine-core process to preload it into, and the library."""
+    if malloc != "tcmalloc":
+        return None
+    if api_server_count == 0:
+        return (
+            "--core-malloc tcmalloc: --api-server-count 0 runs the engine core in this "
+            "process, whose allocator is set before it starts (LD_PRELOAD)"
+        )
+    return tcmalloc_missing() if find_tcmalloc() is None else None

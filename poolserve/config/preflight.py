@@ -1,8 +1,8 @@
 """What can be checked before any process starts, checked there: the models (the flags or the
 models file, each model's pooler config, where its files are: a folder, the Hub, the cache), the
-TLS files, the API keys file, the batch directory, the engine core's allocator. Each problem is
-one line that names the flag, key or model; what needs torch (the architecture, the device, the
-precision) is the engine core's to check as it loads."""
+TLS files, the API keys file and the batch directory. Each problem is one line that names the
+flag, key or model; what needs torch (the architecture, the device, the precision) is the engine
+core's to check as it loads."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from poolserve.config.api_keys import read_keys
 from poolserve.config.model_path import resolve_model_path
 from poolserve.config.models_file import ServedModels, served_models
 from poolserve.config.settings import ServerSettings
-from poolserve.memory import find_tcmalloc, tcmalloc_missing
 
 
 def preflight(settings: ServerSettings) -> ServedModels:
@@ -28,21 +27,7 @@ def preflight(settings: ServerSettings) -> ServedModels:
         resolve_model_path(model.settings.model, model.settings.revision)
     _check_tls(settings)
     _check_batch_dir(settings)
-    _check_core_malloc(settings)
     return served
-
-
-def _check_core_malloc(settings: ServerSettings) -> None:
-    """--core-malloc tcmalloc: an engine-core process to preload it into, and the library."""
-    if settings.core_malloc != "tcmalloc":
-        return
-    if settings.api_server_count == 0:
-        raise ValueError(
-            "--core-malloc tcmalloc: --api-server-count 0 runs the engine core in this "
-            "process, whose allocator is set before it starts (LD_PRELOAD)"
-        )
-    if find_tcmalloc() is None:
-        raise ValueError(tcmalloc_missing())
 
 
 def _check_batch_dir(settings: ServerSettings) -> None:

@@ -11,8 +11,6 @@ import sys
 import pytest
 
 from poolserve import memory
-from poolserve.config import preflight
-from poolserve.config.settings import ServerSettings
 from poolserve.memory import (
     ALLOCATOR_VARIABLES,
     HUGE_PAGES_TUNABLE,
@@ -21,6 +19,7 @@ from poolserve.memory import (
     TCMALLOC_PACKAGE,
     TCMALLOC_QUIET,
     core_environment,
+    core_malloc_problem,
     fix_mmap_threshold,
     tcmalloc_missing,
 )
@@ -116,17 +115,17 @@ def test_the_operators_preloaded_allocator_wins(
     assert env == given and "libjemalloc.so.2" in said
 
 
-def test_preflight_refuses_tcmalloc_it_cannot_preload(monkeypatch: pytest.MonkeyPatch) -> None:
-    settings = ServerSettings(core_malloc="tcmalloc")
-    monkeypatch.setattr(preflight, "find_tcmalloc", lambda: None)
-    with pytest.raises(ValueError) as refused:
-        preflight._check_core_malloc(settings)
-    assert str(refused.value) == tcmalloc_missing()
+def test_tcmalloc_that_cannot_be_preloaded_is_refused_before_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(memory, "find_tcmalloc", lambda: None)
+    assert core_malloc_problem("tcmalloc", 1) == tcmalloc_missing()
     assert f"apt-get install {TCMALLOC_PACKAGE}" in tcmalloc_missing()
-    monkeypatch.setattr(preflight, "find_tcmalloc", lambda: TCMALLOC)
-    preflight._check_core_malloc(settings)  # found: nothing to say
-    monkeypatch.setattr(preflight, "find_tcmalloc", lambda: None)
-    preflight._check_core_malloc(ServerSettings())  # glibc, the default, never refuses
+    assert core_malloc_problem("glibc", 1) is None  # the default never refuses
+    monkeypatch.setattr(memory, "find_tcmalloc", lambda: TCMALLOC)
+    assert core_malloc_problem("tcmalloc", 1) is None  # found: nothing to say
+    refusal = core_malloc_problem("tcmalloc", 0)  # no core process to preload it into
+    assert refusal is not None and "--api-server-count 0" in refusal
 
 
 @pytest.mark.skipif(not GLIBC, reason="preloading replaces glibc's malloc")
