@@ -9,9 +9,8 @@ import logging
 import os
 import platform
 from collections.abc import Mapping
-from typing import Literal
 
-CoreMalloc = Literal["glibc", "tcmalloc"]  # --core-malloc
+from poolserve.types.process import CoreMalloc
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +37,8 @@ HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
 # --core-malloc tcmalloc: gperftools' tcmalloc hands the pages a step frees to the next step's
 # buffers, where glibc under the fixed threshold maps and faults each one in again: a MiniLM step
 # of 4,096 tokens 325 ms against 399 ms with huge pages, int8 on a Qwen3-0.6B geometry 2.3 s
-# against 3.5 s, the soak's tokens/s 1.2x to 1.3x. But the core's resident memory then settles
-# anywhere from 530 MiB to 1 GiB and grew by 20% after warm-up in half the soak runs, so it is
+# against 3.5 s, the soak's tokens/s 1.26x to 1.45x. But the core's resident memory then settles
+# anywhere from 530 MiB to 1 GiB and grew by 20% after warm-up in 5 of 8 soak runs, so it is
 # not the default (docs/benchmarks.md, "The engine core's allocator"). find_library's names, the
 # build without the heap profiler first.
 TCMALLOC_NAMES = ("tcmalloc_minimal", "tcmalloc")

@@ -33,10 +33,10 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from poolserve.memory import CoreMalloc, core_environment, fix_mmap_threshold
+from poolserve.memory import core_environment, fix_mmap_threshold
 from poolserve.observability.logs import LogFormat, configure_logging, report_start_failure
 from poolserve.types.errors import ModelStartError
-from poolserve.types.process import CORE_LOST_SIGNAL, MULTIPROCESS_DIR
+from poolserve.types.process import CORE_LOST_SIGNAL, MULTIPROCESS_DIR, CoreMalloc
 
 if TYPE_CHECKING:  # the children read the settings; the supervisor itself needs none of pydantic
     from poolserve.config.models_file import ServedModels

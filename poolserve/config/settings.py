@@ -15,6 +15,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from poolserve.types.lora import DEFAULT_MAX_LORA_RANK, LoraServing, parse_lora_module
+from poolserve.types.process import CoreMalloc
 
 
 class Scope(StrEnum):
@@ -430,7 +431,7 @@ class ServerSettings(BaseSettings):
         "thread of one process (tests, small CPU installs).",
         json_schema_extra=SERVER,
     )
-    core_malloc: Literal["glibc", "tcmalloc"] = Field(
+    core_malloc: CoreMalloc = Field(
         "glibc",
         description="The engine-core process's allocator: glibc maps and unmaps each large "
         "buffer on every step (on huge pages; memory flat under load); tcmalloc keeps freed "
