@@ -21,7 +21,15 @@ from poolserve.models.decoder_config import (
 )
 from poolserve.models.families.records import DecoderFamily
 from poolserve.models.kv_cache import PagedKVCache
-from poolserve.models.layers import Weight, activation, linear, norm_weight, rms_norm, to_device
+from poolserve.models.layers import (
+    Weight,
+    activation,
+    gated,
+    linear,
+    norm_weight,
+    rms_norm,
+    to_device,
+)
 from poolserve.models.packed import PackedModel
 from poolserve.models.rope import Rotary, apply_rotary
 from poolserve.models.weights import take
@@ -183,7 +191,7 @@ class DecoderLayer(torch.nn.Module):
         h = rms_norm(x, self.mlp_norm, g.eps)  # [num_tokens, hidden]
         gate_up = self._linear("gate_up", h, step)  # [num_tokens, 2 * inter]
         gate, up = gate_up.chunk(2, dim=-1)  # [num_tokens, inter] each
-        h = self._linear("down", self.act(gate).mul_(up), step)
+        h = self._linear("down", gated(self.act, gate, up), step)
         if self.mlp_out_norm is not None:
             h = rms_norm(h, self.mlp_out_norm, g.eps)
         x.add_(h, alpha=g.residual_multiplier)

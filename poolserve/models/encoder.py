@@ -34,7 +34,7 @@ from poolserve.models.encoder_relative import (
 from poolserve.models.encoder_weights import layer_state, layer_tensors
 from poolserve.models.families.records import EncoderFamily, LayerNames, Positions, Relative
 from poolserve.models.kv_cache import PagedKVCache
-from poolserve.models.layers import Weight, activation, linear, linear_act, to_device
+from poolserve.models.layers import Weight, activation, gated, linear, linear_act, to_device
 from poolserve.models.packed import PackedModel
 from poolserve.models.registry import ENCODER_LAYOUTS
 from poolserve.models.rope import Rotary, apply_rotary
@@ -139,7 +139,7 @@ class EncoderLayer(torch.nn.Module):
         if self.gated:
             up = self._linear("up", h, step)  # [num_tokens, 2 x intermediate]
             gate, value = up.chunk(2, dim=-1)  # [num_tokens, intermediate] each
-            up = self.act(gate).mul_(value)
+            up = gated(self.act, gate, value)
         elif step.adapters is not None and "up" in self.lora:
             up = self.act(self._linear("up", h, step))  # [num_tokens, inter]
         else:

@@ -107,5 +107,9 @@ def apply_rotary(
         rotated = apply_rotary(x[..., :rotary_dim], cos, sin)  # [num_tokens, heads, rotary_dim]
         return torch.cat([rotated, x[..., rotary_dim:]], dim=-1)
     half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # [num_tokens, heads, head_dim]
-    return x * cos + rotated * sin
+    # rotate_half(x) * sin added half by half into x * cos: one new tensor and three passes,
+    # where the reference's negation, cat, two products and sum write five
+    out = x * cos  # [num_tokens, heads, head_dim]
+    out[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1)
+    out[..., half:].addcmul_(x[..., :half], sin[..., half:])
+    return out
