@@ -29,6 +29,10 @@ UNITS: dict[str, tuple[str, ...]] = {
 }
 # torch's kernel ISAs below AVX-512: flags of AVX-512 units do not count there (a capped run).
 _BELOW_AVX512 = ("DEFAULT", "AVX2", "NO AVX")
+# The variables that cap a kernel library below the CPU it runs on, by library: with torch's
+# ATEN_CPU_CAPABILITY=avx2, these at AVX2 make an AVX-512 CPU with VNNI compute like one with AVX2
+# only (fbgemm's and oneDNN's int8 GEMMs then add products in saturating int16 pairs).
+CAP_VARIABLES = {"oneDNN": "ONEDNN_MAX_CPU_ISA", "fbgemm": "FBGEMM_ENABLE_INSTRUCTIONS"}
 
 
 @dataclass(frozen=True)
@@ -37,14 +41,14 @@ class CpuClass:
 
     model_name: str
     isa: str  # torch.backends.cpu.get_cpu_capability(): AVX2, AVX512, ... (ATEN_CPU_CAPABILITY)
-    onednn_cap: str | None  # ONEDNN_MAX_CPU_ISA when set: oneDNN's kernels stop at that ISA
+    caps: tuple[tuple[str, str], ...]  # (library, ISA) of CAP_VARIABLES set: it stops there
     units: tuple[str, ...]  # of UNITS' names, usable at that ISA
 
     def __str__(self) -> str:
-        """e.g. 'AVX512 + VNNI + BF16 (AMD EPYC)'."""
+        """e.g. 'AVX512 + VNNI + BF16 (AMD EPYC)', 'AVX2 (Intel Xeon, oneDNN capped at AVX2)'."""
         parts = [self.isa, *self.units]
-        cap = f", oneDNN capped at {self.onednn_cap}" if self.onednn_cap else ""
-        return f"{' + '.join(parts)} ({self.model_name}{cap})"
+        caps = "".join(f", {library} capped at {isa}" for library, isa in self.caps)
+        return f"{' + '.join(parts)} ({self.model_name}{caps})"
 
 
 @functools.cache
@@ -63,14 +67,22 @@ def cpu_flags() -> frozenset[str]:
 def cpu_class() -> CpuClass:
     """This process's CPU class (torch's ISA honours ATEN_CPU_CAPABILITY)."""
     isa = torch.backends.cpu.get_cpu_capability()
-    capped = isa.upper() in _BELOW_AVX512 or _onednn_cap_below_avx512()
+    caps = tuple(
+        (library, os.environ[variable].upper())
+        for library, variable in CAP_VARIABLES.items()
+        if os.environ.get(variable)
+    )
+    below = isa.upper() in _BELOW_AVX512 or any(_below_avx512(cap) for _, cap in caps)
+    unusable = ("avx512", "amx") if below else ()
+    if any(cap == "AVX2" for _, cap in caps):  # plain AVX2: not AVX2_VNNI's dot products either
+        unusable = (*unusable, "avx_vnni")
     flags = cpu_flags()
     units = tuple(
         unit
         for unit, wanted in UNITS.items()
-        if any(f in flags and not (capped and f.startswith(("avx512", "amx"))) for f in wanted)
+        if any(f in flags and not (unusable and f.startswith(unusable)) for f in wanted)
     )
-    return CpuClass(_model_name(), isa, os.environ.get("ONEDNN_MAX_CPU_ISA") or None, units)
+    return CpuClass(_model_name(), isa, caps, units)
 
 
 def cpu_lacks_native(dtype: torch.dtype) -> str | None:
@@ -82,10 +94,9 @@ def cpu_lacks_native(dtype: torch.dtype) -> str | None:
     return f"this CPU has no native {name} units ({' or '.join(wanted)})"
 
 
-def _onednn_cap_below_avx512() -> bool:
-    """ONEDNN_MAX_CPU_ISA names an ISA below AVX-512 (e.g. AVX2, AVX2_VNNI)."""
-    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
-    return bool(cap) and not cap.startswith(("AVX512", "AVX10", "ALL", "DEFAULT"))
+def _below_avx512(cap: str) -> bool:
+    """A library's cap names an ISA below AVX-512 (e.g. AVX2, AVX2_VNNI)."""
+    return not cap.startswith(("AVX512", "AVX10", "ALL", "DEFAULT"))
 
 
 @functools.cache

@@ -35,7 +35,10 @@ from poolserve.types.errors import SlowerPrecisionError
 from tests.models.driver import make_prompts, run_whole
 
 CPU = torch.device("cpu")
-CLASS = CpuClass("Test CPU", "AVX2", None, ())
+CLASS = CpuClass("Test CPU", "AVX2", (), ())
+# An AVX-512 CPU computing as one with AVX2 only: torch's, oneDNN's and fbgemm's kernels capped.
+AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+AVX2_ONLY["FBGEMM_ENABLE_INSTRUCTIONS"] = "AVX2"
 # The scheme's fidelity to float32 on one random projection, per activation grid.
 COSINE = {INT8_LEVELS: 0.9995, REDUCED_LEVELS: 0.998}
 
@@ -300,9 +303,36 @@ def test_the_cpu_class_names_torchs_isa_and_the_units() -> None:
     here = cpu_class()
     assert here.isa == torch.backends.cpu.get_cpu_capability()
     assert str(here).startswith(here.isa)
-    capped = CpuClass("X", "AVX2", "AVX2", ())
-    assert str(capped) == "AVX2 (X, oneDNN capped at AVX2)"
-    assert str(CpuClass("Y", "AVX512", None, ("VNNI", "BF16"))) == "AVX512 + VNNI + BF16 (Y)"
+    capped = CpuClass("X", "AVX2", (("oneDNN", "AVX2"), ("fbgemm", "AVX2")), ())
+    assert str(capped) == "AVX2 (X, oneDNN capped at AVX2, fbgemm capped at AVX2)"
+    assert str(CpuClass("Y", "AVX512", (), ("VNNI", "BF16"))) == "AVX512 + VNNI + BF16 (Y)"
+
+
+_EXACT_UNDER_CAPS = """
+from poolserve.models.cpu_class import cpu_class
+from poolserve.models.int8_kernels import is_exact, kernels
+print(cpu_class())
+print(" ".join(k.name.replace(" ", "_") for k in kernels() if is_exact(k)))
+"""
+
+
+@pytest.mark.skipif(
+    "fbgemm" not in torch.backends.quantized.supported_engines, reason="no fbgemm (not x86)"
+)
+def test_capped_at_avx2_the_full_range_gemms_saturate_as_on_an_avx2_cpu() -> None:
+    # on a CPU with VNNI the caps bring back the int16 pairs of an AVX2-only one: fbgemm's,
+    # x86's and oneDNN's full-range GEMMs fail the check (on such a CPU itself, too)
+    env = {**os.environ, **AVX2_ONLY}
+    done = subprocess.run(
+        [sys.executable, "-c", _EXACT_UNDER_CAPS], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    named, exact = done.stdout.strip().splitlines()
+    assert named.startswith("AVX2 (") and "VNNI" not in named and "AMX" not in named
+    assert named.endswith("oneDNN capped at AVX2, fbgemm capped at AVX2)")
+    exact_names = exact.split()
+    assert not {"fbgemm", "x86", "onednn", "onednn-qlinear"} & set(exact_names), exact_names
+    assert {"fbgemm_7-bit", "x86_7-bit"} <= set(exact_names), exact_names
 
 
 def _embed(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
@@ -310,7 +340,7 @@ def _embed(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
     source = tmp_path / "in.jsonl"
     source.write_text('{"id": 1, "text": "a query"}\n')
     out = tmp_path / f"out{len(flags)}.parquet"
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    env = {**os.environ, **AVX2_ONLY}
     command = [sys.executable, "-m", "poolserve", "embed", str(source), "-o", str(out)]
     command += ["--device", "cpu", "--dtype", "bfloat16", *flags]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
@@ -331,7 +361,7 @@ def test_the_cli_refuses_emulated_bfloat16_in_one_line(tmp_path: Path) -> None:
 def test_serve_refuses_in_one_line_and_stops_its_front_end_at_once() -> None:
     # the engine core says why in one line; the supervisor stops the front end at once (it
     # served nothing) instead of draining it for --shutdown-timeout, and exits 1
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    env = {**os.environ, **AVX2_ONLY}
     command = [sys.executable, "-m", "poolserve", "serve", "--device", "cpu", "--port", "0"]
     command += ["--dtype", "bfloat16", "--shutdown-timeout", "120"]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=100)
