@@ -97,15 +97,17 @@ class EncoderLayer(torch.nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden]
         """One layer over the packed stream."""
         eps = self.geometry.eps
+        # each residual sum is written over the branch's output, the layer's own new tensor:
+        # no step-sized tensor more (x + h and h + x are the same sum bit for bit)
         if self.pre_norm:
-            x = x + self._attention(
-                layer_norm(x, self.attn_norm_weight, self.attn_norm_bias, eps), step
-            )
-            return x + self._mlp(layer_norm(x, self.mlp_norm_weight, self.mlp_norm_bias, eps), step)
+            h = layer_norm(x, self.attn_norm_weight, self.attn_norm_bias, eps)
+            x = self._attention(h, step).add_(x)
+            h = layer_norm(x, self.mlp_norm_weight, self.mlp_norm_bias, eps)
+            return self._mlp(h, step).add_(x)
         x = layer_norm(
-            x + self._attention(x, step), self.attn_norm_weight, self.attn_norm_bias, eps
+            self._attention(x, step).add_(x), self.attn_norm_weight, self.attn_norm_bias, eps
         )
-        return layer_norm(x + self._mlp(x, step), self.mlp_norm_weight, self.mlp_norm_bias, eps)
+        return layer_norm(self._mlp(x, step).add_(x), self.mlp_norm_weight, self.mlp_norm_bias, eps)
 
     def _attention(
         self,
