@@ -39,6 +39,8 @@ def test_the_start_column_and_the_table() -> None:
     )
     assert _short(said) == "onednn, 2.00x float32 at start"
     assert _short("float32 runs torch on this CPU, AVX2 (X) (ms ...: torch 1.00)") == "torch"
+    reduced = "--quantization int8 runs fbgemm 7-bit: 1.13x float32 on this CPU, AVX2 (X) (...)"
+    assert _short(reduced) == "fbgemm 7-bit, 1.13x float32 at start"
     refused = "--dtype bfloat16 would run at 0.20x float32's speed on this CPU, AVX2 (X): ..."
     assert _short(refused) == "0.20x float32's speed"
     rows = [Row("poolserve float32", "torch", 2.0, 1.0), Row("peer", "", 1.0, 0.99)]

@@ -197,7 +197,8 @@ def _short(said: str) -> str:
     """The start-up line's kernel and ratio: 'onednn, 2.00x float32 at start'."""
     if " runs " not in said:  # a refusal: its ratio alone
         return said.split(" would run at ", 1)[1].split("'", 1)[0] + "'s speed"
-    kernel = said.split(" runs ", 1)[1].split(" ", 1)[0].rstrip(":")
+    # the kernel's whole name ('fbgemm 7-bit'), up to its ratio or the CPU
+    kernel = said.split(" runs ", 1)[1].split(" on this CPU", 1)[0].split(":", 1)[0]
     if "x float32" not in said:  # float32's own line: the kernel alone
         return kernel
     ratio = said.split("x float32")[0].rsplit(" ", 1)[-1]

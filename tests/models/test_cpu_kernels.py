@@ -38,7 +38,7 @@ CPU = torch.device("cpu")
 CLASS = CpuClass("Test CPU", "AVX2", (), ())
 # An AVX-512 CPU computing as one with AVX2 only: torch's, oneDNN's and fbgemm's kernels capped.
 AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
-AVX2_ONLY["FBGEMM_ENABLE_INSTRUCTIONS"] = "AVX2"
+AVX2_ONLY.update(FBGEMM_ENABLE_INSTRUCTIONS="AVX2", MKL_ENABLE_INSTRUCTIONS="AVX2")
 # The scheme's fidelity to float32 on one random projection, per activation grid.
 COSINE = {INT8_LEVELS: 0.9995, REDUCED_LEVELS: 0.998}
 
@@ -329,7 +329,7 @@ def test_capped_at_avx2_the_full_range_gemms_saturate_as_on_an_avx2_cpu() -> Non
     assert done.returncode == 0, done.stderr
     named, exact = done.stdout.strip().splitlines()
     assert named.startswith("AVX2 (") and "VNNI" not in named and "AMX" not in named
-    assert named.endswith("oneDNN capped at AVX2, fbgemm capped at AVX2)")
+    assert named.endswith("oneDNN capped at AVX2, fbgemm capped at AVX2, MKL capped at AVX2)")
     exact_names = exact.split()
     assert not {"fbgemm", "x86", "onednn", "onednn-qlinear"} & set(exact_names), exact_names
     assert {"fbgemm_7-bit", "x86_7-bit"} <= set(exact_names), exact_names
