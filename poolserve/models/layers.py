@@ -45,9 +45,9 @@ FUSED_POST_OPS: dict[Callable[[torch.Tensor], torch.Tensor], tuple[str, str]] = 
 }
 
 
-# The same activations computed in place: an int8 GEMM's output (its own new tensor, scaled per
-# token after the GEMM, so no epilogue can take the activation) is overwritten rather than the
-# MLP's widest tensor allocated and faulted in again.
+# The same activations computed in place on a projection's output (the call's own new tensor)
+# where no GEMM epilogue takes them (an int8 GEMM's output is scaled per token after it; torch's
+# float GEMM has none): the MLP's widest tensor is not allocated and faulted in a second time.
 IN_PLACE: dict[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]] = {
     ACTIVATIONS["silu"]: functools.partial(F.silu, inplace=True),
     ACTIVATIONS["gelu"]: torch.ops.aten.gelu_,
@@ -63,15 +63,12 @@ def linear_act(
     bias: torch.Tensor | None,
     act: Callable[[torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
-    """act(x @ weight.T + bias), fused where the weight is oneDNN-packed and oneDNN has it, in
-    place on an int8 projection's output."""
+    """act(x @ weight.T + bias), fused where the weight is oneDNN-packed and oneDNN has it, else
+    in place on the projection's output where the activation has an in-place form."""
     post_op = FUSED_POST_OPS.get(act)
     if post_op is not None and isinstance(weight, PackedLinear):
         return weight(x, bias, post_op)
-    in_place = IN_PLACE.get(act)
-    if in_place is not None and isinstance(weight, Int8Linear):
-        return in_place(weight(x, bias))
-    return act(linear(x, weight, bias))
+    return IN_PLACE.get(act, act)(linear(x, weight, bias))
 
 
 def gated(

@@ -29,7 +29,7 @@ from poolserve.models.float_kernels import (
     is_close,
 )
 from poolserve.models.int8_kernels import INT8_LEVELS, REDUCED_LEVELS, Int8Kernel, is_exact, kernels
-from poolserve.models.layers import ACTIVATIONS, linear_act
+from poolserve.models.layers import ACTIVATIONS, linear, linear_act
 from poolserve.models.quantization import INT_MM, Int8Linear
 from poolserve.types.errors import SlowerPrecisionError
 from tests.models.driver import make_prompts, run_whole
@@ -119,15 +119,18 @@ def test_full_range_kernels_agree_with_each_other() -> None:
 
 
 @pytest.mark.parametrize("name", sorted(ACTIVATIONS))
-def test_an_int8_projections_activation_is_the_same_function_in_place(name: str) -> None:
-    # linear_act overwrites an Int8Linear's output (IN_PLACE); the caller's input is untouched
+def test_a_projections_activation_is_the_same_function_in_place(name: str) -> None:
+    # linear_act overwrites an Int8Linear's or torch's GEMM output (IN_PLACE); the caller's
+    # input and weight are untouched
     generator = torch.Generator().manual_seed(5)
     weight, bias = torch.randn(96, 64, generator=generator), torch.randn(96, generator=generator)
     x = torch.randn(21, 64, generator=generator)
-    projection, act = Int8Linear(weight), ACTIVATIONS[name]
-    before = x.clone()
-    got = linear_act(x, projection, bias, act)
-    assert torch.equal(got, act(projection(x, bias))) and torch.equal(x, before)
+    act = ACTIVATIONS[name]
+    for projection in (Int8Linear(weight), weight):
+        before, weight_before = x.clone(), weight.clone()
+        got = linear_act(x, projection, bias, act)
+        assert torch.equal(got, act(linear(x, projection, bias)))
+        assert torch.equal(x, before) and torch.equal(weight, weight_before)
 
 
 def test_a_saturating_gemm_fails_the_check_and_is_never_chosen(
