@@ -36,11 +36,11 @@ HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
 
 # --core-malloc tcmalloc: gperftools' tcmalloc hands the pages a step frees to the next step's
 # buffers, where glibc under the fixed threshold maps and faults each one in again: a MiniLM step
-# of 4,096 tokens 325 ms against 399 ms with huge pages, int8 on a Qwen3-0.6B geometry 2.3 s
-# against 3.5 s, the soak's tokens/s 1.26x to 1.45x. But the core's resident memory then settles
-# anywhere from 530 MiB to 1 GiB and grew by 20% after warm-up in 5 of 8 soak runs, so it is
-# not the default (docs/benchmarks.md, "The engine core's allocator"). find_library's names, the
-# build without the heap profiler first.
+# of 4,096 tokens 270-281 ms against 327-364 ms with huge pages (int8: 138-143 against 217-219),
+# int8 on a Qwen3-0.6B geometry 1.9 s against 2.4-3.0 s, the soak's tokens/s 1.26x to 1.45x.
+# But the core's resident memory then settles anywhere from 530 MiB to 1 GiB and grew by 20%
+# after warm-up in 5 of 8 soak runs, so it is not the default (docs/benchmarks.md, "The engine
+# core's allocator"). find_library's names, the build without the heap profiler first.
 TCMALLOC_NAMES = ("tcmalloc_minimal", "tcmalloc")
 TCMALLOC_PACKAGE = "libtcmalloc-minimal4"  # Debian/Ubuntu's, which the image installs
 # gperftools' full build (libtcmalloc.so.4) writes a line with a stack trace to stderr for every
