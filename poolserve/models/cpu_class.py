@@ -85,7 +85,7 @@ def cpu_class() -> CpuClass:
     units = tuple(
         unit
         for unit, wanted in UNITS.items()
-        if any(f in flags and not (unusable and f.startswith(unusable)) for f in wanted)
+        if any(f in flags and not f.startswith(unusable) for f in wanted)
     )
     return CpuClass(_model_name(), isa, caps, units)
 

@@ -38,8 +38,12 @@ CPU = torch.device("cpu")
 CLASS = CpuClass("Test CPU", "AVX2", (), ())
 # An AVX-512 CPU computing as one with AVX2 only: torch's, oneDNN's, fbgemm's and MKL's kernels
 # capped (docs/models.md, Precision).
-AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
-AVX2_ONLY.update(FBGEMM_ENABLE_INSTRUCTIONS="AVX2", MKL_ENABLE_INSTRUCTIONS="AVX2")
+AVX2_ONLY = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+}
 # The scheme's fidelity to float32 on one random projection, per activation grid.
 COSINE = {INT8_LEVELS: 0.9995, REDUCED_LEVELS: 0.998}
 
