@@ -176,8 +176,9 @@ class ServerSettings(BaseSettings):
     allow_slower_precision: bool = Field(
         False,
         description="Run a --dtype or --quantization that the start-up measurement on the CPU "
-        "found slower than float32 (a warning names the ratio); without it such a precision is "
-        "refused at startup. docs/models.md, Precision.",
+        "found below its floor (a half dtype slower than float32; int8 under 1.5x float32's "
+        "speed); a warning names the ratio. Without it such a precision is refused at startup. "
+        "docs/models.md, Precision.",
         json_schema_extra=MODEL,
     )
     max_model_len: int | None = Field(

@@ -1,15 +1,15 @@
-"""CPU kernels measured at load: the fastest faithful one runs, a slower precision is refused.
+"""CPU kernels measured at load: the fastest faithful one runs, a precision not worth it is refused.
 
 What a precision is worth depends on the CPU class (cpu_class.py): bfloat16 is 1.5-2x float32
 with native units and 0.2x without; int8 through `torch._int_mm` is 2x float32 with VNNI and
-0.04x on CPUs with AVX2 only, where a quantized engine's GEMM is 2.2x. So at load, on the model's
-projection shapes and this CPU, the float GEMMs (float_kernels.py) and, for int8, the exact int8
-GEMMs (int8_kernels.py) are timed against float32 (0.1 to 0.3 s for MiniLM-to-Qwen3-0.6B
+0.04x on CPUs with AVX2 only, where a quantized engine's 7-bit GEMM is 1.1-1.2x. So at load, on
+the model's projection shapes and this CPU, the float GEMMs (float_kernels.py) and, for int8, the
+exact int8 GEMMs (int8_kernels.py) are timed against float32 (0.1 to 0.3 s for MiniLM-to-Qwen3-0.6B
 shapes, up to 1.5 s with int8), and the fastest faithful one runs. A precision whose fastest
-kernel is still slower than float32 is refused in one line, unless the operator passed
-`allow_slower` (then it runs, and a warning says by how much). `--dtype auto` is float32 on the
-CPU, the only precision within the float32 tolerance of the equivalence tests: only its kernel
-is chosen.
+kernel does not reach its floor (MIN_SPEEDUP: a half dtype must not be slower than float32, int8
+must be 1.5x) is refused in one line, unless the operator passed `allow_slower` (then it runs,
+and a warning says by how much). `--dtype auto` is float32 on the CPU, the only precision within
+the float32 tolerance of the equivalence tests: only its kernel is chosen.
 """
 
 from __future__ import annotations
@@ -50,6 +50,13 @@ FLOAT_MARGIN = 0.05  # another float GEMM replaces torch's only when this much f
 # A layer's projections below this many FLOPs a token (the tests' tiny models) keep torch's
 # float GEMM untimed; MiniLM's take 3.5 M.
 MIN_KERNEL_FLOPS = 1e6
+INT8 = "--quantization int8"
+# The speed against float32 a precision must reach at start to run, by what it costs in
+# fidelity. A half dtype's outputs stay within about 1e-4 cosine of float32's: it need only not
+# be slower. int8's worst text falls to a cosine of about 0.99 (docs/models.md, Precision), a
+# price for a clear gain only: its projections at 1.5x float32's (the rest of a layer runs in the
+# compute dtype either way, so a whole forward gains less). AVX2's 7-bit GEMMs reach 1.1-1.2x.
+MIN_SPEEDUP = {INT8: 1.5}  # any other flag: 1.0
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,11 @@ class PrecisionChoice:
     float32_seconds: float  # the same projections in float32
     num_tokens: int
     cpu: CpuClass
+
+    @property
+    def floor(self) -> float:
+        """The speedup this precision must reach to run (MIN_SPEEDUP)."""
+        return MIN_SPEEDUP.get(self.flag, 1.0)
 
     @property
     def seconds(self) -> float:
@@ -92,8 +104,9 @@ def choose(
     num_tokens: int,
     cpu: CpuClass,
 ) -> PrecisionChoice:
-    """The fastest candidate of the first tier with one faster than float32, else the fastest
-    of the most faithful tier (a precision slower than float32 anyway keeps its best fidelity).
+    """The fastest candidate of the first tier with one reaching the flag's floor (MIN_SPEEDUP);
+    where none does (refused, unless the operator allows it), of the first tier with one faster
+    than float32, else of the most faithful tier.
 
     Tiers rank fidelity (int8: full range before 7-bit), so a precision's outputs stay the same
     from start to start on one CPU whatever the timings' noise; SlowerPrecisionError when no
@@ -104,7 +117,8 @@ def choose(
         raise SlowerPrecisionError(
             f"{flag} cannot run on this CPU, {cpu}: none of its kernels is exact here"
         )
-    fast = [tier for tier in tiers if any(s < float32_seconds for s in tier.values())]
+    bars = (MIN_SPEEDUP.get(flag, 1.0), 1.0)
+    fast = [t for bar in bars for t in tiers if any(float32_seconds / s >= bar for s in t.values())]
     pool = fast[0] if fast else next(tier for tier in tiers if tier)
     kernel = min(pool, key=pool.__getitem__)
     return PrecisionChoice(flag, kernel, _ranked(kernel, every), float32_seconds, num_tokens, cpu)
@@ -117,14 +131,15 @@ def _ranked(kernel: str, timings: Mapping[str, float]) -> tuple[tuple[str, float
 
 
 def check_speed(choice: PrecisionChoice, allow_slower: bool, advice: str, reason: str = "") -> None:
-    """Refuse a choice slower than float32 (one line, with the ratio and `reason` when known);
-    warn when allowed."""
-    if choice.speedup >= 1.0:
+    """Refuse a choice below its floor (one line, with the ratio and `reason` when known); warn
+    when allowed."""
+    if choice.speedup >= choice.floor:
         logger.info("%s", choice.describe())
         return
+    floor = "" if choice.floor == 1.0 else f", below the {choice.floor:.2f}x it must reach"
     why = (
         f"{choice.flag} would run at {choice.speedup:.2f}x float32's speed on this CPU, "
-        f"{choice.cpu}: its fastest kernel ({choice.kernel}) takes "
+        f"{choice.cpu}{floor}: its fastest kernel ({choice.kernel}) takes "
         f"{choice.seconds * 1e3:.2f} ms against float32's {choice.float32_seconds * 1e3:.2f} ms "
         f"for one layer's projections on {choice.num_tokens} tokens"
         + (f" ({reason})" if reason else "")
@@ -148,7 +163,7 @@ def choose_kernels(
     quantization: str | None,
     allow_slower: bool,
 ) -> CpuKernels:
-    """The kernels for `model`'s projections; refuses a precision slower than float32.
+    """The kernels for `model`'s projections; refuses a precision below its floor.
 
     Call on a CPU model before quantize_linears and pack_linears: it reads the plain weights.
     """
@@ -162,7 +177,8 @@ def choose_kernels(
     else:
         logger.info("%s", measured.float32.describe())
     if measured.int8 is not None:
-        check_speed(measured.int8, allow_slower, "run without --quantization")
+        reason = "int8 moves embeddings to a worst cosine of about 0.99 to float32's"
+        check_speed(measured.int8, allow_slower, "run without --quantization", reason)
     float_kernel = FloatKernel((measured.half or measured.float32).kernel)
     return CpuKernels(float_kernel, measured.int8_kernel)
 
@@ -207,7 +223,7 @@ def _measure(shapes: tuple[tuple[str, int, int], ...], dtype: torch.dtype, int8:
         for n in sorted({k.levels for k in exact.values()}, reverse=True)
     ]
     baseline = _time_linears(slots, inputs, torch.float32, FloatKernel(float32.kernel))
-    choice = choose("--quantization int8", tiers, baseline, num_tokens, cpu)
+    choice = choose(INT8, tiers, baseline, num_tokens, cpu)
     return Measured(float32, half, choice, exact[choice.kernel])
 
 
