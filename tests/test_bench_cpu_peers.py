@@ -43,6 +43,11 @@ def test_the_start_column_and_the_table() -> None:
     assert _short(reduced) == "fbgemm 7-bit, 1.13x float32 at start"
     refused = "--dtype bfloat16 would run at 0.20x float32's speed on this CPU, AVX2 (X): ..."
     assert _short(refused) == "0.20x float32's speed"
+    below = (
+        "--quantization int8 would run at 1.11x float32's speed on this CPU, AVX2 (X), below the "
+        "1.50x it must reach: its fastest kernel (fbgemm 7-bit) takes ..."
+    )
+    assert _short(below) == "1.11x float32's speed, under 1.50x"
     rows = [Row("poolserve float32", "torch", 2.0, 1.0), Row("peer", "", 1.0, 0.99)]
     lines = table(rows, 1000).splitlines()
     assert lines[2] == "| poolserve float32 | 500 | 1.00x | 1.00000 | torch |"

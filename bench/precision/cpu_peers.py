@@ -195,8 +195,11 @@ def poolserve_runtimes(
 
 def _short(said: str) -> str:
     """The start-up line's kernel and ratio: 'onednn, 2.00x float32 at start'."""
-    if " runs " not in said:  # a refusal: its ratio alone
-        return said.split(" would run at ", 1)[1].split("'", 1)[0] + "'s speed"
+    if " runs " not in said:  # a refusal: its ratio, and its floor where it is not 1x
+        ratio = said.split(" would run at ", 1)[1].split("'", 1)[0] + "'s speed"
+        if ", below the " not in said:
+            return ratio
+        return f"{ratio}, under {said.split(', below the ', 1)[1].split(' it', 1)[0]}"
     # the kernel's whole name ('fbgemm 7-bit'), up to its ratio or the CPU
     kernel = said.split(" runs ", 1)[1].split(" on this CPU", 1)[0].split(":", 1)[0]
     if "x float32" not in said:  # float32's own line: the kernel alone
