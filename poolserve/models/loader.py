@@ -111,7 +111,8 @@ def load_model(
     `revision` picks the Hub commit, branch or tag of a Hub id; `quantization` (int8, fp8)
     replaces the layers' projection weights (poolserve/models/quantization.py). On the CPU a
     dtype other than float32 and int8 are timed on the model's projections first
-    (cpu_kernels.py): slower than float32 is refused unless `allow_slower_precision`.
+    (cpu_kernels.py): one below its floor (slower than float32; int8 under 1.5x) is refused
+    unless `allow_slower_precision`.
     """
     # first: a refused dtype or quantization should not wait for a download
     dtype = resolve_dtype(dtype, device)

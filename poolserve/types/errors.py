@@ -117,7 +117,8 @@ class UnsupportedQuantizationError(ModelError):
 
 
 class SlowerPrecisionError(ModelError):
-    """A precision that would run slower than float32 on this CPU, or not at all (one line)."""
+    """A precision below its floor on this CPU (a half dtype slower than float32, int8 under
+    1.5x float32), or one that cannot run at all (one line)."""
 
 
 # --- pooling: a request's parameters against its model ---
