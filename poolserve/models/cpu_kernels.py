@@ -177,7 +177,7 @@ def choose_kernels(
     else:
         logger.info("%s", measured.float32.describe())
     if measured.int8 is not None:
-        reason = "int8 moves embeddings to a worst cosine of about 0.99 to float32's"
+        reason = "int8's outputs fall to a worst cosine of about 0.99 against float32's"
         check_speed(measured.int8, allow_slower, "run without --quantization", reason)
     float_kernel = FloatKernel((measured.half or measured.float32).kernel)
     return CpuKernels(float_kernel, measured.int8_kernel)
