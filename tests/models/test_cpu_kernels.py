@@ -408,7 +408,7 @@ def test_the_cli_never_runs_int8_below_its_floor(tmp_path: Path) -> None:
     if done.returncode != 0:
         assert len(said) == 1 and "Traceback" not in done.stderr, done.stderr
         assert "--quantization int8 would run at" in said[0] and "AVX2" in said[0]
-        assert "below the 1.50x it must reach" in said[0] and "7-bit" in said[0]
+        assert "below the 1.50x it must reach" in said[0]
         return
     ran = next(line for line in done.stderr.splitlines() if "--quantization int8 runs" in line)
     assert float(ran.split("x float32", 1)[0].rsplit(" ", 1)[-1]) >= 1.5, ran
